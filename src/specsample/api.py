@@ -1,0 +1,150 @@
+"""The Python API: load a target and a drafter once, then generate or stream.
+
+    from specsample import SpecSampler
+    sampler = SpecSampler.load()                      # the bundled SmolLM2-135M-Instruct
+    out = sampler.generate("Name three rivers.", max_new_tokens=64, temperature=0)
+    print(out.text, out.stats.mean_accepted_length)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specsample.drafters import Drafter, make_drafter
+from specsample.engine import decode
+from specsample.models import LoadedModel, Target, load_model, make_target
+from specsample.policy import FixedK, KPolicy
+from specsample.sampling import SamplingParams, make_generator
+from specsample.stats import Stats
+from specsample.text import IncrementalDecoder, Message, StopMatcher, encode_prompt
+
+Prompt = str | Sequence[Message]
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]  # generated ids only
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    stats: Stats
+
+
+@dataclass
+class Chunk:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Generation:
+    """A running generation: iterate for text chunks; `completion` is set when it ends."""
+
+    chunks: Iterator[Chunk]
+    completion: Completion | None = field(default=None)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self.chunks
+
+    def result(self) -> Completion:
+        for _ in self.chunks:
+            pass
+        assert self.completion is not None
+        return self.completion
+
+
+class SpecSampler:
+    """A target model with its tokenizer and a drafter, ready to generate."""
+
+    def __init__(self, model: LoadedModel, target: Target, drafter: Drafter) -> None:
+        self.model = model
+        self.target = target
+        self.drafter = drafter
+
+    @classmethod
+    def load(
+        cls,
+        model: str | None = None,
+        drafter: str = "none",
+        *,
+        backend: str = "auto",
+        trust_remote_code: bool = False,
+    ) -> "SpecSampler":
+        """Load a target (None: the bundled model) and a drafter (a name or a draft model path)."""
+        loaded = load_model(model, trust_remote_code=trust_remote_code)
+        target = make_target(loaded, backend)
+        return cls(loaded, target, make_drafter(drafter, loaded, target, trust_remote_code=trust_remote_code))
+
+    def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
+        return encode_prompt(self.model.tokenizer, prompt, chat)
+
+    def generate(self, prompt: Prompt, **options) -> Completion:
+        """Generate a whole completion; options as for `stream`."""
+        return self.stream(prompt, **options).result()
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        k: int | KPolicy = 4,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        chat: bool = True,
+    ) -> Generation:
+        """Start a generation; its chunks carry text that never splits a character or a stop string."""
+        params = SamplingParams(temperature, top_k, top_p, min_p)
+        policy = FixedK(k) if isinstance(k, int) else k
+        prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)
+        generation = Generation(iter(()))
+        generation.chunks = self._chunks(generation, prompt_ids, params, policy, max_new_tokens, seed, stop)
+        return generation
+
+    def _chunks(
+        self,
+        generation: Generation,
+        prompt_ids: torch.Tensor,
+        params: SamplingParams,
+        policy: KPolicy,
+        max_new_tokens: int,
+        seed: int | None,
+        stop: Sequence[str],
+    ) -> Iterator[Chunk]:
+        stats = Stats(load_seconds=self.model.load_seconds)
+        steps = decode(
+            self.target, self.drafter, policy, prompt_ids, params,
+            max_new_tokens=max_new_tokens, eos_token_ids=self.model.eos_token_ids,
+            generator=make_generator(seed), stats=stats,
+        )
+        decoder, matcher = IncrementalDecoder(self.model.tokenizer), StopMatcher(stop)
+        token_ids: list[int] = []
+        stopped = False  # by a stop string
+        try:
+            for new in steps:
+                chunk = Chunk("", [])
+                for token in new:
+                    chunk.token_ids.append(token)
+                    delta, stopped = matcher.feed(decoder.push(token))
+                    chunk.text += delta
+                    if stopped:
+                        break
+                token_ids += chunk.token_ids
+                yield chunk
+                if stopped:
+                    break
+            if not stopped:
+                delta, stopped = matcher.feed(decoder.flush())
+                tail = delta if stopped else delta + matcher.finish()
+                if tail:
+                    yield Chunk(tail, [])
+        finally:
+            steps.close()
+        ended = stopped or (token_ids and token_ids[-1] in self.model.eos_token_ids)
+        text = matcher.text[: matcher.emitted]
+        generation.completion = Completion(text, token_ids, "stop" if ended else "length", stats)

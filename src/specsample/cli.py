@@ -1,0 +1,114 @@
+"""The `specsample` command line: generate, and the subcommands of later issues.
+
+Every error a user can cause ends in one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+from typer.exceptions import Abort, Exit, TyperException
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None)
+
+
+def quiet_transformers() -> None:
+    """No progress bars or advisory warnings from transformers on our output."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+@app.command()
+def generate(
+    prompt: Annotated[Optional[str], typer.Argument(help="The prompt; read from stdin when absent.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2-135M-Instruct).")] = None,
+    drafter: Annotated[str, typer.Option(help="'none' or the path of a draft model.")] = "none",
+    k: Annotated[str, typer.Option("--k", help="Speculation length K.")] = "4",
+    max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")] = 0,
+    min_p: Annotated[float, typer.Option(help="Drop tokens below min_p times the top probability.")] = 0.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for a reproducible sample.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the model's chat template.")] = True,
+    stream: Annotated[bool, typer.Option(help="Print text as it is generated.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text, token_ids and stats.")] = False,
+    backend: Annotated[str, typer.Option(help="auto, fast or transformers.")] = "auto",
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow a model's own Python code.")] = False,
+) -> None:
+    """Generate a completion with speculative sampling."""
+    from specsample.api import SpecSampler
+    from specsample.engine import check_max_new_tokens
+    from specsample.policy import parse_k
+    from specsample.sampling import SamplingParams
+
+    SamplingParams(temperature, top_k, top_p, min_p)  # validate before the slow load
+    policy = parse_k(k)
+    check_max_new_tokens(max_new_tokens)
+    text = prompt if prompt is not None else read_stdin()
+    if not text.strip():
+        raise ValueError("the prompt is empty")
+    quiet_transformers()
+    sampler = SpecSampler.load(model, drafter, backend=backend, trust_remote_code=trust_remote_code)
+    generation = sampler.stream(
+        text, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        min_p=min_p, k=policy, seed=seed, stop=stop or (), chat=chat,
+    )
+    for chunk in generation:
+        if stream and as_json:
+            print(json.dumps({"text": chunk.text, "token_ids": chunk.token_ids}), flush=True)
+        elif stream:
+            print(chunk.text, end="", flush=True)
+    out = generation.result()
+    if as_json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "model": sampler.model.name, "drafter": drafter, "stats": out.stats.to_dict()}))
+        return
+    print("" if stream else out.text)
+    s = out.stats
+    print(f"[{s.generated_tokens} tokens, {s.tokens_per_second:.1f} tokens/s, acceptance rate {s.acceptance_rate:.2f}, "
+          f"mean accepted length {s.mean_accepted_length:.2f}, prefill {s.prefill_seconds:.2f} s, "
+          f"load {s.load_seconds:.2f} s]", file=sys.stderr)
+
+
+def read_stdin() -> str:
+    if sys.stdin is None or sys.stdin.isatty():
+        raise ValueError("no prompt: pass it as an argument or on stdin")
+    return sys.stdin.read()
+
+
+def mount_subcommands() -> None:
+    from specsample.bench.cli import app as bench_app
+
+    app.add_typer(bench_app, name="bench", help="Benchmarks: cost curve, decoding speed, Spec-Bench runs.")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: runs the app and turns every user error into one line and exit code 2."""
+    mount_subcommands()
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        app(args=args or ["--help"], standalone_mode=False)
+    except Exit as done:
+        sys.exit(done.exit_code)
+    except Abort:
+        sys.exit(130)
+    except TyperException as e:  # usage errors: unknown option, a value of the wrong type
+        fail(e.format_message() if hasattr(e, "format_message") else str(e))
+    except (ValueError, OSError) as e:
+        fail(str(e))
+
+
+def fail(message: str) -> None:
+    print(f"specsample: error: {' '.join(message.split())}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

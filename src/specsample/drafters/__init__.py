@@ -1,0 +1,49 @@
+"""Drafters: one Protocol, many implementations, chosen by name on the command line.
+
+`make_drafter` turns the user's `--drafter` value into a Drafter: a registered
+name, or the path of a draft model. The engine itself never asks which drafter
+it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from specsample.drafters.base import Draft, Drafter
+from specsample.drafters.draft_model import DraftModelDrafter
+from specsample.drafters.none import NoDrafter
+from specsample.models import LoadedModel, Target, load_model, make_target
+
+# A factory builds a drafter for a loaded target model and its Target backend.
+DrafterFactory = Callable[[LoadedModel, Target], Drafter]
+
+REGISTRY: dict[str, DrafterFactory] = {
+    "none": lambda model, target: NoDrafter(),
+}
+
+
+def make_drafter(spec: str, model: LoadedModel, target: Target, *, trust_remote_code: bool = False) -> Drafter:
+    """A drafter from a registered name or the path of a draft model directory or GGUF file."""
+    if spec in REGISTRY:
+        return REGISTRY[spec](model, target)
+    if not Path(spec).expanduser().exists():
+        names = ", ".join(sorted(REGISTRY))
+        raise ValueError(f"unknown drafter {spec!r}: expected one of {names}, or the path of a draft model")
+    draft = load_model(spec, trust_remote_code=trust_remote_code)
+    check_same_vocabulary(model, draft)
+    return DraftModelDrafter(make_target(draft))
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft model must share the target's tokenizer vocabulary and logits width."""
+    target_width = target.model.get_output_embeddings().weight.shape[0]
+    draft_width = draft.model.get_output_embeddings().weight.shape[0]
+    if target_width != draft_width or target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise ValueError(
+            f"the draft model's vocabulary ({len(draft.tokenizer)} tokens, {draft_width} logits) "
+            f"differs from the target's ({len(target.tokenizer)} tokens, {target_width} logits)"
+        )
+
+
+__all__ = ["Draft", "Drafter", "DraftModelDrafter", "NoDrafter", "REGISTRY", "make_drafter"]

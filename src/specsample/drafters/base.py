@@ -1,0 +1,45 @@
+"""The Drafter protocol: anything that proposes draft tokens for the target to verify.
+
+The engine never asks which drafter it holds. A drafter is told the prompt
+(`begin`), asked for up to k tokens (`propose`), then told how many of them the
+target accepted and which token came next (`observe`), so that it keeps its own
+state (a KV cache, an index) in step with the text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from specsample.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: Tensor  # [k] int64, k may be 0
+    probs: Tensor | None  # [k, vocab] draft_probs, or None for a point mass on each token
+
+    @staticmethod
+    def empty() -> "Draft":
+        return Draft(torch.empty(0, dtype=torch.long), None)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
+        """Start a request: the context is `prompt_ids` [n]; sample with `params`."""
+        ...
+
+    def propose(self, k: int, generator: torch.Generator) -> Draft:
+        """Propose up to k tokens continuing the context."""
+        ...
+
+    def observe(self, accepted: int, next_token: int) -> None:
+        """The first `accepted` draft tokens were kept, followed by `next_token`."""
+        ...

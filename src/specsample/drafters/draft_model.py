@@ -1,0 +1,45 @@
+"""A separate small draft model with its own KV cache.
+
+Any causal LM with the target's vocabulary. It samples k tokens one at a time
+under the same sampling transform as the target and returns the distributions
+it sampled from, so verification stays exact at any temperature.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specsample.drafters.base import Draft
+from specsample.models.target import Target
+from specsample.sampling import SamplingParams, probs_from_logits, sample
+
+
+class DraftModelDrafter:
+    def __init__(self, model: Target) -> None:
+        self.model = model
+        self.context: list[int] = []
+        self.draft: list[int] = []
+        self.params = SamplingParams()
+
+    def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
+        self.context = prompt_ids.tolist()
+        self.params = params
+        self.model.prefill(prompt_ids[:-1])
+
+    def propose(self, k: int, generator: torch.Generator) -> Draft:
+        feed = self.context[self.model.length :]  # uncached tail, at least the last token
+        tokens, probs = [], []
+        for _ in range(k):
+            logits = self.model.score(torch.tensor(feed))[-1]  # [vocab]
+            step_probs = probs_from_logits(logits, self.params)
+            feed = [sample(step_probs, generator)]
+            tokens.append(feed[0])
+            probs.append(step_probs)
+        self.draft = tokens
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs))
+
+    def observe(self, accepted: int, next_token: int) -> None:
+        valid = len(self.context) + accepted  # cached context plus accepted draft tokens
+        self.context += self.draft[:accepted] + [next_token]
+        self.model.rollback(min(self.model.length, valid))

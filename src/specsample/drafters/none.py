@@ -1,0 +1,24 @@
+"""The `none` drafter: proposes nothing, so the engine decodes one token per target pass.
+
+This is plain autoregressive decoding through the same engine: the baseline
+every speedup is measured against.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specsample.drafters.base import Draft
+from specsample.sampling import SamplingParams
+
+
+class NoDrafter:
+    def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
+        pass
+
+    def propose(self, k: int, generator: torch.Generator) -> Draft:
+        return Draft.empty()
+
+    def observe(self, accepted: int, next_token: int) -> None:
+        pass

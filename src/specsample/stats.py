@@ -1,0 +1,91 @@
+"""Per-request statistics of speculative decoding.
+
+- acceptance rate: accepted draft tokens / drafted tokens.
+- mean accepted length: tokens emitted per verification step, the recovered or
+  bonus token included (plain decoding scores 1.0).
+- acceptance by draft position: of the drafts that reached position i, the
+  fraction whose token i was accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Step:
+    drafted: int  # draft tokens proposed this step
+    accepted: int  # of them accepted
+    emitted: int  # tokens emitted (accepted + 1, less any cut at EOS or a limit)
+    draft_seconds: float
+    verify_seconds: float
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    load_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0  # wall time of the decode loop, drafting and verifying included
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    generated_tokens: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # drafts reaching position i
+    accepted_at: list[int] = field(default_factory=list)  # of them, accepted at position i
+
+    def record(self, step: Step) -> None:
+        self.steps += 1
+        self.drafted_tokens += step.drafted
+        self.accepted_tokens += step.accepted
+        self.generated_tokens += step.emitted
+        self.draft_seconds += step.draft_seconds
+        self.verify_seconds += step.verify_seconds
+        grow = step.drafted - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at.extend([0] * grow)
+            self.accepted_at.extend([0] * grow)
+        for i in range(step.drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < step.accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.generated_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def other_seconds(self) -> float:
+        return max(0.0, self.decode_seconds - self.draft_seconds - self.verify_seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "steps": self.steps,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_by_position": self.acceptance_by_position,
+            "tokens_per_second": self.tokens_per_second,
+            "load_seconds": self.load_seconds,
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "other_seconds": self.other_seconds,
+        }

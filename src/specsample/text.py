@@ -1,0 +1,90 @@
+"""Text in and out: chat templates, incremental decoding, stop strings.
+
+Streaming decodes a growing window of tokens and emits only text that is
+final: a chunk never ends inside a UTF-8 character (the tokenizer would show
+U+FFFD there) and never shows text that may turn out to be part of a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+Message = dict[str, str]
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[Message], chat: bool = True) -> list[int]:
+    """Token ids of a prompt; chat prompts go through the model's chat template when it has one."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if chat and tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
+    text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
+    return tokenizer.encode(text, add_special_tokens=True)
+
+
+class IncrementalDecoder:
+    """Turns tokens, pushed one at a time, into text deltas that never split a character."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # start of the window decoded for context
+        self.read_offset = 0  # tokens before this have been emitted
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        prefix = self._decode(self.prefix_offset, self.read_offset)
+        text = self._decode(self.prefix_offset, len(self.ids))
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(prefix) :]
+
+    def flush(self) -> str:
+        """Whatever is left undecoded, even an incomplete character, at the end of a stream."""
+        prefix = self._decode(self.prefix_offset, self.read_offset)
+        text = self._decode(self.prefix_offset, len(self.ids))
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix) :]
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(
+            self.ids[start:end], skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text and holds back text that could start one."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self.text = ""  # all text seen
+        self.emitted = 0  # characters of `text` already released
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit, whether a stop string was found)."""
+        self.text += delta
+        hits = [(i + len(s), i) for s in self.stop if (i := self.text.find(s, max(0, self.emitted - len(s)))) >= 0]
+        if hits:  # cut at the stop string that completes first, as a stream would meet it
+            return self._release(min(hits)[1]), True
+        return self._release(len(self.text) - self._held_back()), False
+
+    def finish(self) -> str:
+        return self._release(len(self.text))
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def _release(self, end: int) -> str:
+        end = max(end, self.emitted)
+        out, self.emitted = self.text[self.emitted : end], end
+        return out

@@ -1,0 +1,74 @@
+"""Verification of a chain of draft tokens against the target (pure functions).
+
+Terms (Chen et al. 2023; Leviathan et al. 2023):
+- `draft_tokens` [k]: the tokens the drafter proposed, in order.
+- `draft_probs` [k, vocab]: the distribution each draft token was sampled from,
+  after the same sampling transform as the target; None means a point mass on
+  each draft token (drafters without probabilities, such as n-gram lookup).
+- `target_probs` [k + 1, vocab]: the target's distribution at each draft
+  position, plus one after the last draft token.
+- A draft token x at position i is *accepted* with probability
+  min(1, target_probs[i, x] / draft_probs[i, x]). At the first rejection a
+  *recovered* token is drawn from norm(max(0, target_probs[i] - draft_probs[i]));
+  when all k are accepted a *bonus* token is drawn from target_probs[k].
+The emitted tokens then follow the target distribution exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specsample.sampling import sample
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: int  # number of leading draft tokens accepted
+    next_token: int  # the recovered token (on a rejection) or the bonus token
+
+
+def rejection_sample(
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    target_probs: Tensor,
+    generator: torch.Generator,
+) -> Verdict:
+    """Modified rejection sampling over one chain of draft tokens."""
+    k = draft_tokens.shape[0]
+    positions = torch.arange(k)
+    target_p = target_probs[positions, draft_tokens]  # [k]
+    draft_p = torch.ones(k) if draft_probs is None else draft_probs[positions, draft_tokens]  # [k]
+    uniform = torch.rand(k, generator=generator)  # [k]
+    accepted = int(leading_true(uniform * draft_p < target_p))
+    if accepted == k:
+        return Verdict(k, sample(target_probs[k], generator))
+    return Verdict(accepted, sample(residual(draft_tokens, draft_probs, target_probs, accepted), generator))
+
+
+def residual(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor, i: int) -> Tensor:
+    """norm(max(0, target_probs[i] - draft_probs[i])) [vocab], the recovery distribution."""
+    if draft_probs is None:
+        diff = target_probs[i].clone()
+        diff[draft_tokens[i]] = 0.0
+    else:
+        diff = (target_probs[i] - draft_probs[i]).clamp_(min=0.0)
+    total = diff.sum()
+    # Zero only through rounding when the two distributions are equal, where the
+    # rejection itself had probability zero; fall back to the target's own row.
+    return diff / total if total > 0 else target_probs[i]
+
+
+def greedy_verify(draft_tokens: Tensor, target_logits: Tensor) -> Verdict:
+    """Temperature 0: accept the longest prefix equal to the target's argmax tokens."""
+    target_tokens = target_logits.argmax(-1)  # [k + 1]
+    k = draft_tokens.shape[0]
+    accepted = int(leading_true(draft_tokens == target_tokens[:k]))
+    return Verdict(accepted, int(target_tokens[accepted]))
+
+
+def leading_true(mask: Tensor) -> Tensor:
+    """Number of leading True values of a 1-D bool tensor."""
+    return mask.int().cumprod(0).sum()

@@ -1,0 +1,67 @@
+"""Tiny random models built from a config: fast enough for statistics, real enough to load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+
+def tiny_llama(vocab_size: int = 16, seed: int = 0, init_scale: float = 0.5, layers: int = 2) -> LlamaForCausalLM:
+    """A 2-layer Llama with weights large enough that its next-token distributions are peaked."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        initializer_range=init_scale, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the words w0 .. w{n-1}, w1 as end of sequence."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1")
+
+
+def save_tiny(directory: Path, vocab_size: int, seed: int) -> Path:
+    model = tiny_llama(vocab_size, seed)
+    model.config.eos_token_id = 1
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(directory, safe_serialization=True)
+    tiny_tokenizer(vocab_size).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny-target"), 64, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny-draft"), 64, seed=1)
+
+
+@pytest.fixture(scope="session")
+def other_vocab_dir(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny-other"), 48, seed=2)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def isolated_cache(tmp_path_factory):
+    """GGUF conversions go to a test-local cache, except the bundled model's, which is kept."""
+    yield
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj))

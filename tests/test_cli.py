@@ -1,0 +1,105 @@
+"""The command line: end to end on a tiny model directory, and every bad argument."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specsample.cli import main
+
+
+def cli(capsys, *args) -> tuple[int, str, str]:
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as done:
+        code = done.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json_greedy_matches_transformers(capsys, tiny_dir):
+    code, out, err = cli(capsys, "generate", "w5 w9 w7 w3", "--model", str(tiny_dir), "--no-chat",
+                         "--temperature", "0", "--max-new-tokens", "12", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    ids = AutoTokenizer.from_pretrained(tiny_dir)("w5 w9 w7 w3", return_tensors="pt").input_ids
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert result["token_ids"] == expected
+    for key in ("acceptance_rate", "mean_accepted_length", "tokens_per_second", "drafted_tokens", "accepted_tokens"):
+        assert key in result["stats"]
+    assert result["text"]
+
+
+def test_generate_with_a_draft_model_streams_the_same_text(capsys, tiny_dir, tiny_draft_dir):
+    args = ["generate", "w5 w9 w7 w3", "--model", str(tiny_dir), "--no-chat", "--temperature", "0",
+            "--max-new-tokens", "15"]
+    code, plain, _ = cli(capsys, *args, "--json")
+    code2, streamed, _ = cli(capsys, *args, "--drafter", str(tiny_draft_dir), "--k", "3", "--stream")
+    assert code == code2 == 0
+    plain = json.loads(plain)
+    assert streamed.rstrip("\n") == plain["text"]
+
+
+def test_prompt_from_stdin(capsys, monkeypatch, tiny_dir):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("w5 w9"))
+    code, out, err = cli(capsys, "generate", "--model", str(tiny_dir), "--no-chat", "--max-new-tokens", "3",
+                         "--seed", "1", "--json")
+    assert code == 0, err
+    assert len(json.loads(out)["token_ids"]) <= 3
+
+
+BAD = [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--k", "-1"], "k must be"),
+    (["--k", "many"], "k must be"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--model", "/nonexistent/model"], "does not exist"),
+    (["--drafter", "no-such-drafter"], "unknown drafter"),
+    (["--max-new-tokens", "lots"], "max-new-tokens"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD)
+def test_bad_arguments_give_one_line_and_exit_2(capsys, tiny_dir, args, message):
+    code, out, err = cli(capsys, "generate", "w1 w2", "--model", str(tiny_dir), "--no-chat", *args)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_draft_with_another_vocabulary_is_refused(capsys, tiny_dir, other_vocab_dir):
+    code, _, err = cli(capsys, "generate", "w1 w2", "--model", str(tiny_dir), "--drafter", str(other_vocab_dir))
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "vocabulary" in err
+
+
+def test_directory_without_safetensors_is_refused(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    code, _, err = cli(capsys, "generate", "hi", "--model", str(tmp_path))
+    assert code == 2 and "safetensors" in err
+
+
+@pytest.mark.slow
+def test_console_script_on_the_bundled_model():
+    done = subprocess.run(
+        [sys.executable, "-m", "specsample.cli", "generate", "What is 2+2?", "--temperature", "0",
+         "--max-new-tokens", "8", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert len(result["token_ids"]) <= 8 and result["text"]
+    assert "Traceback" not in done.stderr

@@ -1,0 +1,117 @@
+"""The decode loop on tiny models: greedy identity with transformers, limits, EOS, seeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsample.drafters import DraftModelDrafter, NoDrafter
+from specsample.engine import decode
+from specsample.models import TransformersTarget, make_target
+from specsample.models.loading import LoadedModel
+from specsample.policy import FixedK
+from specsample.sampling import SamplingParams
+from specsample.stats import Stats
+
+from conftest import tiny_llama
+
+VOCAB = 64
+PROMPT = torch.tensor([5, 17, 33, 2, 60, 8])
+GREEDY = SamplingParams(temperature=0)
+BACKENDS = {
+    "transformers": TransformersTarget,
+    "auto": lambda m: make_target(LoadedModel(m, None, "tiny", frozenset(), 0.0)),
+}
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    return tiny_llama(VOCAB, seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft_model():
+    return tiny_llama(VOCAB, seed=1)
+
+
+def run(target, drafter, *, k=4, max_new_tokens=20, params=GREEDY, eos=frozenset(), seed=0, stats=None):
+    stats = stats if stats is not None else Stats()
+    steps = decode(
+        target, drafter, FixedK(k), PROMPT, params, max_new_tokens=max_new_tokens,
+        eos_token_ids=eos, generator=torch.Generator().manual_seed(seed), stats=stats,
+    )
+    return [t for step in steps for t in step]
+
+
+def hf_greedy(model, max_new_tokens, eos=None):
+    out = model.generate(
+        PROMPT[None], attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long), do_sample=False,
+        max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0,
+    )
+    return out[0, len(PROMPT):].tolist()
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("use_draft", [False, True])
+def test_greedy_is_token_identical_to_transformers_generate(target_model, draft_model, backend, k, use_draft):
+    make = BACKENDS[backend]
+    drafter = DraftModelDrafter(make(draft_model)) if use_draft else NoDrafter()
+    assert run(make(target_model), drafter, k=k, max_new_tokens=30) == hf_greedy(target_model, 30)
+
+
+def test_self_drafting_accepts_everything(target_model):
+    stats = Stats()
+    tokens = run(make_target_of(target_model), DraftModelDrafter(make_target_of(target_model)), k=4, max_new_tokens=21, stats=stats)
+    assert tokens == hf_greedy(target_model, 21)
+    assert stats.acceptance_rate == 1.0
+    assert stats.steps == 5  # 4 steps of k=4 + bonus, then one of k=0
+    assert stats.mean_accepted_length == pytest.approx(21 / 5)
+
+
+def make_target_of(model):
+    return BACKENDS["auto"](model)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 13])
+def test_max_new_tokens_reached_mid_draft_is_never_overshot(target_model, max_new_tokens):
+    tokens = run(make_target_of(target_model), DraftModelDrafter(make_target_of(target_model)), k=5, max_new_tokens=max_new_tokens)
+    assert tokens == hf_greedy(target_model, 30)[:max_new_tokens]
+
+
+def test_eos_inside_a_draft_ends_the_output(target_model):
+    reference = hf_greedy(target_model, 30)
+    eos = reference[6]
+    first = reference.index(eos)
+    tokens = run(make_target_of(target_model), DraftModelDrafter(make_target_of(target_model)), k=5, eos=frozenset({eos}))
+    assert tokens == reference[: first + 1]
+    assert tokens == hf_greedy(target_model, 30, eos=eos)
+
+
+@pytest.mark.parametrize("use_draft", [False, True])
+def test_seeded_sampling_is_reproducible(target_model, draft_model, use_draft):
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+
+    def once(seed):
+        drafter = DraftModelDrafter(make_target_of(draft_model)) if use_draft else NoDrafter()
+        return run(make_target_of(target_model), drafter, params=params, max_new_tokens=25, seed=seed)
+
+    assert once(11) == once(11)
+    assert once(11) != once(12)
+
+
+def test_statistics_count_drafts(target_model, draft_model):
+    stats = Stats()
+    tokens = run(make_target_of(target_model), DraftModelDrafter(make_target_of(draft_model)), k=3, max_new_tokens=30, stats=stats)
+    assert stats.generated_tokens == len(tokens) == 30
+    assert stats.drafted_tokens >= stats.accepted_tokens
+    assert stats.generated_tokens == stats.accepted_tokens + stats.steps
+    assert sum(stats.drafted_at) == stats.drafted_tokens and sum(stats.accepted_at) == stats.accepted_tokens
+    assert stats.drafted_at[0] <= stats.steps
+    assert 0 <= stats.acceptance_rate <= 1
+    assert stats.decode_seconds >= stats.draft_seconds + stats.verify_seconds
+
+
+def test_context_window_is_enforced(target_model):
+    with pytest.raises(ValueError, match="context window"):
+        run(make_target_of(target_model), NoDrafter(), max_new_tokens=200)

@@ -1,0 +1,164 @@
+"""Losslessness: speculative sampling reproduces the target's distribution exactly.
+
+For a tiny target and draft (vocabulary 16), the exact target distribution
+over every sequence of SEQ_LEN new tokens is enumerated from the target's own
+forward passes; N_SAMPLES sequences drawn through the engine are compared with
+it by a chi-square test at significance level ALPHA. The real sampler must
+pass (p > ALPHA) and a sampler broken on purpose must be rejected (p < ALPHA).
+Seeds are fixed, so the outcome is deterministic.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import specsample.engine as engine
+from specsample.drafters import DraftModelDrafter
+from specsample.drafters.base import Draft
+from specsample.models import make_target
+from specsample.models.loading import LoadedModel
+from specsample.policy import FixedK
+from specsample.sampling import SamplingParams, probs_from_logits
+from specsample.stats import Stats
+from specsample.verify import Verdict, leading_true, sample
+
+from conftest import tiny_llama
+
+ALPHA = 1e-3
+N_SAMPLES = 50_000
+SEQ_LEN = 2
+VOCAB = 16
+PROMPT = torch.tensor([3, 9, 4])
+K = 2
+
+PARAMS = {
+    "t1": SamplingParams(temperature=1.0),
+    "t0.7-top_p0.9": SamplingParams(temperature=0.7, top_p=0.9),
+    "top_k3": SamplingParams(temperature=1.0, top_k=3),
+}
+
+
+def noisy_copy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
+    """A draft model that resembles the target: its weights plus Gaussian noise."""
+    draft = tiny_llama(VOCAB, seed=seed)
+    draft.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
+    return draft
+
+
+class PointMassDrafter:
+    """Proposes the draft model's argmax tokens without probabilities (a point mass),
+    as model-free drafters do: the proposal is a deterministic function of the context."""
+
+    def __init__(self, inner: DraftModelDrafter) -> None:
+        self.inner = inner
+
+    def begin(self, prompt_ids, params):
+        self.inner.begin(prompt_ids, SamplingParams(temperature=0))
+
+    def propose(self, k, generator):
+        return Draft(self.inner.propose(k, generator).tokens, None)
+
+    def observe(self, accepted, next_token):
+        self.inner.observe(accepted, next_token)
+
+
+def as_target(model):
+    return make_target(LoadedModel(model, None, "tiny", frozenset(), 0.0))
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(VOCAB, seed=0)
+    return target, noisy_copy(target, scale=0.1, seed=1)  # acceptance about 0.6
+
+
+def exact_distribution(model, params: SamplingParams) -> np.ndarray:
+    """P(x_1..x_SEQ_LEN | PROMPT) under the transformed target, over all VOCAB**SEQ_LEN sequences."""
+    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=SEQ_LEN)))  # [V^L, L]
+    inputs = torch.cat([PROMPT.expand(len(seqs), -1), seqs], 1)  # [V^L, prompt + L]
+    with torch.inference_mode():
+        logits = model(inputs).logits[:, len(PROMPT) - 1 : -1]  # [V^L, L, vocab]
+    probs = probs_from_logits(logits, params)
+    picked = probs.gather(-1, seqs[..., None])[..., 0]  # [V^L, L]
+    return picked.double().prod(-1).numpy()
+
+
+def sampled_counts(target_model, drafter, params: SamplingParams, seed: int) -> np.ndarray:
+    target = as_target(target_model)
+    generator = torch.Generator().manual_seed(seed)
+    counts = Counter()
+    for _ in range(N_SAMPLES):
+        tokens = [
+            t for step in engine.decode(
+                target, drafter, FixedK(K), PROMPT, params, max_new_tokens=SEQ_LEN,
+                eos_token_ids=frozenset(), generator=generator, stats=Stats(),
+            ) for t in step
+        ]
+        counts[tuple(tokens)] += 1
+    index = {s: i for i, s in enumerate(itertools.product(range(VOCAB), repeat=SEQ_LEN))}
+    out = np.zeros(VOCAB**SEQ_LEN)
+    for seq, c in counts.items():
+        out[index[seq]] = c
+    return out
+
+
+def chi_square_p(observed: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square goodness of fit; cells expected below 5 are pooled into one remainder bucket."""
+    expected = probs / probs.sum() * observed.sum()
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(chisquare(obs, exp).pvalue)
+
+
+def make_drafter(kind: str, draft_model):
+    inner = DraftModelDrafter(as_target(draft_model))
+    return inner if kind == "draft-model" else PointMassDrafter(inner)
+
+
+@pytest.mark.parametrize("kind", ["draft-model", "point-mass"])
+@pytest.mark.parametrize("name", list(PARAMS))
+def test_speculative_sampling_matches_target_distribution(models, kind, name):
+    target_model, draft_model = models
+    params = PARAMS[name]
+    observed = sampled_counts(target_model, make_drafter(kind, draft_model), params, seed=1234)
+    p = chi_square_p(observed, exact_distribution(target_model, params))
+    assert p > ALPHA, f"{kind} {name}: p = {p:.2e}"
+
+
+def accept_everything(draft_tokens, draft_probs, target_probs, generator) -> Verdict:
+    """A broken sampler: accepts every draft token, then draws the bonus token."""
+    k = draft_tokens.shape[0]
+    return Verdict(k, sample(target_probs[k], generator))
+
+
+def reject_without_residual(draft_tokens, draft_probs, target_probs, generator) -> Verdict:
+    """A broken sampler: right acceptance test, but recovers from target_probs instead of the residual."""
+    k = draft_tokens.shape[0]
+    positions = torch.arange(k)
+    draft_p = torch.ones(k) if draft_probs is None else draft_probs[positions, draft_tokens]
+    ok = torch.rand(k, generator=generator) * draft_p < target_probs[positions, draft_tokens]
+    accepted = int(leading_true(ok))
+    return Verdict(accepted, sample(target_probs[accepted], generator))
+
+
+@pytest.mark.parametrize("broken", [accept_everything, reject_without_residual])
+def test_broken_sampler_is_rejected(models, monkeypatch, broken):
+    target_model, draft_model = models
+    params = PARAMS["t1"]
+    monkeypatch.setattr(engine, "rejection_sample", broken)
+    observed = sampled_counts(target_model, make_drafter("draft-model", draft_model), params, seed=1234)
+    p = chi_square_p(observed, exact_distribution(target_model, params))
+    assert p < ALPHA, f"{broken.__name__} passed: p = {p:.2e}"

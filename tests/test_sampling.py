@@ -1,0 +1,84 @@
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from specsample.sampling import SamplingParams, make_generator, probs_from_logits
+
+
+def test_greedy_is_a_point_mass_on_the_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 0.0]])
+    probs = probs_from_logits(logits, SamplingParams(temperature=0))
+    assert probs.tolist() == [[0, 1, 0], [1, 0, 0]]
+
+
+def test_temperature_one_is_softmax():
+    logits = torch.randn(5, 10)
+    assert torch.allclose(probs_from_logits(logits, SamplingParams()), logits.softmax(-1))
+
+
+def test_top_k_keeps_k_tokens():
+    probs = probs_from_logits(torch.tensor([1.0, 4.0, 3.0, 2.0]), SamplingParams(top_k=2))
+    assert (probs > 0).tolist() == [False, True, True, False]
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    probs = probs_from_logits(logits, SamplingParams(top_p=0.8))
+    assert (probs > 0).tolist() == [True, True, False, False]
+    assert probs[0].item() == pytest.approx(0.5 / 0.8)
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    probs = probs_from_logits(logits, SamplingParams(min_p=0.25))
+    assert (probs > 0).tolist() == [True, True, True, False]
+
+
+def test_matches_transformers_logits_warpers():
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+    )
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05)
+    warped = logits
+    for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.8), MinPLogitsWarper(0.05)):
+        warped = warper(None, warped)
+    assert torch.allclose(probs_from_logits(logits, params), warped.softmax(-1), atol=1e-6)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    temperature=st.floats(0.05, 3.0),
+    top_k=st.integers(0, 40),
+    top_p=st.floats(0.01, 1.0),
+    min_p=st.floats(0.0, 0.9),
+)
+def test_probabilities_are_a_distribution(seed, temperature, top_k, top_p, min_p):
+    logits = torch.randn(3, 32, generator=torch.Generator().manual_seed(seed)) * 4
+    probs = probs_from_logits(logits, SamplingParams(temperature, top_k, top_p, min_p))
+    assert torch.allclose(probs.sum(-1), torch.ones(3), atol=1e-5)
+    assert (probs >= 0).all()
+    assert (probs.argmax(-1) == logits.argmax(-1)).all()  # the most likely token always survives
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+    ],
+)
+def test_bad_parameters_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_seeded_generators_repeat():
+    a, b = make_generator(7), make_generator(7)
+    assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))

@@ -1,0 +1,77 @@
+"""Chat templates, incremental decoding that never splits a character, stop strings."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+from transformers import PreTrainedTokenizerFast
+
+from specsample.text import IncrementalDecoder, StopMatcher, encode_prompt
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE with few merges, so multi-byte characters span several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"])
+    tok.train_from_iterator(["hello world, the cat sat on the mat"] * 10, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+TEXTS = ["hello world", "naïve café 🙂 über", "日本語のテキスト and 🚀🚀", "the cat\n\n  sat 🐈‍⬛"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_chunks_never_split_a_character_and_add_up(byte_tokenizer, text):
+    ids = byte_tokenizer.encode(text)
+    decoder = IncrementalDecoder(byte_tokenizer)
+    chunks = [decoder.push(i) for i in ids] + [decoder.flush()]
+    assert all("\ufffd" not in c for c in chunks)
+    assert "".join(chunks) == text
+    if not text.isascii():  # multi-byte characters really were split over tokens
+        assert any("\ufffd" in byte_tokenizer.decode([i]) for i in ids)
+
+
+def test_special_tokens_are_not_shown(byte_tokenizer):
+    decoder = IncrementalDecoder(byte_tokenizer)
+    out = [decoder.push(i) for i in byte_tokenizer.encode("hi")] + [decoder.push(byte_tokenizer.eos_token_id)]
+    assert "".join(out) + decoder.flush() == "hi"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet="abc ", max_size=40),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3),
+    cuts=st.lists(st.integers(0, 40), max_size=10),
+)
+def test_stop_matcher_emits_exactly_the_text_before_the_first_stop(text, stops, cuts):
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    expected = text[: min(hits)[1]] if hits else text  # the stop string that completes first
+    matcher, out, stopped = StopMatcher(stops), "", False
+    bounds = sorted(set([0, len(text)] + [c for c in cuts if c <= len(text)]))
+    for a, b in zip(bounds, bounds[1:]):
+        delta, stopped = matcher.feed(text[a:b])
+        out += delta
+        if stopped:
+            break
+    if not stopped:
+        out += matcher.finish()
+    assert out == expected
+    assert stopped == bool(hits)
+
+
+def test_held_back_text_is_released_when_the_stop_does_not_complete():
+    matcher = StopMatcher(["END"])
+    assert matcher.feed("foo EN") == ("foo ", False)
+    assert matcher.feed("D") == ("", True)
+    matcher = StopMatcher(["END"])
+    assert matcher.feed("foo EN") == ("foo ", False)
+    assert matcher.feed("Dx"[1:]) == ("ENx", False)
+
+
+def test_plain_prompt_without_chat_template(byte_tokenizer):
+    assert encode_prompt(byte_tokenizer, "hello", chat=True) == byte_tokenizer.encode("hello")

@@ -1,0 +1,65 @@
+"""Unit tests of the pure verification functions (the distributional proof is test_lossless.py)."""
+
+import torch
+
+from specsample.verify import greedy_verify, leading_true, rejection_sample, residual
+
+
+def one_hot(i, n=4):
+    return torch.nn.functional.one_hot(torch.tensor(i), n).float()
+
+
+def test_leading_true():
+    assert int(leading_true(torch.tensor([True, True, False, True]))) == 2
+    assert int(leading_true(torch.tensor([False, True]))) == 0
+    assert int(leading_true(torch.tensor([], dtype=torch.bool))) == 0
+
+
+def test_greedy_accepts_the_matching_prefix_then_corrects():
+    target_logits = torch.stack([one_hot(1), one_hot(2), one_hot(3), one_hot(0)])
+    verdict = greedy_verify(torch.tensor([1, 2, 0]), target_logits)
+    assert (verdict.accepted, verdict.next_token) == (2, 3)
+    verdict = greedy_verify(torch.tensor([1, 2, 3]), target_logits)
+    assert (verdict.accepted, verdict.next_token) == (3, 0)  # bonus
+
+
+def test_draft_with_zero_target_probability_is_always_rejected():
+    target_probs = torch.stack([torch.tensor([0.0, 0.5, 0.5, 0.0])] * 2)
+    draft_probs = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        verdict = rejection_sample(torch.tensor([0]), draft_probs, target_probs, gen)
+        assert verdict.accepted == 0 and verdict.next_token in (1, 2)
+
+
+def test_draft_dominated_by_target_is_always_accepted():
+    target_probs = torch.tensor([[0.1, 0.9, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    draft_probs = torch.tensor([[0.5, 0.5, 0.0, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        verdict = rejection_sample(torch.tensor([1]), draft_probs, target_probs, gen)
+        assert (verdict.accepted, verdict.next_token) == (1, 3)
+
+
+def test_residual_of_a_point_mass_removes_the_draft_token():
+    target_probs = torch.tensor([[0.25, 0.25, 0.5, 0.0]])
+    res = residual(torch.tensor([2]), None, target_probs, 0)
+    assert torch.allclose(res, torch.tensor([0.5, 0.5, 0.0, 0.0]))
+
+
+def test_residual_is_the_normalised_positive_part():
+    target_probs = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
+    draft_probs = torch.tensor([[0.2, 0.6, 0.2, 0.0]])
+    res = residual(torch.tensor([1]), draft_probs, target_probs, 0)
+    assert torch.allclose(res, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+
+def test_same_seed_same_verdicts():
+    target_probs = torch.rand(4, 16).softmax(-1)
+    draft_probs = torch.rand(3, 16).softmax(-1)
+    tokens = torch.tensor([1, 2, 3])
+    runs = [
+        [rejection_sample(tokens, draft_probs, target_probs, gen) for _ in range(20)]
+        for gen in (torch.Generator().manual_seed(5), torch.Generator().manual_seed(5))
+    ]
+    assert runs[0] == runs[1]
