@@ -16,7 +16,7 @@ import torch
 from specsample.drafters import Drafter, make_drafter
 from specsample.engine import decode
 from specsample.models import LoadedModel, Target, load_model, make_target
-from specsample.policy import FixedK, KPolicy
+from specsample.policy import KPolicy, parse_k
 from specsample.sampling import SamplingParams, make_generator
 from specsample.stats import Stats
 from specsample.text import IncrementalDecoder, Message, StopMatcher, encode_prompt
@@ -93,14 +93,14 @@ class SpecSampler:
         top_p: float = 1.0,
         top_k: int = 0,
         min_p: float = 0.0,
-        k: int | KPolicy = 4,
+        k: int | str | KPolicy = 4,  # K, "auto" (cost model), "auto:heuristic", or a KPolicy
         seed: int | None = None,
         stop: Sequence[str] = (),
         chat: bool = True,
     ) -> Generation:
         """Start a generation; its chunks carry text that never splits a character or a stop string."""
         params = SamplingParams(temperature, top_k, top_p, min_p)
-        policy = FixedK(k) if isinstance(k, int) else k
+        policy = parse_k(k) if isinstance(k, (int, str)) else k
         prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)
         generation = Generation(iter(()))
         generation.chunks = self._chunks(generation, prompt_ids, params, policy, max_new_tokens, seed, stop)

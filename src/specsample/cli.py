@@ -27,8 +27,8 @@ def quiet_transformers() -> None:
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt; read from stdin when absent.")] = None,
     model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2-135M-Instruct).")] = None,
-    drafter: Annotated[str, typer.Option(help="'none' or the path of a draft model.")] = "none",
-    k: Annotated[str, typer.Option("--k", help="Speculation length K.")] = "4",
+    drafter: Annotated[str, typer.Option(help="'none', 'ngram', 'suffix', or the path of a draft model.")] = "none",
+    k: Annotated[str, typer.Option("--k", help="Speculation length K, or 'auto' (cost model) or 'auto:heuristic'.")] = "4",
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,

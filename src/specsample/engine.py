@@ -56,6 +56,7 @@ def decode(
         step = Step(len(draft), verdict.accepted, len(new), t_verify - t_draft, t_other - t_verify)
         stats.record(step)
         policy.observe(step)
+        stats.policy = policy.estimates()
         stats.decode_seconds += perf_counter() - t_draft
         produced += len(new)
         yield new

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
+
 from specsample.stats import Step
 
 
@@ -18,6 +20,10 @@ class KPolicy(Protocol):
 
     def observe(self, step: Step) -> None:
         """The outcome of the step just taken."""
+        ...
+
+    def estimates(self) -> dict:
+        """What the policy believes now, for the statistics."""
         ...
 
 
@@ -38,10 +44,152 @@ class FixedK:
     def observe(self, step: Step) -> None:
         pass
 
+    def estimates(self) -> dict:
+        return {"policy": "fixed", "k": self.k}
+
+
+class HeuristicK:
+    """The schedule of transformers' assisted generation: K + 2 after a fully
+    accepted draft, K - 1 (never below 1) after a rejection; unchanged when the
+    drafter proposed nothing. Starts again from `k_start` at each request."""
+
+    def __init__(self, k_start: int = 4, k_max: int = 16) -> None:
+        if not 1 <= k_start <= k_max:
+            raise ValueError(f"need 1 <= k_start <= k_max, got {k_start} and {k_max}")
+        self.k_start, self.k_max = k_start, k_max
+        self.k = k_start
+
+    def begin(self) -> None:
+        self.k = self.k_start
+
+    def choose(self) -> int:
+        return self.k
+
+    def observe(self, step: Step) -> None:
+        if step.drafted == 0:
+            return
+        grown = self.k + 2 if step.accepted == step.drafted else self.k - 1
+        self.k = max(1, min(self.k_max, grown))
+
+    def estimates(self) -> dict:
+        return {"policy": "heuristic", "k": self.k}
+
+
+class CostModelK:
+    """The K that maximises expected tokens per second, measured online.
+
+    A step that asks for K draft tokens emits 1 + sum_{i<=K} P(accepted >= i)
+    tokens on average and costs the drafting (seconds per drafted token times
+    the expected draft length d) plus f(1 + d), the target's time to score
+    1 + d positions. P(accepted >= i | K >= i) and P(drafted >= i | K >= i)
+    are counted per position with exponential forgetting (`decay` per drafting
+    step, `idle_decay` per plain one), reset at each request, on top of an
+    optimistic prior. The cost curve f(n)
+    is a moving average of the measured verify seconds per n, interpolated
+    between measured n and flat beyond them, so an unmeasured larger K looks
+    cheap and gets tried; f(1) is measured by a plain first step. K = 0, plain
+    decoding, wins when drafting does not pay.
+    """
+
+    def __init__(
+        self,
+        k_max: int = 16,
+        decay: float = 0.9,
+        idle_decay: float = 0.98,
+        prior_acceptance: float = 0.9,
+        prior_weight: float = 0.25,
+        smoothing: float = 0.2,
+    ) -> None:
+        if k_max < 1:
+            raise ValueError(f"k_max must be >= 1, got {k_max}")
+        self.k_max, self.decay, self.idle_decay, self.smoothing = k_max, decay, idle_decay, smoothing
+        self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
+        self.positions = np.arange(1, k_max + 1)  # draft positions i
+        self.verify_seconds: dict[int, float] = {}  # n positions scored -> moving average of seconds
+        self.draft_seconds = 0.0  # decayed totals over steps that drafted
+        self.drafted_tokens = 0.0
+        self.k = k_max
+        self.begin()
+
+    def begin(self) -> None:
+        self.asked = np.zeros(self.k_max)  # [position] decayed steps that asked for >= i tokens
+        self.drafted_ge = np.zeros(self.k_max)  # [position] of them, drafted >= i
+        self.accepted_ge = np.zeros(self.k_max)  # [position] of them, accepted >= i
+        self.predict()
+
+    def choose(self) -> int:
+        self.predict()
+        # Plain decoding is measured first: every other cost is judged against f(1).
+        self.k = int(self.rates.argmax()) if 1 in self.verify_seconds else 0
+        return self.k
+
+    def observe(self, step: Step) -> None:
+        n = step.drafted + 1
+        old = self.verify_seconds.get(n, step.verify_seconds)
+        self.verify_seconds[n] = old + self.smoothing * (step.verify_seconds - old)
+        for counts in (self.asked, self.drafted_ge, self.accepted_ge):
+            counts *= self.decay if self.k else self.idle_decay
+        if self.k == 0:
+            return
+        self.draft_seconds = self.decay * self.draft_seconds + step.draft_seconds
+        self.drafted_tokens = self.decay * self.drafted_tokens + step.drafted
+        asked = self.positions <= self.k
+        self.asked += asked
+        self.drafted_ge += asked & (self.positions <= step.drafted)
+        self.accepted_ge += asked & (self.positions <= step.accepted)
+
+    def predict(self) -> None:
+        """Expected tokens per step, draft length and tokens per second for K = 0..k_max."""
+        self.tokens_per_step = 1 + self.cumulative(self.accepted_ge, self.prior_acceptance)  # [K]
+        self.draft_length = self.cumulative(self.drafted_ge, 1.0)  # [K]
+        self.seconds_per_draft_token = self.draft_seconds / self.drafted_tokens if self.drafted_tokens else 0.0
+        seconds = self.seconds_per_draft_token * self.draft_length + self.target_seconds(1 + self.draft_length)
+        self.rates = self.tokens_per_step / seconds  # [K]
+
+    def cumulative(self, counts: np.ndarray, prior: float) -> np.ndarray:
+        """[sum_{i<=K} P(count >= i)] for K = 0..k_max, each P no larger than the one before.
+
+        `prior_weight` pseudo-steps with P = prior**i stand for what has not been
+        seen; as the evidence decays (slowly while K = 0) the estimate returns to
+        it, so drafting is tried again now and then."""
+        pseudo = self.prior_weight
+        p = np.minimum.accumulate((counts + pseudo * prior**self.positions) / (self.asked + pseudo))
+        return np.concatenate([[0.0], p.cumsum()])
+
+    def target_seconds(self, n: np.ndarray) -> np.ndarray:
+        """f(n) at (fractional) n: the measured seconds, interpolated; 1.0 before any measurement."""
+        if not self.verify_seconds:
+            return np.ones_like(n)
+        measured = sorted(self.verify_seconds)
+        seconds = np.array([self.verify_seconds[m] for m in measured])
+        # A longer pass never costs less than a shorter one: a dip at a larger n lowers the smaller ones.
+        floor = np.minimum.accumulate(seconds[::-1])[::-1]
+        return np.interp(n, measured, floor)
+
+    def estimates(self) -> dict:
+        k = self.k
+        return {
+            "policy": "cost-model",
+            "k": k,
+            "expected_tokens_per_step": float(self.tokens_per_step[k]),
+            "expected_draft_length": float(self.draft_length[k]),
+            "expected_tokens_per_second": float(self.rates[k]),
+            "target_ms": {n: 1e3 * s for n, s in sorted(self.verify_seconds.items())},
+            "draft_ms_per_token": 1e3 * self.seconds_per_draft_token,
+            "acceptance_by_position": np.diff(self.tokens_per_step).tolist(),
+        }
+
+
+AUTO_POLICIES = {"auto": CostModelK, "auto:cost": CostModelK, "auto:heuristic": HeuristicK}
+
 
 def parse_k(spec: str | int) -> KPolicy:
-    """A K policy from the command line: an integer K >= 0."""
+    """A K policy from the command line: an integer K >= 0, `auto` (the cost
+    model, also `auto:cost`) or `auto:heuristic` (transformers' schedule)."""
+    if isinstance(spec, str) and spec.strip().lower() in AUTO_POLICIES:
+        return AUTO_POLICIES[spec.strip().lower()]()
     try:
         return FixedK(int(spec))
     except ValueError:
-        raise ValueError(f"k must be an integer >= 0, got {spec!r}") from None
+        forms = ", ".join(AUTO_POLICIES)
+        raise ValueError(f"k must be an integer >= 0 or one of {forms}, got {spec!r}") from None

@@ -35,6 +35,7 @@ class Stats:
     generated_tokens: int = 0
     drafted_at: list[int] = field(default_factory=list)  # drafts reaching position i
     accepted_at: list[int] = field(default_factory=list)  # of them, accepted at position i
+    policy: dict = field(default_factory=dict)  # the K policy's latest estimates
 
     def record(self, step: Step) -> None:
         self.steps += 1
@@ -88,4 +89,5 @@ class Stats:
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "other_seconds": self.other_seconds,
+            "policy": self.policy,
         }

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from specsample.drafters.base import Draft, Drafter
 from specsample.drafters.draft_model import DraftModelDrafter
+from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.none import NoDrafter
+from specsample.drafters.suffix import SuffixDrafter
 from specsample.models import LoadedModel, Target, load_model, make_target
 
 # A factory builds a drafter for a loaded target model and its Target backend.
@@ -20,6 +22,8 @@ DrafterFactory = Callable[[LoadedModel, Target], Drafter]
 
 REGISTRY: dict[str, DrafterFactory] = {
     "none": lambda model, target: NoDrafter(),
+    "ngram": lambda model, target: NgramDrafter(),
+    "suffix": lambda model, target: SuffixDrafter(),
 }
 
 
@@ -46,4 +50,4 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
-__all__ = ["Draft", "Drafter", "DraftModelDrafter", "NoDrafter", "REGISTRY", "make_drafter"]
+__all__ = ["Draft", "Drafter", "DraftModelDrafter", "NgramDrafter", "NoDrafter", "REGISTRY", "SuffixDrafter", "make_drafter"]

@@ -1,0 +1,65 @@
+"""The `ngram` drafter: prompt lookup, no second model.
+
+It finds the last n tokens of the context (n from `max_n` down to `min_n`)
+earlier in the context, the prompt and the text generated so far, and proposes
+what followed their most recent occurrence. Summaries, answers over a document
+and edits of code repeat their input, so the target often accepts long runs.
+
+The proposal is a deterministic function of the context (a point mass), so
+verification stays exact at any temperature: a draft token x is accepted with
+probability target_probs[x].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specsample.drafters.base import Draft
+from specsample.sampling import SamplingParams
+
+
+class NgramDrafter:
+    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self.tokens: list[int] = []  # the context: prompt, then every emitted token
+        self.follows: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
+        self.draft: list[int] = []
+
+    def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
+        self.tokens, self.follows, self.draft = [], {}, []
+        self.extend(prompt_ids.tolist())
+
+    def propose(self, k: int, generator: torch.Generator) -> Draft:
+        self.draft = self.lookup(k)
+        return Draft(torch.tensor(self.draft, dtype=torch.long), None)
+
+    def observe(self, accepted: int, next_token: int) -> None:
+        self.extend(self.draft[:accepted] + [next_token])
+
+    def lookup(self, k: int) -> list[int]:
+        """Up to k tokens after the latest earlier occurrence of the longest matching suffix."""
+        for n in range(min(self.max_n, len(self.tokens)), self.min_n - 1, -1):
+            start = self.follows.get(tuple(self.tokens[-n:]))
+            if start is not None:
+                return self.copy(start, k)
+        return []
+
+    def copy(self, start: int, k: int) -> list[int]:
+        """k tokens from `start` on; past the end of the context the copy reads its own output,
+        so a repeating pattern (shorter than k) continues instead of stopping."""
+        out: list[int] = []
+        length = len(self.tokens)
+        for i in range(start, start + k):
+            out.append(self.tokens[i] if i < length else out[i - length])
+        return out
+
+    def extend(self, new: list[int]) -> None:
+        """Append tokens; each n-gram that now has a following token points at it."""
+        for token in new:
+            end = len(self.tokens)
+            self.tokens.append(token)
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.follows[tuple(self.tokens[end - n : end])] = end

@@ -1,0 +1,151 @@
+"""The `suffix` drafter: the most frequent continuation in a suffix tree, no second model.
+
+After SuffixDecoding (Oliaro et al., 2024): one suffix tree, cut at `depth`,
+counts every substring of up to `depth` tokens of the current request (prompt
+and output so far) and of earlier requests of this process, so that answers
+that repeat across requests (agents, templated tasks) are drafted too. To
+propose, the drafter takes the longest suffix of the context (up to
+`max_match` tokens) that occurred before with a continuation, then walks
+down the most frequent child (ties: the most recent), while the walk's
+empirical probability stays above `min_probability` and its length below
+`growth` times the match length, so longer matches earn longer drafts.
+
+Appending a token updates the nodes of the last `depth` suffixes: O(depth)
+per token, independent of the amount of text. Memory is bounded by keeping at
+most `history_tokens` tokens of earlier requests; the oldest requests are
+evicted by subtracting their counts.
+
+The proposal is a point mass (no probabilities), verified exactly at any temperature.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch import Tensor
+
+from specsample.drafters.base import Draft
+from specsample.sampling import SamplingParams
+
+
+class Node:
+    __slots__ = ("count", "last", "children")
+
+    def __init__(self) -> None:
+        self.count = 0  # occurrences of the substring this node spells
+        self.last = 0  # clock of its most recent occurrence
+        self.children: dict[int, Node] = {}
+
+
+class SuffixTree:
+    """Occurrence counts of every substring of at most `depth` tokens of some token sequences.
+
+    A sequence is appended token by token through its `active` list: the nodes of
+    its suffixes ending at the last token, shortest first (active[i] spells the
+    last i + 1 tokens).
+    """
+
+    def __init__(self, depth: int) -> None:
+        if depth < 2:
+            raise ValueError(f"depth must be >= 2, got {depth}")
+        self.depth = depth
+        self.root = Node()
+        self.clock = 0  # tokens appended so far, over every sequence
+
+    def append(self, active: list[Node], token: int) -> list[Node]:
+        """Count the suffixes ending at `token`; returns the new active list."""
+        self.clock += 1
+        extended = []
+        for node in [self.root, *active[: self.depth - 1]]:
+            child = node.children.get(token)
+            if child is None:
+                child = node.children[token] = Node()
+            child.count += 1
+            child.last = self.clock
+            extended.append(child)
+        return extended
+
+    def remove(self, tokens: list[int]) -> None:
+        """Uncount a whole sequence appended earlier (its oldest occurrences go first, so
+        each remaining node's `last` still belongs to a remaining occurrence)."""
+        active: list[Node] = []
+        for token in tokens:
+            extended = []
+            for node in [self.root, *active[: self.depth - 1]]:
+                child = node.children[token]
+                child.count -= 1
+                if child.count == 0:
+                    del node.children[token]
+                extended.append(child)
+            active = extended
+
+    def continuation(self, node: Node, limit: int, min_probability: float) -> list[int]:
+        """Walk the most frequent (then most recent) children while the path's probability holds."""
+        out: list[int] = []
+        probability = 1.0
+        while len(out) < limit and node.children:
+            token, child = max(node.children.items(), key=lambda item: (item[1].count, item[1].last))
+            probability *= child.count / node.count
+            if probability < min_probability:
+                break
+            out.append(token)
+            node = child
+        return out
+
+
+class SuffixDrafter:
+    def __init__(
+        self,
+        depth: int = 24,
+        max_match: int = 12,
+        growth: float = 2.0,
+        min_probability: float = 0.1,
+        history_tokens: int = 20_000,
+    ) -> None:
+        if not 1 <= max_match < depth:
+            raise ValueError(f"need 1 <= max_match < depth, got max_match={max_match}, depth={depth}")
+        self.tree = SuffixTree(depth)
+        self.max_match, self.growth, self.min_probability = max_match, growth, min_probability
+        self.history_tokens = history_tokens
+        self.history: deque[list[int]] = deque()  # earlier requests still counted, oldest first
+        self.history_size = 0
+        self.tokens: list[int] = []  # the current request: prompt, then every emitted token
+        self.active: list[Node] = []
+        self.draft: list[int] = []
+
+    def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
+        self.retire()
+        self.tokens, self.active, self.draft = [], [], []
+        self.extend(prompt_ids.tolist())
+
+    def propose(self, k: int, generator: torch.Generator) -> Draft:
+        self.draft = self.lookup(k)
+        return Draft(torch.tensor(self.draft, dtype=torch.long), None)
+
+    def observe(self, accepted: int, next_token: int) -> None:
+        self.extend(self.draft[:accepted] + [next_token])
+
+    def lookup(self, k: int) -> list[int]:
+        """The most frequent continuation of the longest suffix that occurred before with one."""
+        for match in range(min(self.max_match, len(self.active)), 0, -1):
+            node = self.active[match - 1]
+            if node.children:
+                limit = min(k, max(1, int(self.growth * match)))
+                return self.tree.continuation(node, limit, self.min_probability)
+        return []
+
+    def extend(self, new: list[int]) -> None:
+        for token in new:
+            self.tokens.append(token)
+            self.active = self.tree.append(self.active, token)
+
+    def retire(self) -> None:
+        """File the finished request under history; evict the oldest beyond `history_tokens`."""
+        if self.tokens:
+            self.history.append(self.tokens)
+            self.history_size += len(self.tokens)
+        while self.history_size > self.history_tokens:
+            oldest = self.history.popleft()
+            self.tree.remove(oldest)
+            self.history_size -= len(oldest)

@@ -1,0 +1,88 @@
+"""The model-free drafters and the K policies keep sampling lossless and greedy output identical.
+
+Reuses the chi-square machinery of test_lossless.py (same N_SAMPLES, same
+significance level ALPHA) with a prompt that repeats itself, so that `ngram`
+and `suffix` do propose. Each sample gets a fresh policy, as each request
+does, so the choice of K, and with it the outcome, is deterministic.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import test_lossless as lossless
+from test_lossless import models  # noqa: F401  (the fixture: target and draft model)
+from specsample.drafters import NgramDrafter, NoDrafter, SuffixDrafter
+from specsample.engine import decode
+from specsample.models import make_target
+from specsample.models.loading import LoadedModel
+from specsample.policy import CostModelK, FixedK, HeuristicK
+from specsample.sampling import SamplingParams
+from specsample.stats import Stats
+
+from conftest import tiny_llama
+
+DRAFTERS = {"ngram": NgramDrafter, "suffix": SuffixDrafter}
+POLICIES = {"fixed": FixedK, "heuristic": lambda k: HeuristicK(k_start=k), "cost-model": lambda k: CostModelK()}
+
+
+def repeating_prompt(model) -> torch.Tensor:
+    """[a, b, c, a, b] with c the target's most likely token after it, so the drafters'
+    proposal (c) is often accepted."""
+    a, b = 3, 9
+    candidates = torch.tensor([[a, b, c, a, b] for c in range(lossless.VOCAB)])
+    with torch.inference_mode():
+        probs = model(candidates).logits[:, -1].softmax(-1)  # [vocab, vocab]
+    c = int(probs.diagonal().argmax())
+    return torch.tensor([a, b, c, a, b])
+
+
+@pytest.mark.parametrize(
+    ("drafter", "policy", "params"),
+    [("ngram", "heuristic", "t1"), ("suffix", "cost-model", "t0.7-top_p0.9"), ("ngram", "cost-model", "top_k3")],
+)
+def test_drafter_keeps_the_target_distribution(models, monkeypatch, drafter, policy, params):
+    target_model, _ = models
+    monkeypatch.setattr(lossless, "PROMPT", repeating_prompt(target_model))
+    monkeypatch.setattr(lossless, "FixedK", POLICIES[policy])
+    check_it_drafts(target_model, DRAFTERS[drafter](), POLICIES[policy](lossless.K), lossless.PARAMS[params])
+    observed = lossless.sampled_counts(target_model, DRAFTERS[drafter](), lossless.PARAMS[params], seed=4321)
+    p = lossless.chi_square_p(observed, lossless.exact_distribution(target_model, lossless.PARAMS[params]))
+    assert p > lossless.ALPHA, f"{drafter} {policy} {params}: p = {p:.2e}"
+
+
+def check_it_drafts(target_model, drafter, policy, params) -> None:
+    """The test would be vacuous if the drafter never proposed, or the target never accepted."""
+    stats = Stats()
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        for _ in decode(
+            lossless.as_target(target_model), drafter, policy, lossless.PROMPT, params,
+            max_new_tokens=lossless.SEQ_LEN, eos_token_ids=frozenset(), generator=generator, stats=stats,
+        ):
+            pass
+    assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0
+
+
+GREEDY_VOCAB = 64
+GREEDY_PROMPT = torch.tensor([5, 17, 33, 2, 60, 8, 5, 17, 33, 2, 41, 5, 17])
+
+
+def greedy(model, drafter, policy, stats: Stats) -> list[int]:
+    target = make_target(LoadedModel(model, None, "tiny", frozenset(), 0.0))
+    steps = decode(
+        target, drafter, policy, GREEDY_PROMPT, SamplingParams(temperature=0), max_new_tokens=60,
+        eos_token_ids=frozenset(), generator=torch.Generator().manual_seed(0), stats=stats,
+    )
+    return [t for step in steps for t in step]
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_greedy_output_is_the_target_alone(drafter, policy):
+    model = tiny_llama(GREEDY_VOCAB, seed=3)
+    alone = greedy(model, NoDrafter(), FixedK(0), Stats())
+    stats = Stats()
+    assert greedy(model, DRAFTERS[drafter](), POLICIES[policy](4), stats) == alone
+    assert stats.accepted_tokens > 0

@@ -1,0 +1,97 @@
+"""Policies for K: parsing, the heuristic schedule, and the cost model on synthetic steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from specsample.policy import CostModelK, FixedK, HeuristicK, parse_k
+from specsample.stats import Step
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind"),
+    [("4", FixedK), (0, FixedK), ("auto", CostModelK), ("auto:cost", CostModelK), ("AUTO:heuristic", HeuristicK)],
+)
+def test_parse_k(spec, kind):
+    assert isinstance(parse_k(spec), kind)
+
+
+@pytest.mark.parametrize("spec", ["-1", "four", "auto:bandit", ""])
+def test_parse_k_refuses_bad_values(spec):
+    with pytest.raises(ValueError, match="k must be"):
+        parse_k(spec)
+
+
+def step(drafted: int, accepted: int, verify_seconds: float = 0.01, draft_seconds: float = 0.0) -> Step:
+    return Step(drafted, accepted, min(drafted, accepted) + 1, draft_seconds, verify_seconds)
+
+
+def test_heuristic_grows_by_two_after_full_acceptance_and_shrinks_by_one_otherwise():
+    policy = HeuristicK(k_start=4, k_max=9)
+    policy.begin()
+    ks = []
+    for drafted, accepted in [(4, 4), (6, 6), (8, 3), (7, 7), (9, 0), (0, 0), (8, 1), (7, 0)]:
+        policy.observe(step(drafted, accepted))
+        ks.append(policy.choose())
+    assert ks == [6, 8, 7, 9, 8, 8, 7, 6]  # capped at 9; unchanged when nothing was drafted
+    policy.begin()
+    assert policy.choose() == 4
+
+
+def test_heuristic_never_goes_below_one():
+    policy = HeuristicK(k_start=1)
+    policy.observe(step(1, 0))
+    assert policy.choose() == 1
+
+
+def run_cost_model(policy: CostModelK, steps: int, acceptance, cost, draft_cost_per_token: float = 0.0) -> list[int]:
+    """Feed the policy the outcome of its own choices: `acceptance(i)` is P(token i accepted | i - 1 were),
+    realised deterministically as the expected count rounded down; `cost(n)` the target's seconds for n."""
+    ks = []
+    for _ in range(steps):
+        k = policy.choose()
+        accepted = 0
+        while accepted < k and acceptance(accepted + 1) >= 0.5:
+            accepted += 1
+        policy.observe(Step(k, accepted, accepted + 1, draft_cost_per_token * k, cost(k + 1)))
+        ks.append(k)
+    return ks
+
+
+def test_cost_model_drafts_long_when_everything_is_accepted_and_verifying_is_cheap():
+    ks = run_cost_model(CostModelK(k_max=8), 30, acceptance=lambda i: 1.0, cost=lambda n: 0.010 + 0.0001 * n)
+    assert ks[-10:] == [8] * 10
+
+
+def test_cost_model_stops_drafting_when_nothing_is_accepted():
+    policy = CostModelK(k_max=8)
+    ks = run_cost_model(policy, 40, acceptance=lambda i: 0.0, cost=lambda n: 0.010 + 0.002 * n)
+    assert ks[-10:].count(0) >= 8  # K = 0, with an occasional retry
+    assert policy.estimates()["expected_tokens_per_second"] > 0
+
+
+def test_cost_model_picks_the_best_k_for_a_steep_cost_curve():
+    # Two tokens always accepted, the third never; each extra position costs a fifth of a pass.
+    ks = run_cost_model(CostModelK(k_max=8), 60, acceptance=lambda i: 1.0 if i <= 2 else 0.0, cost=lambda n: 0.01 + 0.002 * n)
+    # K = 2: 3 tokens in 0.016 s, against K = 1: 2 in 0.014, K = 3: 3 in 0.018, K = 0: 1 in 0.012.
+    assert ks[-20:].count(2) >= 15
+
+
+def test_cost_model_counts_the_drafters_cost():
+    # Cheap verification, perfect acceptance, but drafting a token costs 4 target passes: plain decoding wins.
+    ks = run_cost_model(CostModelK(k_max=8), 40, acceptance=lambda i: 1.0, cost=lambda n: 0.01, draft_cost_per_token=0.04)
+    assert ks[-10:].count(0) >= 8
+
+
+def test_cost_model_estimates_are_reported():
+    policy = CostModelK(k_max=4)
+    run_cost_model(policy, 10, acceptance=lambda i: 1.0, cost=lambda n: 0.01)
+    estimates = policy.estimates()
+    assert estimates["policy"] == "cost-model" and estimates["k"] == policy.k
+    assert estimates["target_ms"][5] == pytest.approx(10.0)
+    assert len(estimates["acceptance_by_position"]) == 4
+
+
+def test_cost_model_refuses_k_max_zero():
+    with pytest.raises(ValueError, match="k_max"):
+        CostModelK(k_max=0)
