@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+# Tiny models are bound by per-operation overhead: one thread each avoids
+# oversubscribing the cores when pytest runs on several workers.
+torch.set_num_threads(1)
 
 
 def tiny_llama(vocab_size: int = 16, seed: int = 0, init_scale: float = 0.5, layers: int = 2) -> LlamaForCausalLM:
@@ -55,13 +58,3 @@ def tiny_draft_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def other_vocab_dir(tmp_path_factory) -> Path:
     return save_tiny(tmp_path_factory.mktemp("tiny-other"), 48, seed=2)
-
-
-@pytest.fixture(autouse=True, scope="session")
-def isolated_cache(tmp_path_factory):
-    """GGUF conversions go to a test-local cache, except the bundled model's, which is kept."""
-    yield
-
-
-def write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj))

@@ -32,9 +32,10 @@ from conftest import tiny_llama
 
 ALPHA = 1e-3
 N_SAMPLES = 50_000
-SEQ_LEN = 2
+SEQ_LEN = 3
 VOCAB = 16
-PROMPT = torch.tensor([3, 9, 4])
+PROMPT = torch.tensor([1, 2])
+INIT_SCALE = 0.3  # next-token distributions neither flat nor point masses
 K = 2
 
 PARAMS = {
@@ -46,7 +47,7 @@ PARAMS = {
 
 def noisy_copy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
     """A draft model that resembles the target: its weights plus Gaussian noise."""
-    draft = tiny_llama(VOCAB, seed=seed)
+    draft = tiny_llama(VOCAB, seed=seed, init_scale=INIT_SCALE)
     draft.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -78,7 +79,7 @@ def as_target(model):
 
 @pytest.fixture(scope="module")
 def models():
-    target = tiny_llama(VOCAB, seed=0)
+    target = tiny_llama(VOCAB, seed=0, init_scale=INIT_SCALE)
     return target, noisy_copy(target, scale=0.1, seed=1)  # acceptance about 0.6
 
 

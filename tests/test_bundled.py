@@ -1,0 +1,61 @@
+"""End to end on the bundled SmolLM2-135M-Instruct: greedy identity, GGUF path, the README example."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from specsample import SpecSampler
+from specsample.drafters import DraftModelDrafter
+from specsample.models import TransformersTarget, make_target
+from specsample.models.loading import bundled_gguf, load_model
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves."]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load_model()
+
+
+def hf_greedy(loaded, ids: list[int]) -> list[int]:
+    out = loaded.model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=loaded.tokenizer.pad_token_id,
+    )
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_matches_transformers_generate(bundled, prompt):
+    fast = SpecSampler(bundled, make_target(bundled), DraftModelDrafter(TransformersTarget(bundled.model)))
+    expected = hf_greedy(bundled, fast.encode(prompt))
+    assert fast.generate(prompt, temperature=0, max_new_tokens=NEW_TOKENS, k=3).token_ids == expected
+    plain = SpecSampler(bundled, TransformersTarget(bundled.model), DraftModelDrafter(make_target(bundled)))
+    assert plain.generate(prompt, temperature=0, max_new_tokens=NEW_TOKENS, k=0).token_ids == expected
+
+
+def test_chat_template_is_applied(bundled):
+    sampler = SpecSampler(bundled, make_target(bundled), DraftModelDrafter(make_target(bundled)))
+    ids = sampler.encode("hello")
+    assert bundled.tokenizer.decode(ids).startswith("<|im_start|>system")
+    assert sampler.encode("hello", chat=False) == bundled.tokenizer.encode("hello")
+
+
+def test_a_gguf_file_loads_by_path(bundled):
+    loaded = load_model(bundled_gguf())
+    assert loaded.name == str(bundled_gguf())
+    assert loaded.model.config.num_hidden_layers == 30 and loaded.model.config.vocab_size == 49152
+
+
+def test_readme_python_example_runs():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = re.search(r"## Python API\n\n```python\n(.*?)```", readme, re.S).group(1)
+    block = block.replace("max_new_tokens=48", "max_new_tokens=8").replace("max_new_tokens=40", "max_new_tokens=8")
+    exec(compile(block, "README.md", "exec"), {})
