@@ -2,6 +2,166 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
+app = typer.Typer(
+    help="Benchmarks: cost curve, decoding speed.", no_args_is_help=True, add_completion=False, rich_markup_mode=None
+)
+
+
+def _quiet() -> None:
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+@app.command("cost-curve")
+def cost_curve(
+    model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2).")] = None,
+    context_length: Annotated[int, typer.Option(help="Cached tokens each forward pass attends over.")] = 200,
+    max_n: Annotated[int, typer.Option(help="Largest number of new tokens per pass.")] = 16,
+    repeats: Annotated[int, typer.Option(help="Repetitions; each f(n) is their median.")] = 7,
+    backends: Annotated[str, typer.Option(help="Comma-separated Target backends: fast, transformers.")] = "fast,transformers",
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
+) -> None:
+    """f(n)/f(1): the cost of one forward pass over n new tokens, for n = 1..max_n."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from specsample.bench import cost_curve as cc
+    from specsample.bench.decode import DEFAULT_PROMPTS, read_prompts
+    from specsample.models import load_model, make_target
+
+    names = [b.strip() for b in backends.split(",") if b.strip()]
+    if max_n < 1 or context_length < 1 or repeats < 1 or not names:
+        raise ValueError("--max-n, --context-length and --repeats must be positive, --backends non-empty")
+    _quiet()
+    loaded = load_model(model)
+    text = "\n".join(read_prompts(DEFAULT_PROMPTS)) if DEFAULT_PROMPTS.is_file() else "The quick brown fox. " * 64
+    ids = cc.context_tokens(loaded.tokenizer, text, context_length + max_n)
+    targets = {name: make_target(loaded, name) for name in names}
+    curves = cc.measure(targets, ids[:context_length], ids[context_length:], range(1, max_n + 1), repeats)
+    table = Table(title=f"f(n): one forward pass over n new tokens after {context_length} cached ({loaded.name})")
+    table.add_column("n", justify="right")
+    for curve in curves:
+        table.add_column(f"{curve.backend} ms", justify="right")
+        table.add_column(f"{curve.backend} f(n)/f(1)", justify="right")
+    for i, n in enumerate(curves[0].ns):
+        table.add_row(str(n), *[cell for c in curves for cell in (f"{c.ms[i]:.1f}", f"{c.ratios[i]:.2f}")])
+    Console().print(table)
+    if json_path is not None:
+        json_path.write_text(json.dumps({"model": loaded.name, "curves": [c.to_dict() for c in curves]}, indent=2))
+
+
+@app.command("decode")
+def decode(
+    model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2).")] = None,
+    prompts: Annotated[Path, typer.Option(help="Spec-Bench style JSONL of prompts.")] = None,
+    limit: Annotated[int, typer.Option(help="Number of prompts.")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate per prompt.")] = 128,
+    drafter: Annotated[Optional[list[str]], typer.Option(
+        help="Also run speculative decoding with this drafter (repeatable): a drafter name, a draft model "
+        "path, or 'self' for the target as its own draft model.")] = None,
+    k: Annotated[int, typer.Option("--k", help="Speculation length for --drafter runs.")] = 4,
+    backend: Annotated[str, typer.Option(help="Target backend of the engine: auto, fast or transformers.")] = "auto",
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
+) -> None:
+    """Greedy decoding tokens/s: our engine against transformers generate, prompt by prompt."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from specsample.bench import decode as bench_decode
+
+    if limit < 1 or max_new_tokens < 1 or k < 1:
+        raise ValueError("--limit, --max-new-tokens and --k must be positive")
+    texts = bench_decode.read_prompts(prompts or bench_decode.DEFAULT_PROMPTS, limit)
+    console = Console()
+    _quiet()
+
+    def progress(i: int, runs: list) -> None:
+        rates = ", ".join(f"{r.system} {r.tokens_per_second:.1f} tok/s ({len(r.tokens)} tokens)" for r in runs)
+        console.print(f"prompt {i + 1}/{len(texts)}: {rates}")
+
+    drafters = {f"specsample+{spec}": spec for spec in drafter or []}
+    result = bench_decode.run(texts, model, max_new_tokens, drafters, k, backend, progress)
+    table = Table(title=f"Greedy decoding, {len(texts)} prompts, up to {max_new_tokens} new tokens")
+    for column in ("system", "tokens", "tok/s", "median tok/s", "decode-only tok/s", "vs transformers", "same tokens"):
+        table.add_column(column, justify="left" if column == "system" else "right")
+    for s in result.summaries:
+        decode_rate = "" if s.decode_tokens_per_second is None else f"{s.decode_tokens_per_second:.1f}"
+        table.add_row(s.system, str(s.tokens), f"{s.tokens_per_second:.1f}", f"{s.median_tokens_per_second:.1f}",
+                      decode_rate, f"{s.speedup_vs_transformers:.2f}x", f"{s.matches_transformers}/{s.prompts}")
+    console.print(table)
+    if json_path is not None:
+        result.save(json_path)
+
+
+@app.command("run")
+def run(
+    config: Annotated[Optional[list[str]], typer.Option(
+        help="A configuration: a .toml file or 'drafter=ngram,k=4,temperature=0,...' (repeatable).")] = None,
+    prompts: Annotated[str, typer.Option(help="Spec-Bench JSONL file (question_id, category, turns).")] = "../shared/data/spec_bench/dev.jsonl",
+    limit: Annotated[Optional[int], typer.Option(help="Prompts per category (default: all).")] = None,
+    category: Annotated[Optional[list[str]], typer.Option(help="Only this category (repeatable).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2).")] = None,
+    backend: Annotated[str, typer.Option(help="Target backend of the engine: auto, fast or transformers.")] = "auto",
+    k: Annotated[Optional[str], typer.Option("--k", help="Default K (or K policy) of configurations.")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="Default temperature (built-in: 0).")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="Default top-p.")] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="Default top-k.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Default seed.")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="Default most new tokens per answer (built-in: 128).")] = None,
+    baselines: Annotated[bool, typer.Option(help="Also run transformers generate, prompt lookup and assisted generation.")] = True,
+    warmup: Annotated[int, typer.Option(help="Prompts run by every configuration before measuring.")] = 1,
+    out: Annotated[Path, typer.Option(help="Directory for results.json, table.md and plot.png.")] = Path("bench-results"),
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow a model's own Python code.")] = False,
+) -> None:
+    """Spec-Bench style run: speedup over plain decoding per category, mean accepted length, mismatches."""
+    import platform
+    import sys
+    from datetime import datetime, timezone
+
+    import torch
+
+    from specsample.bench import harness, report
+    from specsample.cli import quiet_transformers
+    from specsample.models import load_model, make_target
+
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    overrides = {"k": k, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+                 "max_new_tokens": max_new_tokens}
+    defaults, configs = harness.read_configs(config or [], overrides)
+    configs = harness.with_baselines(defaults, configs, baselines)
+    items = harness.load_prompts(prompts, limit, category or ())
+    quiet_transformers()
+    loaded = load_model(model, trust_remote_code=trust_remote_code)
+    target = make_target(loaded, backend)
+    records = harness.run(loaded, target, configs, items, warmup=warmup, trust_remote_code=trust_remote_code)
+    meta = {
+        "model": loaded.name, "backend": type(target).__name__, "prompts": prompts, "limit": limit,
+        "categories": category or [], "warmup": warmup, "reference": harness.REFERENCE,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__},
+    }
+    results = {"schema": report.SCHEMA, "meta": meta, "configs": harness.config_dicts(configs),
+               "records": harness.record_dicts(records)}
+    results["summary"] = report.summarize(results["records"], [c.name for c in configs])
+    print(report.write(results, out), end="")
+    print(f"[{len(items)} prompts, {len(configs)} configurations; results in {out}]", file=sys.stderr)
+
+
+@app.command("report")
+def report_command(
+    directory: Annotated[Path, typer.Argument(help="A `bench run --out` directory.")],
+) -> None:
+    """Re-render table.md and plot.png of a run from its results.json; print the table."""
+    from specsample.bench import report
+
+    print(report.render(report.load(directory), directory), end="")

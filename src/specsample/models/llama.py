@@ -1,0 +1,338 @@
+"""A fast target backend for the Llama family (Llama 2/3, SmolLM2, Qwen2, Mistral).
+
+These models are one decoder: RMSNorm, rotary embeddings, grouped-query
+attention and a SwiGLU MLP. On a CPU, decoding a small model is bound by
+reading the weights once per forward pass, so scoring K+1 tokens should cost
+about as much as scoring one. transformers does not get there (its forward over
+8 new tokens costs about 3 of its forwards over one); this backend does, by:
+
+- keeping weights transposed, [in, out], and multiplying with `torch.mm`, which
+  is the fast layout for a handful of rows on this kind of CPU;
+- fusing the Q, K and V projections into one matrix and gate and up into one;
+- a KV cache preallocated once, indexed by position, so rollback only sets a
+  length and appending writes into a slice (no `torch.cat`);
+- grouping the query heads that share a KV head into one batch of rows, so a
+  handful of new tokens attend over a long cache without copying K/V or
+  building more than a tiny [rows, length] mask;
+- rotary tables computed once for every position.
+
+Batch size is 1. Weights are copied from a transformers model, so logits match
+it to float32 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specsample.models import gemm
+
+SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
+# Rope types whose frequencies do not depend on the sequence length, so one
+# precomputed table serves every position.
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+DEFAULT_MAX_LENGTH = 8192
+PREFILL_CHUNK = 512  # bounds the attention mask and activations of long prompts
+
+
+class UnsupportedModel(ValueError):
+    """The model is outside what this backend reproduces exactly; use another backend."""
+
+
+@dataclass
+class Linear:
+    """A linear map in the layout of the fastest kernel available: packed panels, else [in, out]."""
+
+    weight: Tensor  # [blocks, in, 32] when packed, else [in, out]
+    bias: Tensor | None  # [out]
+    out_features: int
+    packed: bool
+
+    @classmethod
+    def from_weight(cls, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, packed: bool) -> Linear:
+        """From an nn.Linear weight [out, in] and bias [out]."""
+        bias = None if bias is None else bias.detach().to(dtype).clone()
+        if packed:
+            return cls(gemm.pack(weight), bias, weight.shape[0], True)
+        return cls(weight.detach().to(dtype).t().contiguous(), bias, weight.shape[0], False)
+
+    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """x [n, in] -> [n, out]; with `residual` [n, out], adds into it in place and returns it."""
+        if self.packed:
+            if residual is not None and self.bias is not None:
+                residual += self.bias
+            return gemm.matmul(x, self.weight, self.out_features, None if residual is not None else self.bias, residual)
+        y = torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
+        return y if residual is None else residual.add_(y)
+
+
+@dataclass
+class Layer:
+    """Weights of one decoder layer."""
+
+    attn_norm: Tensor  # [hidden]
+    qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim: q, then k, then v
+    o: Linear  # heads * head_dim -> hidden
+    mlp_norm: Tensor  # [hidden]
+    gate_up: Linear  # hidden -> 2 * intermediate: gate, then up
+    down: Linear  # intermediate -> hidden
+
+
+def rope_type(config) -> str:
+    """The rope type of a transformers config, old (`rope_scaling`) or new (`rope_parameters`) style."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def sliding_window(config) -> int | None:
+    """The attention window if the config turns one on, else None."""
+    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def unsupported_reason(config) -> str | None:
+    """Why this backend cannot reproduce `config` exactly, or None if it can."""
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return f"model type {getattr(config, 'model_type', None)!r} is not one of {sorted(SUPPORTED_MODEL_TYPES)}"
+    if rope_type(config) not in SUPPORTED_ROPE_TYPES:
+        return f"rope type {rope_type(config)!r} is not one of {sorted(SUPPORTED_ROPE_TYPES)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} is not silu"
+    if getattr(config, "mlp_bias", False):
+        return "MLP biases are not supported"
+    return None
+
+
+def supports(config) -> bool:
+    """True if `LlamaTarget.from_hf` reproduces a model with this config exactly."""
+    return unsupported_reason(config) is None
+
+
+def _copy(w: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return None if w is None else w.detach().to(dtype).clone()
+
+
+def _cat(tensors: Sequence[Tensor | None]) -> Tensor | None:
+    return None if tensors[0] is None else torch.cat([t.detach() for t in tensors])
+
+
+def _layer_from_hf(layer, dtype: torch.dtype, packed: bool) -> Layer:
+    """Fuse the weights of one transformers decoder layer into this backend's layout."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+    gate_up = (mlp.gate_proj, mlp.up_proj)
+    return Layer(
+        attn_norm=_copy(layer.input_layernorm.weight, dtype),
+        qkv=Linear.from_weight(_cat([p.weight for p in qkv]), _cat([p.bias for p in qkv]), dtype, packed),
+        o=Linear.from_weight(attn.o_proj.weight, attn.o_proj.bias, dtype, packed),
+        mlp_norm=_copy(layer.post_attention_layernorm.weight, dtype),
+        gate_up=Linear.from_weight(_cat([p.weight for p in gate_up]), None, dtype, packed),
+        down=Linear.from_weight(mlp.down_proj.weight, None, dtype, packed),
+    )
+
+
+def _rope_tables(inv_freq: Tensor, scaling: float, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and signed sin [length, head_dim] for positions 0..length-1, computed as transformers does.
+
+    The first half of sin is negated, so the rotate-half of transformers,
+    cat(-x2, x1) * sin, becomes roll(x) * signed_sin: one op instead of four.
+    """
+    positions = torch.arange(length, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq.float()[None, :]  # [length, head_dim / 2]
+    cos = freqs.cos() * scaling
+    sin = freqs.sin() * scaling
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of x [n, hidden] (one fused op, bitwise equal to transformers' float32 one)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """Rotary embedding of x [n, heads, dim] with cos, signed_sin [n, 1, dim] (rotate-half layout)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+class LlamaTarget:
+    """A Llama-family decoder with a preallocated KV cache, implementing the Target protocol.
+
+    `score` appends tokens and returns their logits; `rollback` only moves the
+    cache length. `forward` also runs a subset of the layers, so a self-speculative
+    drafter can draft with the target's own weights and cache: the layers it
+    skips leave their cache slots at those positions stale, and the target's
+    verification pass over the same positions rewrites every layer.
+    """
+
+    def __init__(
+        self,
+        layers: list[Layer],
+        embed: Tensor | None,
+        norm: Tensor,
+        lm_head: Linear,
+        cos: Tensor,
+        sin: Tensor,
+        *,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+    ) -> None:
+        self.layers = layers
+        self.embed = embed  # [vocab, hidden], or None when tied to lm_head
+        self.norm = norm  # [hidden]
+        self.lm_head = lm_head  # hidden -> vocab
+        self.cos, self.sin = cos, sin  # [max_length, head_dim]; sin signed, see _rope_tables
+        self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+        self.dtype = norm.dtype
+        self.vocab_size = lm_head.out_features
+        self.hidden_size = norm.shape[0]
+        self.max_length = cos.shape[0]
+        cache_shape = (len(layers), kv_heads, self.max_length, head_dim)
+        # Uninitialised on purpose: pages are committed as positions are written,
+        # and attention only reads positions below the length, all written.
+        self.k_cache = torch.empty(cache_shape, dtype=self.dtype)  # [layers, kv_heads, max_length, dim]
+        self.v_cache = torch.empty(cache_shape, dtype=self.dtype)
+        self._length = 0
+        self._hidden: Tensor | None = None
+
+    @classmethod
+    def from_hf(
+        cls, model, max_length: int | None = None, dtype: torch.dtype = torch.float32
+    ) -> LlamaTarget:
+        """Copy the weights of a transformers Llama/Qwen2/Mistral causal LM.
+
+        Raises UnsupportedModel when the result would not match the model, so
+        callers can fall back to the transformers backend.
+        """
+        config = model.config
+        reason = unsupported_reason(config)
+        if reason is not None:
+            raise UnsupportedModel(reason)
+        window = sliding_window(config)
+        limit = min(config.max_position_embeddings, window or config.max_position_embeddings)
+        if max_length is None:
+            max_length = min(limit, DEFAULT_MAX_LENGTH)
+        elif window is not None and max_length > window:
+            raise UnsupportedModel(f"max_length {max_length} exceeds the sliding window {window}")
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        rotary = model.model.rotary_emb
+        cos, sin = _rope_tables(rotary.inv_freq, float(rotary.attention_scaling), max_length, dtype)
+        embed_w = model.model.embed_tokens.weight
+        lm_w = model.lm_head.weight
+        tied = embed_w.data_ptr() == lm_w.data_ptr()
+        packed = dtype == torch.float32 and gemm.available()
+        with torch.inference_mode():
+            return cls(
+                [_layer_from_hf(layer, dtype, packed) for layer in model.model.layers],
+                embed=None if tied else _copy(embed_w, dtype),
+                norm=_copy(model.model.norm.weight, dtype),
+                lm_head=Linear.from_weight(lm_w, None, dtype, packed),
+                cos=cos,
+                sin=sin,
+                heads=heads,
+                kv_heads=config.num_key_value_heads,
+                head_dim=head_dim,
+                eps=config.rms_norm_eps,
+            )
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def prefill(self, token_ids: Tensor) -> None:
+        """Reset the cache and fill it with `token_ids` [n]; computes no logits."""
+        self._length = 0
+        hidden = [torch.empty(0, self.hidden_size, dtype=self.dtype)]
+        for chunk in token_ids.reshape(-1).split(PREFILL_CHUNK):
+            self.forward(chunk, logits=False)
+            hidden.append(self._hidden)
+        self._hidden = torch.cat(hidden)
+
+    def score(self, token_ids: Tensor) -> Tensor:
+        """Append `token_ids` [n]; return their logits [n, vocab] in float32."""
+        return self.forward(token_ids)
+
+    def rollback(self, length: int) -> None:
+        """Keep the first `length` positions of the cache."""
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot roll back to {length}: the cache holds {self._length}")
+        self._length = length
+
+    def hidden_states(self) -> Tensor | None:
+        """Final normed hidden states [n, hidden] of the last prefill or score call."""
+        return self._hidden
+
+    @torch.inference_mode()
+    def forward(
+        self, token_ids: Tensor, layers: Sequence[int] | None = None, logits: bool = True
+    ) -> Tensor | None:
+        """Append `token_ids` [n] running only `layers` (default: all); logits [n, vocab] or None."""
+        n = int(token_ids.shape[0])
+        start = self._length
+        if start + n > self.max_length:
+            raise ValueError(f"{start + n} positions exceed max_length {self.max_length}")
+        x = self._embed(token_ids.reshape(-1).long())  # [n, hidden]
+        if n:
+            mask = self._mask(start, n)
+            cos = self.cos[start : start + n, None]  # [n, 1, dim]
+            sin = self.sin[start : start + n, None]
+            for i in range(len(self.layers)) if layers is None else layers:
+                x = self._layer(i, x, start, mask, cos, sin)
+        self._length = start + n
+        self._hidden = _rms_norm(x, self.norm, self.eps)  # [n, hidden]
+        if not logits:
+            return None
+        return self.lm_head(self._hidden).float()  # [n, vocab]
+
+    def _embed(self, token_ids: Tensor) -> Tensor:
+        """Input embeddings [n, hidden]; a tied LM head doubles as the embedding table."""
+        if self.embed is not None:
+            return self.embed[token_ids]
+        if self.lm_head.packed:
+            return gemm.unpack_rows(self.lm_head.weight, token_ids)
+        return self.lm_head.weight.index_select(1, token_ids).t().contiguous()
+
+    def _mask(self, start: int, n: int) -> Tensor | None:
+        """Additive causal mask [groups * n, start + n] for grouped query rows; None for one token."""
+        if n == 1:
+            return None
+        keys = torch.arange(start + n)
+        queries = torch.arange(start, start + n)
+        mask = torch.zeros(n, start + n, dtype=self.dtype)
+        mask.masked_fill_(keys[None, :] > queries[:, None], float("-inf"))  # [n, start + n]
+        return mask.repeat(self.heads // self.kv_heads, 1)  # [groups * n, start + n]
+
+    def _layer(self, i: int, x: Tensor, start: int, mask: Tensor | None, cos: Tensor, sin: Tensor) -> Tensor:
+        """One decoder layer over x [n, hidden]; writes K and V of positions start.. into the cache."""
+        w = self.layers[i]
+        x = self._attention(i, _rms_norm(x, w.attn_norm, self.eps), start, mask, cos, sin, residual=x)
+        gate, up = w.gate_up(_rms_norm(x, w.mlp_norm, self.eps)).chunk(2, dim=-1)  # [n, intermediate] each
+        return w.down(F.silu(gate) * up, residual=x)
+
+    def _attention(
+        self, i: int, x: Tensor, start: int, mask: Tensor | None, cos: Tensor, sin: Tensor, residual: Tensor
+    ) -> Tensor:
+        """Attention of x [n, hidden] over the cached positions and itself, added into `residual` [n, hidden]."""
+        w = self.layers[i]
+        n, h, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = w.qkv(x)  # [n, (h + 2 kvh) d]
+        qk = _rotate(qkv[:, : (h + kvh) * d].view(n, h + kvh, d), cos, sin)  # [n, h + kvh, d]
+        q, k = qk[:, :h], qk[:, h:]  # [n, h, d], [n, kvh, d]
+        v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
+        end = start + n
+        self.k_cache[i, :, start:end] = k.transpose(0, 1)
+        self.v_cache[i, :, start:end] = v.transpose(0, 1)
+        keys = self.k_cache[i, :, :end]  # [kvh, end, d]
+        values = self.v_cache[i, :, :end]
+        groups = h // kvh
+        q = q.view(n, kvh, groups, d).permute(1, 2, 0, 3).reshape(kvh, groups * n, d)  # [kvh, groups n, d]
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]  # [kvh, groups n, d]
+        out = out.view(kvh, groups, n, d).permute(2, 0, 1, 3).reshape(n, h * d)  # [n, h d]
+        return w.o(out, residual=residual)

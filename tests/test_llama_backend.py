@@ -1,0 +1,257 @@
+"""The fast Llama-family backend reproduces transformers: logits, cache rollback, greedy decoding.
+
+Tiny random Llama, Qwen2 and Mistral models (grouped-query attention, tied and
+untied heads, biases, llama3 rope scaling) are compared with the transformers
+model they were copied from, with the packed-weight kernel and with the
+torch.mm fallback. The slow test does the same on the bundled SmolLM2.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from specsample.models import gemm, llama
+from specsample.models.llama import LlamaTarget, UnsupportedModel
+
+ATOL = 1e-4
+COMMON = dict(
+    vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2, bos_token_id=None,
+    eos_token_id=None, pad_token_id=None,
+)
+
+
+def tiny(kind: str = "llama", seed: int = 0, **overrides):
+    """A random 2-layer model of the given family, weights large enough for peaked logits."""
+    torch.manual_seed(seed)
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }[kind]
+    model = model_cls(config_cls(**{**COMMON, **overrides})).eval()
+    if kind == "qwen2":  # transformers initialises biases to zero: make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    return model
+
+
+MODELS = {
+    "llama-untied": lambda: tiny("llama", tie_word_embeddings=False),
+    "llama-tied": lambda: tiny("llama", seed=1, tie_word_embeddings=True),
+    "llama-mha-odd-sizes": lambda: tiny(
+        "llama", seed=2, hidden_size=40, num_attention_heads=5, num_key_value_heads=5, intermediate_size=72,
+        vocab_size=70, head_dim=16,
+    ),
+    "llama3-rope": lambda: tiny(
+        "llama", seed=3, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+        },
+    ),
+    "qwen2-bias": lambda: tiny("qwen2", seed=4, tie_word_embeddings=True),
+    "mistral": lambda: tiny("mistral", seed=5, sliding_window=None),
+}
+
+
+@pytest.fixture(params=[True, False], ids=["kernel", "torch-mm"])
+def packed(request, monkeypatch) -> bool:
+    """Run a test with the packed-weight kernel and again with the torch.mm fallback."""
+    if request.param and not gemm.available():
+        pytest.skip("the gemm kernel could not be built here")
+    if not request.param:
+        monkeypatch.setattr(gemm, "available", lambda: False)
+    return request.param
+
+
+@torch.inference_mode()
+def reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids[None]).logits[0].float()  # [n, vocab]
+
+
+def prompt(n: int = 23, vocab: int = 64, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy_reference(model, ids: torch.Tensor, new: int) -> torch.Tensor:
+    """transformers greedy decoding of `new` tokens after `ids` (an explicit mask: no token is padding)."""
+    with torch.inference_mode():
+        out = model.generate(
+            ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=new,
+            do_sample=False, eos_token_id=None, pad_token_id=0,
+        )
+    return out[0, len(ids):]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_score_in_chunks_matches_transformers(name, packed):
+    model = MODELS[name]()
+    ids = prompt(vocab=model.config.vocab_size)
+    ref = reference_logits(model, ids)
+    target = LlamaTarget.from_hf(model, max_length=64)
+    assert target.vocab_size == model.config.vocab_size
+    target.prefill(ids[:5])
+    assert target.length == 5
+    chunks = [target.score(ids[5:6]), target.score(ids[6:14]), target.score(ids[14:])]
+    assert target.length == len(ids)
+    torch.testing.assert_close(torch.cat(chunks), ref[5:], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias"])
+def test_rollback_and_rescore(name, packed):
+    model = MODELS[name]()
+    ids = prompt()
+    other = prompt(seed=1)
+    ref = reference_logits(model, ids)
+    target = LlamaTarget.from_hf(model, max_length=64)
+    target.prefill(ids[:10])
+    target.score(other[:7])  # rejected draft tokens
+    target.rollback(10)
+    torch.testing.assert_close(target.score(ids[10:16]), ref[10:16], rtol=0, atol=ATOL)
+    target.rollback(12)
+    torch.testing.assert_close(target.score(ids[12:]), ref[12:], rtol=0, atol=ATOL)
+    target.prefill(ids[:3])  # a new request reuses the cache
+    torch.testing.assert_close(target.score(ids[3:9]), ref[3:9], rtol=0, atol=ATOL)
+
+
+def test_prefill_in_chunks_and_hidden_states(monkeypatch):
+    model = MODELS["llama-tied"]()
+    ids = prompt(30)
+    with torch.inference_mode():
+        hidden = model.model(ids[None]).last_hidden_state[0]  # [n, hidden], after the final norm
+    ref = reference_logits(model, ids)
+    monkeypatch.setattr(llama, "PREFILL_CHUNK", 7)
+    target = LlamaTarget.from_hf(model)
+    target.prefill(ids[:-2])
+    torch.testing.assert_close(target.hidden_states(), hidden[:-2], rtol=0, atol=ATOL)
+    torch.testing.assert_close(target.score(ids[-2:]), ref[-2:], rtol=0, atol=ATOL)
+    torch.testing.assert_close(target.hidden_states(), hidden[-2:], rtol=0, atol=ATOL)
+
+
+def test_empty_prefill_and_score():
+    model = MODELS["llama-untied"]()
+    ids = prompt(6)
+    target = LlamaTarget.from_hf(model)
+    target.prefill(ids[:0])
+    assert target.length == 0 and target.hidden_states().shape == (0, 64)
+    assert target.score(ids[:0]).shape == (0, 64)
+    torch.testing.assert_close(target.score(ids), reference_logits(model, ids), rtol=0, atol=ATOL)
+
+
+def test_bounds():
+    target = LlamaTarget.from_hf(MODELS["llama-untied"](), max_length=8)
+    assert target.max_length == 8
+    target.prefill(prompt(6))
+    with pytest.raises(ValueError):
+        target.score(prompt(3))
+    with pytest.raises(ValueError):
+        target.rollback(7)
+    assert target.length == 6
+    assert LlamaTarget.from_hf(MODELS["llama-untied"]()).max_length == 128  # max_position_embeddings
+
+
+def test_forward_with_skipped_layers_equals_truncated_model():
+    model = MODELS["llama-untied"]()
+    ids = prompt(12)
+    truncated = copy.deepcopy(model)
+    truncated.model.layers = truncated.model.layers[:1]
+    truncated.config.num_hidden_layers = 1
+    target = LlamaTarget.from_hf(model)
+    target.prefill(ids[:0])
+    torch.testing.assert_close(target.forward(ids, layers=[0]), reference_logits(truncated, ids), rtol=0, atol=ATOL)
+    assert target.forward(ids[:2], logits=False) is None and target.length == 14
+
+
+@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "llama3-rope"])
+def test_greedy_decoding_is_token_identical(name, packed):
+    model = MODELS[name]()
+    ids = prompt(9, seed=3)
+    new = 24
+    ref = greedy_reference(model, ids, new)
+    target = LlamaTarget.from_hf(model)
+    target.prefill(ids[:-1])
+    logits = target.score(ids[-1:])
+    out = []
+    for _ in range(new):
+        out.append(int(logits[-1].argmax()))
+        logits = target.score(torch.tensor(out[-1:]))
+    assert out == ref.tolist()
+
+
+def test_supports():
+    assert llama.SUPPORTED_MODEL_TYPES == {"llama", "qwen2", "mistral"}
+    for name in ("llama-untied", "qwen2-bias", "mistral", "llama3-rope"):
+        assert llama.supports(MODELS[name]().config)
+    assert not llama.supports(LlamaConfig(**{**COMMON, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}))
+    assert not llama.supports(LlamaConfig(**{**COMMON, "hidden_act": "gelu"}))
+    config = LlamaConfig(**COMMON)
+    config.model_type = "gemma"
+    assert not llama.supports(config)
+    model = MODELS["llama-untied"]()
+    model.config.hidden_act = "gelu"
+    with pytest.raises(UnsupportedModel):
+        LlamaTarget.from_hf(model)
+
+
+def test_sliding_window_caps_the_context():
+    model = tiny("mistral", seed=5, sliding_window=16)
+    target = LlamaTarget.from_hf(model)
+    assert target.max_length == 16  # within the window, attention is full: still exact
+    ids = prompt(16)
+    target.prefill(ids[:4])
+    torch.testing.assert_close(target.score(ids[4:]), reference_logits(model, ids)[4:], rtol=0, atol=ATOL)
+    with pytest.raises(UnsupportedModel):
+        LlamaTarget.from_hf(model, max_length=32)
+
+
+@pytest.mark.skipif(not gemm.available(), reason="the gemm kernel could not be built here")
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 12, 13, 16, 29])
+def test_gemm_kernel(rows):
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(100, 48), torch.randn(100)  # 100 columns: a partial last panel
+    x = torch.randn(rows, 48)
+    packed = gemm.pack(weight)
+    torch.testing.assert_close(gemm.matmul(x, packed, 100), x @ weight.T, rtol=0, atol=ATOL)
+    torch.testing.assert_close(gemm.matmul(x, packed, 100, bias), x @ weight.T + bias, rtol=0, atol=ATOL)
+    acc = torch.randn(rows, 100)
+    expected = acc + x @ weight.T
+    torch.testing.assert_close(gemm.matmul(x, packed, 100, out=acc), expected, rtol=0, atol=ATOL)
+    torch.testing.assert_close(gemm.unpack_rows(packed, torch.tensor([0, 31, 32, 99])), weight[[0, 31, 32, 99]])
+
+
+@pytest.mark.slow
+def test_bundled_model_matches_transformers():
+    """SmolLM2-135M: logits reach about 30, so float32 rounding of different summation
+    orders reaches about 1e-4 absolute (1e-4 relative to the scale is far tighter than any real bug);
+    greedy decoding must be token-identical."""
+    from specsample.models.loading import load_model
+
+    loaded = load_model()
+    model, tokenizer = loaded.model, loaded.tokenizer
+    ids = torch.tensor(tokenizer("The capital of France is Paris. The capital of Italy is").input_ids)
+    ref = reference_logits(model, ids)
+    target = LlamaTarget.from_hf(model)
+    target.prefill(ids[:4])
+    ours = torch.cat([target.score(ids[4:5]), target.score(ids[5:])])
+    torch.testing.assert_close(ours, ref[4:], rtol=0, atol=1e-4 * float(ref.abs().max()))
+    expected = greedy_reference(model, ids, 24)
+    target.prefill(ids[:-1])
+    logits = target.score(ids[-1:])
+    out = []
+    for _ in range(24):
+        out.append(int(logits[-1].argmax()))
+        logits = target.score(torch.tensor(out[-1:]))
+    assert out == expected.tolist()
