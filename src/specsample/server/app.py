@@ -1,0 +1,268 @@
+"""The OpenAI-compatible HTTP API over one SpecSampler.
+
+    POST /v1/chat/completions   POST /v1/completions   (stream: server-sent events, ending in `data: [DONE]`)
+    GET  /v1/models             GET  /health           GET  /metrics (Prometheus text format)
+
+Every response carries `usage` and a `speculative` block (acceptance rate, mean
+accepted length, drafted and accepted tokens, tokens per second); a stream
+carries them in its last chunk. Errors are OpenAI-style JSON: 400 for a bad
+request, 401 for a missing or wrong API key, 503 when the queue is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from specsample.api import Chunk, Completion, SpecSampler
+from specsample.policy import KPolicy
+from specsample.server.metrics import ServerMetrics
+from specsample.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, error_body
+from specsample.server.worker import EngineWorker, InvalidRequest, Job, QueueFull
+
+log = logging.getLogger("specsample.server")
+T = TypeVar("T")
+SPECULATIVE_FIELDS = ("acceptance_rate", "mean_accepted_length", "drafted_tokens", "accepted_tokens", "steps",
+                      "tokens_per_second")
+
+
+def create_app(
+    sampler: SpecSampler,
+    *,
+    k: int | KPolicy = 4,
+    max_queue: int = 16,
+    api_key: str | None = None,
+    default_max_tokens: int = 256,
+) -> FastAPI:
+    """An app serving `sampler`; generations run one at a time, at most `max_queue` admitted."""
+    metrics = ServerMetrics()
+    worker = EngineWorker(sampler, metrics, max_queue=max_queue, k=k, default_max_tokens=default_max_tokens)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        worker.close()
+
+    app = FastAPI(title="specsample", lifespan=lifespan)
+    app.state.worker, app.state.metrics = worker, metrics
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+    add_error_handlers(app, metrics)
+    name, created = sampler.model.name, int(time.time())
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "specsample"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        messages = [m.as_message() for m in body.messages]
+        job = worker.submit(messages, True, body.stream_options(), request.url.path)
+        return await respond(request, body, job, ChatReply(name))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        job = worker.submit(body.text, False, body.stream_options(), request.url.path)
+        return await respond(request, body, job, TextReply(name))
+
+    return app
+
+
+class TextReply:
+    """The shapes of a text completion and of its stream chunks."""
+
+    object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl"
+
+    def __init__(self, model: str) -> None:
+        self.id, self.created, self.model = f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time()), model
+
+    def choice(self, completion: Completion) -> dict:
+        return {"index": 0, "text": completion.text, "finish_reason": completion.finish_reason, "logprobs": None}
+
+    def delta(self, text: str | None, finish_reason: str | None = None) -> dict:
+        return {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def response(self, completion: Completion) -> dict:
+        return {**self._head(self.object), "choices": [self.choice(completion)], **usage(completion)}
+
+    def chunk(self, text: str) -> dict:
+        return {**self._head(self.chunk_object), "choices": [self.delta(text)]}
+
+    def last_chunk(self, completion: Completion) -> dict:
+        return {**self._head(self.chunk_object), "choices": [self.delta(None, completion.finish_reason)],
+                **usage(completion)}
+
+    def _head(self, object: str) -> dict:
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model}
+
+
+class ChatReply(TextReply):
+    """The shapes of a chat completion and of its stream chunks."""
+
+    object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def choice(self, completion: Completion) -> dict:
+        message = {"role": "assistant", "content": completion.text}
+        return {"index": 0, "message": message, "finish_reason": completion.finish_reason, "logprobs": None}
+
+    def delta(self, text: str | None, finish_reason: str | None = None) -> dict:
+        delta = {} if text is None else {"content": text}
+        return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+
+    def opening(self) -> list[dict]:
+        opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+        return [{**self._head(self.chunk_object), "choices": [opening]}]
+
+
+def usage(completion: Completion) -> dict:
+    """The `usage` and `speculative` blocks of a finished generation."""
+    stats = completion.stats.to_dict()
+    prompt, generated = completion.stats.prompt_tokens, len(completion.token_ids)
+    return {
+        "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated},
+        "speculative": {key: stats[key] for key in SPECULATIVE_FIELDS},
+    }
+
+
+async def respond(request: Request, body: GenerationRequest, job: Job, reply: TextReply) -> Response:
+    """Wait for the first event (a bad prompt is still a 400), then stream or answer in one piece."""
+    try:
+        first = await unless_disconnected(request, job.next_event())
+        if body.stream:
+            return StreamingResponse(events(job, first, reply), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return JSONResponse(reply.response(await unless_disconnected(request, rest(job, first))))
+    except InvalidRequest as error:
+        return JSONResponse(error_body(str(error)), status_code=400)
+    except ClientGone:
+        job.cancel()
+        return Response(status_code=499)
+
+
+async def rest(job: Job, event: Chunk | Completion) -> Completion:
+    """The completion, after the chunks still to come."""
+    while isinstance(event, Chunk):
+        event = await job.next_event()
+    return event
+
+
+async def events(job: Job, event: Chunk | Completion, reply: TextReply) -> AsyncIterator[str]:
+    """Server-sent events of a stream; leaving early (the client went away) cancels the generation."""
+    try:
+        for chunk in reply.opening():
+            yield sse(chunk)
+        while isinstance(event, Chunk):
+            if event.text:
+                yield sse(reply.chunk(event.text))
+            event = await job.next_event()
+        yield sse(reply.last_chunk(event))
+        yield "data: [DONE]\n\n"
+    except Exception as error:  # the response has started: report in the stream, as OpenAI does
+        log.exception("stream failed")
+        yield sse(error_body(str(error), type="server_error"))
+    finally:
+        job.cancel()
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response."""
+
+
+async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`, or raise ClientGone as soon as the client disconnects."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+    if work not in done:
+        raise ClientGone()
+    return work.result()
+
+
+async def disconnect(request: Request) -> None:
+    """Return when the client disconnects (the request body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """OpenAI-style JSON errors: 400 for malformed JSON and invalid fields (FastAPI says 422)."""
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.requests.labels(request.url.path, "invalid").inc()
+        message, param = describe(exc.errors()[0])
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(QueueFull)
+    async def busy(request: Request, exc: QueueFull) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), type="server_error", code="queue_full"), status_code=503,
+                            headers={"Retry-After": "1"})
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {exc}", type="server_error"), status_code=500)
+
+
+def describe(error: dict) -> tuple[str, str | None]:
+    """A one-line message and the offending parameter of a pydantic or JSON error."""
+    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    if error["type"] == "json_invalid":
+        return f"malformed JSON: {error.get('ctx', {}).get('error', error['msg'])}", None
+    message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+    param = ".".join(loc) or None
+    return (f"{param}: {message}" if param else message), (loc[0] if loc else None)
+
+
+class BearerAuth:
+    """ASGI middleware: /v1 routes need `Authorization: Bearer <api key>` (401 otherwise)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not hmac.compare_digest(given, self.expected):
+                body = error_body("missing or incorrect API key (Authorization: Bearer ...)", code="invalid_api_key")
+                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)

@@ -1,0 +1,100 @@
+"""Request bodies of the OpenAI-compatible API, and its error body.
+
+Fields follow the OpenAI API; unknown fields are ignored so that existing
+clients work unchanged. Types are strict (a string is not a number), and the
+sampling options are checked by `SamplingParams` itself, so the server accepts
+exactly what the library and the command line accept.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from specsample.engine import check_max_new_tokens
+from specsample.sampling import SamplingParams
+from specsample.text import Message
+
+
+class GenerationRequest(BaseModel):
+    """The options shared by chat and text completions."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None  # any name is accepted: the server holds one model
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # the newer name of max_tokens in chat completions
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # not in the OpenAI API; vLLM and others accept it
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def check_options(self) -> "GenerationRequest":
+        SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
+        if self.max_new_tokens is not None:
+            check_max_new_tokens(self.max_new_tokens)
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (one completion per request), got {self.n}")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def stream_options(self) -> dict:
+        """Keyword arguments of `SpecSampler.stream`, max_new_tokens None when the client gave none."""
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return dict(
+            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=stop,
+        )
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def as_message(self) -> Message:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[str]
+
+    @model_validator(mode="after")
+    def check_prompt(self) -> "CompletionRequest":
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise ValueError(f"prompt must be a string or a list of one string, got a list of {len(self.prompt)}")
+        if not self.text.strip():
+            raise ValueError("the prompt is empty")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """An error as the OpenAI API returns it."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -1,0 +1,145 @@
+"""One engine, many requests: a bounded queue in front of a single worker thread.
+
+A SpecSampler holds one KV cache and is not thread-safe, so generations run one
+at a time on one thread. At most `max_queue` requests are admitted (running or
+waiting); more are refused at once instead of being left to time out. The
+worker hands each chunk to its request's asyncio queue through
+`call_soon_threadsafe` and checks the request's cancel flag between engine
+steps, so a client that goes away stops its generation within one step and
+frees its place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from time import perf_counter
+
+from jinja2 import TemplateError
+
+from specsample.api import Chunk, Completion, Prompt, SpecSampler
+from specsample.policy import KPolicy
+from specsample.server.metrics import ServerMetrics
+
+log = logging.getLogger("specsample.server")
+
+
+class QueueFull(Exception):
+    """Every place in the queue is taken."""
+
+
+class InvalidRequest(Exception):
+    """The engine refused the request (a prompt too long for the context window, ...)."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request as the worker runs it; its events go to the event loop that submitted it."""
+
+    prompt: Prompt
+    chat: bool
+    options: dict  # keyword arguments of SpecSampler.stream; max_new_tokens None: the server's default
+    endpoint: str
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=perf_counter)
+
+    def emit(self, event: Chunk | Completion | Exception) -> None:
+        """Called on the worker thread."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    async def next_event(self) -> Chunk | Completion:
+        """The next chunk, or the completion that ends the generation; raises what the engine raised."""
+        event = await self.events.get()
+        if isinstance(event, Exception):
+            raise event
+        return event
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        sampler: SpecSampler,
+        metrics: ServerMetrics,
+        *,
+        max_queue: int,
+        k: int | KPolicy,
+        default_max_tokens: int,
+    ) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.sampler, self.metrics = sampler, metrics
+        self.max_queue, self.k, self.default_max_tokens = max_queue, k, default_max_tokens
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specsample-engine")
+        self.jobs: set[Job] = set()  # admitted: running or waiting
+
+    def submit(self, prompt: Prompt, chat: bool, options: dict, endpoint: str) -> Job:
+        """Admit a request (on the event loop) or raise QueueFull."""
+        if len(self.jobs) >= self.max_queue:
+            self.metrics.requests.labels(endpoint, "rejected").inc()
+            raise QueueFull(f"the server is busy: all {self.max_queue} places in its queue are taken; retry later")
+        loop = asyncio.get_running_loop()
+        job = Job(prompt, chat, options, endpoint, loop)
+        self.jobs.add(job)
+        self.metrics.queue_depth.set(len(self.jobs))
+        done = loop.run_in_executor(self.executor, self._run, job)
+        done.add_done_callback(lambda _: self._release(job))
+        return job
+
+    def close(self) -> None:
+        """Stop every generation and let the worker thread end."""
+        for job in self.jobs:
+            job.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _release(self, job: Job) -> None:
+        self.jobs.discard(job)
+        self.metrics.queue_depth.set(len(self.jobs))
+
+    def _run(self, job: Job) -> None:
+        """Run one job on the worker thread and count its outcome."""
+        outcome = "cancelled"
+        try:
+            if not job.cancelled.is_set():
+                self.metrics.queue_seconds.observe(perf_counter() - job.arrived)
+                outcome = self._generate(job)
+        except (ValueError, TemplateError) as error:
+            outcome = "invalid"
+            job.emit(InvalidRequest(str(error)))
+        except Exception as error:
+            log.exception("generation failed")
+            outcome = "error"
+            job.emit(error)
+        self.metrics.requests.labels(job.endpoint, outcome).inc()
+
+    def _generate(self, job: Job) -> str:
+        options = dict(job.options)
+        if options["max_new_tokens"] is None:
+            options["max_new_tokens"] = self._default_max_tokens(job)
+        generation = self.sampler.stream(job.prompt, chat=job.chat, k=self.k, **options)
+        first = True
+        for chunk in generation:
+            if job.cancelled.is_set():
+                generation.chunks.close()  # stops the engine between two steps
+                return "cancelled"
+            if first:
+                self.metrics.first_token_seconds.observe(perf_counter() - job.arrived)
+                first = False
+            job.emit(chunk)
+        completion = generation.result()
+        self.metrics.finished(completion.stats)
+        self.metrics.request_seconds.observe(perf_counter() - job.arrived)
+        job.emit(completion)
+        return "completed"
+
+    def _default_max_tokens(self, job: Job) -> int:
+        """The server's default, cut to what the context window leaves after the prompt."""
+        prompt_tokens = len(self.sampler.encode(job.prompt, job.chat))
+        return max(1, min(self.default_max_tokens, self.sampler.target.max_length - prompt_tokens))

@@ -1,0 +1,319 @@
+"""The OpenAI-compatible server, end to end over loopback HTTP with the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from specsample import SpecSampler
+from specsample.cli import main
+from specsample.server import create_app
+
+PROMPT = "w5 w9 w7 w3"
+K = 3
+
+
+@contextmanager
+def serving(app) -> Iterator[str]:
+    """Run `app` with uvicorn on a free loopback port in a background thread; yield its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def sampler(tiny_dir, tiny_draft_dir) -> SpecSampler:
+    return SpecSampler.load(str(tiny_dir), str(tiny_draft_dir), backend="transformers")
+
+
+@pytest.fixture(scope="module")
+def base_url(sampler) -> Iterator[str]:
+    with serving(create_app(sampler, k=K, max_queue=32)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def long_dir(tiny_dir, tmp_path_factory) -> Path:
+    """The tiny target with a 4096-token context: greedy decoding runs 2000 tokens without EOS."""
+    directory = tmp_path_factory.mktemp("tiny-long") / "model"
+    shutil.copytree(tiny_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def small_server(long_dir) -> Iterator[str]:
+    """One place in the queue, an API key, and generations long enough to disconnect from."""
+    sampler = SpecSampler.load(str(long_dir), backend="transformers")
+    with serving(create_app(sampler, max_queue=1, api_key="secret")) as url:
+        yield url
+
+
+def cli_generate(capsys, *args: str) -> dict:
+    try:
+        main(["generate", *args, "--json"])
+    except SystemExit as done:
+        assert not done.code, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def metrics(base_url: str, headers: dict | None = None) -> dict[tuple, float]:
+    """Every sample of /metrics: (name, sorted labels) -> value."""
+    text = httpx.get(f"{base_url}/metrics", headers=headers).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def outcome_count(base_url: str, outcome: str) -> float:
+    return sum(v for (name, labels), v in metrics(base_url).items()
+               if name == "specsample_requests_total" and ("outcome", outcome) in labels)
+
+
+def generated_tokens(base_url: str) -> float:
+    return metrics(base_url)[("specsample_generated_tokens_total", ())]
+
+
+def stream_text(stream) -> tuple[str, object]:
+    """The text of a stream of chunks, and its last chunk."""
+    text, last = "", None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        text += (choice.delta.content or "") if hasattr(choice, "delta") else choice.text
+        last = chunk
+    return text, last
+
+
+def check_blocks(obj, completion_tokens: int) -> None:
+    """The usage and speculative blocks of a response or of a stream's last chunk."""
+    assert obj.usage.prompt_tokens == 4
+    assert obj.usage.completion_tokens == completion_tokens
+    assert obj.usage.total_tokens == 4 + completion_tokens
+    speculative = obj.model_extra["speculative"]
+    assert speculative["drafted_tokens"] > 0
+    assert 0 <= speculative["acceptance_rate"] <= 1
+    assert speculative["mean_accepted_length"] >= 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_match_generate(capsys, client, tiny_dir, tiny_draft_dir, stream):
+    expected = cli_generate(capsys, PROMPT, "--model", str(tiny_dir), "--drafter", str(tiny_draft_dir),
+                            "--k", str(K), "--backend", "transformers", "--no-chat", "--temperature", "0",
+                            "--max-new-tokens", "12")
+    response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=stream)
+    if stream:
+        text, last = stream_text(response)
+    else:
+        text, last = response.choices[0].text, response
+    assert text == expected["text"]
+    assert last.choices[0].finish_reason == expected["finish_reason"]
+    check_blocks(last, len(expected["token_ids"]))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_completions_match_generate(capsys, client, tiny_dir, stream):
+    expected = cli_generate(capsys, PROMPT, "--model", str(tiny_dir), "--backend", "transformers",
+                            "--temperature", "0", "--max-new-tokens", "10")
+    messages = [{"role": "user", "content": PROMPT}]
+    response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                              stream=stream)
+    if stream:
+        text, last = stream_text(response)
+    else:
+        text, last = response.choices[0].message.content, response
+        assert response.choices[0].message.role == "assistant"
+    assert text == expected["text"]
+    assert last.choices[0].finish_reason == expected["finish_reason"]
+    check_blocks(last, len(expected["token_ids"]))
+
+
+def test_stop_seed_and_top_p_as_the_library(client, sampler):
+    words = sampler.generate(PROMPT, max_new_tokens=12, temperature=0, chat=False).text.split()
+    stop = words[4]
+    expected = sampler.generate(PROMPT, max_new_tokens=12, temperature=0, chat=False, stop=[stop])
+    response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=stop)
+    assert response.choices[0].text == expected.text and stop not in expected.text
+    assert response.choices[0].finish_reason == "stop"
+    options = dict(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=11, chat=False, k=K)
+    expected = sampler.generate(PROMPT, **options)
+    for _ in range(2):
+        response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0.9,
+                                             top_p=0.95, seed=11)
+        assert response.choices[0].text == expected.text
+
+
+def test_models_health_and_metrics(base_url, client, tiny_dir):
+    assert [m.id for m in client.models.list()] == [str(tiny_dir)]
+    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
+    samples = metrics(base_url)
+    assert outcome_count(base_url, "completed") >= 1
+    assert samples[("specsample_generated_tokens_total", ())] >= 6
+    assert samples[("specsample_drafted_tokens_total", ())] >= samples[("specsample_accepted_tokens_total", ())]
+    assert 0 <= samples[("specsample_acceptance_rate", ())] <= 1
+    assert samples[("specsample_mean_accepted_length", ())] >= 1
+    assert samples[("specsample_request_duration_seconds_count", ())] >= 1
+    assert samples[("specsample_time_to_first_token_seconds_count", ())] >= 1
+
+
+def test_sixteen_concurrent_streams_do_not_mix(client, sampler):
+    prompts = [f"w{3 + i} w{20 + 2 * i} w{9 + i}" for i in range(16)]
+    expected = [sampler.generate(p, max_new_tokens=8, temperature=0, chat=False).text for p in prompts]
+
+    def run(prompt: str) -> str:
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        return stream_text(stream)[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        results = [future.result(timeout=120) for future in [pool.submit(run, p) for p in prompts]]
+    assert results == expected
+
+
+TOO_LONG = " ".join(["w5"] * 200)  # beyond the tiny target's 128-token context
+BAD_REQUESTS = [
+    ("/v1/completions", '{"prompt": "w5", '),
+    ("/v1/completions", "[1, 2]"),
+    ("/v1/completions", {}),
+    ("/v1/completions", {"prompt": 5}),
+    ("/v1/completions", {"prompt": ""}),
+    ("/v1/completions", {"prompt": ["w5", "w6"]}),
+    ("/v1/completions", {"prompt": "w5", "temperature": "hot"}),
+    ("/v1/completions", {"prompt": "w5", "temperature": -0.5}),
+    ("/v1/completions", {"prompt": "w5", "top_p": 0}),
+    ("/v1/completions", {"prompt": "w5", "top_p": 1.5}),
+    ("/v1/completions", {"prompt": "w5", "max_tokens": 0}),
+    ("/v1/completions", {"prompt": "w5", "max_tokens": 2.5}),
+    ("/v1/completions", {"prompt": "w5", "max_tokens": 1000}),
+    ("/v1/completions", {"prompt": "w5", "n": 2}),
+    ("/v1/completions", {"prompt": "w5", "stream": "yes"}),
+    ("/v1/completions", {"prompt": "w5", "stop": 5}),
+    ("/v1/completions", {"prompt": "w5", "seed": "x"}),
+    ("/v1/completions", {"prompt": TOO_LONG, "max_tokens": 1}),
+    ("/v1/completions", {"prompt": TOO_LONG, "stream": True}),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", {"prompt": "w5"}),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "w5"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
+    ("/v1/chat/completions", {"messages": "w5"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": TOO_LONG}], "stream": True}),
+]
+
+
+@pytest.mark.parametrize("path, body", BAD_REQUESTS)
+def test_bad_request_is_400_and_the_server_keeps_serving(base_url, client, path, body):
+    content = body if isinstance(body, str) else json.dumps(body)
+    before = outcome_count(base_url, "invalid")
+    response = httpx.post(base_url + path, content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert outcome_count(base_url, "invalid") == before + 1
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
+
+
+def wait_for(condition, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_disconnect_cancels_the_generation_and_frees_its_place(small_server):
+    auth = {"Authorization": "Bearer secret"}
+    long_request = {"prompt": PROMPT, "max_tokens": 2000, "temperature": 0}
+    cancelled, generated = outcome_count(small_server, "cancelled"), generated_tokens(small_server)
+    with httpx.Client(base_url=small_server, headers=auth, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={**long_request, "stream": True}) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()  # held: dropping the iterator would close the connection
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["text"]
+            busy = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            assert busy.status_code == 503
+            assert busy.json()["error"]["code"] == "queue_full"
+        wait_for(lambda: outcome_count(small_server, "cancelled") == cancelled + 1)
+        assert metrics(small_server)[("specsample_queue_depth", ())] == 0
+        assert generated_tokens(small_server) == generated  # it never finished
+
+        with pytest.raises(httpx.ReadTimeout):  # a client that gives up waiting on a whole response
+            httpx.post(f"{small_server}/v1/completions", json=long_request, headers=auth, timeout=1.0)
+        wait_for(lambda: outcome_count(small_server, "cancelled") == cancelled + 2)
+
+        served = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 3
+
+
+def test_api_key_is_checked(small_server):
+    url = f"{small_server}/v1"
+    for key in ("wrong", "secret2"):
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key=key, max_retries=0).models.list()
+    assert httpx.get(f"{url}/models").status_code == 401
+    good = openai.OpenAI(base_url=url, api_key="secret", max_retries=0)
+    assert good.completions.create(model="x", prompt=PROMPT, max_tokens=2, temperature=0).usage.completion_tokens == 2
+    assert httpx.get(f"{small_server}/health").status_code == 200
+
+
+@pytest.mark.parametrize("args, message", [(["--k", "many"], "k must be"), (["--max-queue", "0"], "max_queue")])
+def test_serve_bad_arguments_give_one_line_and_exit_2(capsys, tiny_dir, args, message):
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--model", str(tiny_dir), *args])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_serve_command_hands_uvicorn_an_app_on_loopback(monkeypatch, tiny_dir):
+    runs = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: runs.append((app, options)))  # instead of blocking
+    main(["serve", "--model", str(tiny_dir), "--backend", "transformers", "--port", "8765", "--api-key", "key"])
+    (app, options), = runs
+    assert options == {"host": "127.0.0.1", "port": 8765}
+    with serving(app) as url:
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT}).status_code == 401
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="key", max_retries=0)
+        assert client.completions.create(model="x", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+
+
+@pytest.mark.slow
+def test_bundled_model_chat_matches_generate(capsys):
+    question = "Name three rivers in Europe."
+    expected = cli_generate(capsys, question, "--temperature", "0", "--max-new-tokens", "16")
+    sampler = SpecSampler.load()
+    with serving(create_app(sampler)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        response = client.chat.completions.create(
+            model=sampler.model.name, messages=[{"role": "user", "content": question}], max_tokens=16, temperature=0)
+        text, last = stream_text(client.chat.completions.create(
+            model=sampler.model.name, messages=[{"role": "user", "content": question}], max_tokens=16,
+            temperature=0, stream=True))
+    assert response.choices[0].message.content == text == expected["text"]
+    assert last.usage.completion_tokens == len(expected["token_ids"])
