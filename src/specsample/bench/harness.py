@@ -1,0 +1,308 @@
+"""The Spec-Bench style harness: prompts, configurations, an interleaved runner, per-prompt records.
+
+Prompts come from a JSONL file in Spec-Bench's format (`question_id`,
+`category`, `turns`); a multi-turn prompt is fed turn by turn, each turn
+after the configuration's own earlier answers. Every configuration shares
+the one loaded target (its KV cache is per-request state, reset by prefill).
+After a warm-up, all configurations run prompt by prompt, in an order that
+rotates from one prompt to the next, so drift of the machine's speed hits
+them alike. The reference is plain decoding through the engine ("plain");
+at temperature 0 every configuration's tokens are compared with its tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from time import perf_counter
+from typing import Protocol, get_type_hints
+
+from tqdm import tqdm
+
+from specsample.api import SpecSampler
+from specsample.bench import baselines
+from specsample.bench.baselines import Output
+from specsample.drafters import REGISTRY, make_drafter
+from specsample.models import LoadedModel, Target, load_model
+from specsample.policy import parse_k
+from specsample.sampling import SamplingParams
+from specsample.text import Message
+
+DEFAULT_PROMPTS = "../shared/data/spec_bench/dev.jsonl"
+REFERENCE = "plain"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    question_id: int | str
+    category: str
+    turns: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way of decoding: the engine with a drafter and K, or a transformers baseline."""
+
+    name: str
+    kind: str = "engine"  # engine, hf-generate, hf-lookup, hf-assisted
+    drafter: str = "none"  # engine: a registered drafter or a draft model path; hf-assisted: a draft model path
+    k: str = "4"  # engine: an integer or a K policy; hf-lookup / hf-assisted: an integer
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    max_new_tokens: int = 128
+
+    @property
+    def params(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+
+@dataclass
+class Record:
+    """The figures of one answer (one turn of one prompt) under one configuration."""
+
+    config: str
+    question_id: int | str
+    category: str
+    turn: int
+    prompt_tokens: int
+    generated_tokens: int
+    wall_seconds: float
+    stats: dict | None  # Stats.to_dict() for engine configurations
+    matches_plain: bool | None = None  # at temperature 0: same tokens as plain decoding
+    mismatch_at: int | None = None  # index of the first differing token
+
+
+class Runner(Protocol):
+    def run(self, messages: Sequence[Message]) -> Output: ...
+
+
+def load_prompts(path: str | Path, limit: int | None = None, categories: Sequence[str] = ()) -> list[Prompt]:
+    """Spec-Bench prompts from a JSONL file: at most `limit` per category, optionally only `categories`."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    prompts, per_category = [], {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        prompt = parse_prompt(line, f"{path}:{number}")
+        if categories and prompt.category not in categories:
+            continue
+        seen = per_category.get(prompt.category, 0)
+        if limit is None or seen < limit:
+            prompts.append(prompt)
+            per_category[prompt.category] = seen + 1
+    if not prompts:
+        raise ValueError(f"no prompts in {path}" + (f" for categories {', '.join(categories)}" if categories else ""))
+    return prompts
+
+
+def parse_prompt(line: str, where: str) -> Prompt:
+    try:
+        row = json.loads(line)
+        turns = row["turns"]
+        if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+            raise ValueError("'turns' must be a non-empty list of strings")
+        return Prompt(row["question_id"], str(row["category"]), tuple(turns))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}: not a Spec-Bench prompt (question_id, category, turns): {e}") from None
+
+
+FIELD_TYPES = {name: hint for name, hint in get_type_hints(Config).items()}
+DEFAULTS = {f.name: f.default for f in fields(Config) if f.name not in ("name", "kind", "drafter")}
+
+
+def read_configs(specs: Sequence[str], overrides: dict) -> tuple[dict, list[Config]]:
+    """Run defaults and configurations from TOML files and `key=value,...` strings.
+
+    Precedence, lowest first: built-in defaults, a TOML file's [defaults] table,
+    `overrides` (command-line options; None means not given), each configuration's own values.
+    """
+    defaults, entries = dict(DEFAULTS), []
+    for spec in specs:
+        if spec.endswith(".toml"):
+            with open(spec, "rb") as f:
+                data = tomllib.load(f)
+            defaults.update(data.get("defaults", {}))
+            entries += data.get("config", [])
+        else:
+            entries.append(parse_pairs(spec))
+    defaults.update({key: value for key, value in overrides.items() if value is not None})
+    defaults = coerce(defaults)
+    return defaults, [make_config({**defaults, **coerce(entry)}) for entry in entries]
+
+
+def parse_pairs(spec: str) -> dict[str, str]:
+    """`drafter=ngram,k=4,temperature=0` -> a dict of strings."""
+    pairs = [item.partition("=") for item in spec.split(",") if item.strip()]
+    if not pairs or any(not sep for _, sep, _ in pairs):
+        raise ValueError(f"configuration {spec!r}: expected key=value pairs separated by commas, or a .toml file")
+    return {key.strip(): value.strip() for key, _, value in pairs}
+
+
+def coerce(entry: dict) -> dict:
+    """Values converted to the Config field types; unknown keys are an error."""
+    unknown = set(entry) - set(FIELD_TYPES)
+    if unknown:
+        raise ValueError(f"unknown configuration keys {sorted(unknown)}: expected some of {sorted(FIELD_TYPES)}")
+    out = {}
+    for key, value in entry.items():
+        kind = {"str": str, "int": int, "float": float}[FIELD_TYPES[key].__name__]
+        try:
+            out[key] = kind(value)
+        except ValueError:
+            raise ValueError(f"configuration key {key}: {value!r} is not a {kind.__name__}") from None
+    return out
+
+
+def make_config(values: dict) -> Config:
+    """A checked configuration; without a name, one made of its drafter, K and temperature."""
+    config = Config(**{"name": default_name(values), **values})
+    if config.kind not in RUNNERS:
+        raise ValueError(f"configuration {config.name}: unknown kind {config.kind!r}: expected one of {', '.join(RUNNERS)}")
+    if config.max_new_tokens < 1:
+        raise ValueError(f"configuration {config.name}: max_new_tokens must be >= 1")
+    config.params  # validates temperature, top-p, top-k
+    return config
+
+
+def default_name(values: dict) -> str:
+    """`<drafter>-k<K>` (or `<kind>-k<K>`), with `-t<temperature>` when sampling."""
+    kind = values.get("kind", "engine")
+    label = Path(values.get("drafter", "none")).name if kind == "engine" else kind
+    return f"{label}-k{values['k']}" + (f"-t{values['temperature']:g}" if values["temperature"] else "")
+
+
+def with_baselines(defaults: dict, configs: Sequence[Config], transformers: bool = True) -> list[Config]:
+    """Plain decoding first, the configurations, then transformers generate, prompt lookup and,
+    for each draft model among the configurations, assisted generation with it."""
+    reference = make_config({**defaults, "name": REFERENCE, "drafter": "none", "k": "0"})
+    extra = []
+    if transformers:
+        extra += [make_config({**defaults, "name": "hf-generate", "kind": "hf-generate"}),
+                  make_config({**defaults, "name": "hf-lookup", "kind": "hf-lookup"})]
+        drafts = {c.drafter: c for c in configs if c.kind == "engine" and is_draft_model(c.drafter)}
+        extra += [replace(c, name=f"hf-assisted-{Path(path).name}-k{c.k}", kind="hf-assisted") for path, c in drafts.items()]
+    out = [reference, *configs, *extra]
+    names = [c.name for c in out]
+    if len(set(names)) < len(names):
+        raise ValueError(f"configuration names must be unique, got {names}")
+    return out
+
+
+def is_draft_model(drafter: str) -> bool:
+    return drafter not in REGISTRY
+
+
+def engine_runner(config: Config, model: LoadedModel, target: Target, trust_remote_code: bool) -> Runner:
+    drafter = make_drafter(config.drafter, model, target, trust_remote_code=trust_remote_code)
+    return EngineRunner(SpecSampler(model, target, drafter), config)
+
+
+class EngineRunner:
+    """A SpecSampler (sharing the target with the other configurations) with a configuration's settings."""
+
+    def __init__(self, sampler: SpecSampler, config: Config) -> None:
+        self.sampler = sampler
+        self.config = config
+        self.policy = parse_k(config.k)
+
+    def run(self, messages: Sequence[Message]) -> Output:
+        c = self.config
+        start = perf_counter()
+        out = self.sampler.generate(
+            messages, max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
+            top_k=c.top_k, k=self.policy, seed=c.seed,
+        )
+        return Output(out.token_ids, out.text, out.stats.prompt_tokens, perf_counter() - start, out.stats)
+
+
+def hf_k(config: Config) -> int:
+    try:
+        return int(config.k)
+    except ValueError:
+        raise ValueError(f"configuration {config.name}: transformers needs an integer k, got {config.k!r}") from None
+
+
+RunnerFactory = Callable[[Config, LoadedModel, Target, bool], Runner]
+
+RUNNERS: dict[str, RunnerFactory] = {
+    "engine": engine_runner,
+    "hf-generate": lambda c, model, target, trust: baselines.generate_runner(model, c.params, c.max_new_tokens),
+    "hf-lookup": lambda c, model, target, trust: baselines.prompt_lookup_runner(
+        model, c.params, c.max_new_tokens, hf_k(c)),
+    "hf-assisted": lambda c, model, target, trust: baselines.assisted_runner(
+        model, c.params, c.max_new_tokens, hf_k(c), load_model(c.drafter, trust_remote_code=trust)),
+}
+
+
+def converse(runner: Runner, prompt: Prompt) -> list[Output]:
+    """Answer each turn after the earlier turns and the runner's own earlier answers."""
+    messages: list[Message] = []
+    outputs = []
+    for turn in prompt.turns:
+        messages.append({"role": "user", "content": turn})
+        out = runner.run(messages)
+        messages.append({"role": "assistant", "content": out.text})
+        outputs.append(out)
+    return outputs
+
+
+def run(
+    model: LoadedModel,
+    target: Target,
+    configs: Sequence[Config],
+    prompts: Sequence[Prompt],
+    *,
+    warmup: int = 1,
+    progress: bool = True,
+    trust_remote_code: bool = False,
+) -> list[Record]:
+    """Run every configuration on every prompt, interleaved; the first configuration is the reference."""
+    runners = {c.name: RUNNERS[c.kind](c, model, target, trust_remote_code) for c in configs}
+    for prompt in prompts[:warmup]:
+        for c in configs:
+            runners[c.name].run([{"role": "user", "content": prompt.turns[0]}])
+    records, tokens = [], {}
+    bar = tqdm(total=len(prompts) * len(configs), desc="bench", unit="run", disable=not progress)
+    for i, prompt in enumerate(prompts):
+        for c in rotated(configs, i):
+            bar.set_postfix_str(f"{prompt.category} {c.name}", refresh=False)
+            for turn, out in enumerate(converse(runners[c.name], prompt)):
+                stats = out.stats.to_dict() if out.stats is not None else None
+                records.append(Record(c.name, prompt.question_id, prompt.category, turn, out.prompt_tokens,
+                                      len(out.token_ids), out.wall_seconds, stats))
+                tokens[c.name, prompt.question_id, turn] = out.token_ids
+            bar.update(1)
+    bar.close()
+    mark_mismatches(records, tokens, {c.name: c for c in configs}, configs[0])
+    return records
+
+
+def rotated(items: Sequence, shift: int) -> list:
+    shift %= len(items)
+    return [*items[shift:], *items[:shift]]
+
+
+def mark_mismatches(records: list[Record], tokens: dict, configs: dict[str, Config], reference: Config) -> None:
+    """At temperature 0 (and the reference's max_new_tokens), compare each answer with the reference's."""
+    for r in records:
+        c = configs[r.config]
+        if not (c.temperature == reference.temperature == 0 and c.max_new_tokens == reference.max_new_tokens):
+            continue
+        ours, theirs = tokens[r.config, r.question_id, r.turn], tokens[reference.name, r.question_id, r.turn]
+        r.matches_plain = ours == theirs
+        if not r.matches_plain:
+            r.mismatch_at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+
+
+def config_dicts(configs: Sequence[Config]) -> list[dict]:
+    return [asdict(c) for c in configs]
+
+
+def record_dicts(records: Sequence[Record]) -> list[dict]:
+    return [asdict(r) for r in records]

@@ -1,0 +1,228 @@
+"""A statistical certificate that a configuration preserves the target distribution.
+
+For a few fixed contexts, sample the first two new tokens many times through
+the speculative path (the engine with the configured drafter and K) and
+compare them with the target's exact probabilities from its own forward
+passes, under the same temperature / top-p / top-k transform:
+- the first token against target_probs after the context;
+- the second token, among the samples whose first token was x, against
+  target_probs after the context and x (for the most frequent first tokens).
+Each comparison is a chi-square goodness-of-fit test over the tokens that
+carry the mass plus one remainder bucket. The verdict rejects losslessness
+when any p-value falls below alpha / (number of tests) (Bonferroni), so the
+family-wise false alarm rate is at most alpha.
+
+Each sample allows a draft of min(K, 2) tokens at its first step, so both
+tested tokens can be accepted draft tokens. `always_accept()` swaps in a
+sampler that accepts every draft token: the self-test that the check rejects it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import numpy as np
+import torch
+from scipy.stats import chisquare
+from torch import Tensor
+from tqdm import tqdm
+
+import specsample.engine as engine
+from specsample.api import SpecSampler
+from specsample.policy import KPolicy
+from specsample.sampling import SamplingParams, probs_from_logits, sample
+from specsample.stats import Stats
+from specsample.verify import Verdict
+
+ALPHA = 1e-3
+CONTEXTS = (
+    "Name a color.",
+    "Write the first word of a story about the sea.",
+    "What is the capital of France?",
+)
+MIN_CONDITIONAL_SAMPLES = 50  # fewer samples of a first token: no test of the second token after it
+
+
+def chi_square_p(observed: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square goodness of fit; cells expected below 5 are pooled into one remainder bucket.
+
+    An outcome of probability zero that was observed gives p = 0. When all the
+    mass is in one cell (greedy decoding) and every sample fell there, p = 1.
+    """
+    expected = probs / probs.sum() * observed.sum()
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        if obs[-1] > 0:
+            return 0.0
+        obs, exp = obs[:-1], exp[:-1]
+    if len(obs) == 1:
+        return 1.0
+    return float(chisquare(obs, exp).pvalue)
+
+
+@dataclass(frozen=True)
+class TokenTest:
+    context: str
+    position: str  # "first token" or "second token | first = <token>"
+    samples: int
+    p_value: float
+
+
+@dataclass
+class Certificate:
+    tests: list[TokenTest]
+    alpha: float
+    stats: Stats  # drafting and acceptance over all samples
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def threshold(self) -> float:
+        """Per-test significance level: alpha / number of tests (Bonferroni)."""
+        return self.alpha / max(1, len(self.tests))
+
+    @property
+    def rejected(self) -> bool:
+        """True when some test gives evidence that the distribution is not preserved."""
+        return any(t.p_value < self.threshold for t in self.tests)
+
+
+def certify(
+    sampler: SpecSampler,
+    policy: KPolicy,
+    params: SamplingParams,
+    *,
+    contexts: Sequence[str] = CONTEXTS,
+    samples: int = 1000,
+    seed: int = 0,
+    conditionals: int = 2,
+    chat: bool = True,
+    alpha: float = ALPHA,
+    progress: bool = False,
+) -> Certificate:
+    """Sample `samples` token pairs per context through the speculative path and test them."""
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    generator = torch.Generator().manual_seed(seed)
+    stats, tests, start = Stats(), [], perf_counter()
+    for context in contexts:
+        prompt_ids = torch.tensor(sampler.encode(context, chat), dtype=torch.long)
+        runs = tqdm(range(samples), desc=context[:24], unit="sample", leave=False, disable=not progress)
+        pairs = [sample_pair(sampler, policy, prompt_ids, params, generator, stats) for _ in runs]
+        tests += context_tests(sampler, context, prompt_ids, params, pairs, conditionals)
+    certificate = Certificate(tests, alpha, stats, perf_counter() - start)
+    if stats.drafted_tokens == 0:
+        certificate.notes.append("the drafter proposed no tokens: only plain decoding was exercised")
+    return certificate
+
+
+def sample_pair(
+    sampler: SpecSampler,
+    policy: KPolicy,
+    prompt_ids: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    stats: Stats,
+) -> tuple[int, int]:
+    """The first two new tokens of one speculative generation (no EOS stop)."""
+    steps = engine.decode(
+        sampler.target, sampler.drafter, policy, prompt_ids, params,
+        max_new_tokens=3, eos_token_ids=frozenset(), generator=generator, stats=stats,
+    )
+    tokens: list[int] = []
+    for new in steps:
+        tokens += new
+        if len(tokens) >= 2:
+            break
+    steps.close()
+    return tokens[0], tokens[1]
+
+
+def context_tests(
+    sampler: SpecSampler,
+    context: str,
+    prompt_ids: Tensor,
+    params: SamplingParams,
+    pairs: list[tuple[int, int]],
+    conditionals: int,
+) -> list[TokenTest]:
+    """The first-token test and second-token tests after the most frequent first tokens."""
+    vocab = sampler.target.vocab_size
+    first = Counter(a for a, _ in pairs)
+    tests = [TokenTest(context, "first token", len(pairs),
+                       chi_square_p(counts(first, vocab), exact_probs(sampler, prompt_ids, params)))]
+    for token, n in first.most_common(conditionals):
+        if n < MIN_CONDITIONAL_SAMPLES:
+            break
+        second = Counter(b for a, b in pairs if a == token)
+        target_probs = exact_probs(sampler, torch.cat([prompt_ids, torch.tensor([token])]), params)
+        name = sampler.model.tokenizer.decode([token])
+        tests.append(TokenTest(context, f"second token | first = {name!r}", n,
+                               chi_square_p(counts(second, vocab), target_probs)))
+    return tests
+
+
+def counts(counter: Counter, vocab: int) -> np.ndarray:
+    out = np.zeros(vocab)
+    for token, n in counter.items():
+        out[token] = n
+    return out
+
+
+def exact_probs(sampler: SpecSampler, token_ids: Tensor, params: SamplingParams) -> np.ndarray:
+    """The target's transformed next-token distribution after `token_ids` [n], from its forward pass."""
+    target = sampler.target
+    target.prefill(token_ids[:-1])
+    logits = target.score(token_ids[-1:])[-1]  # [vocab]
+    return probs_from_logits(logits, params).double().numpy()
+
+
+def accept_all(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor, generator: torch.Generator) -> Verdict:
+    """A broken sampler: accepts every draft token, then draws the bonus token."""
+    k = draft_tokens.shape[0]
+    return Verdict(k, sample(target_probs[k], generator))
+
+
+def accept_all_greedy(draft_tokens: Tensor, target_logits: Tensor) -> Verdict:
+    """A broken greedy verifier: accepts every draft token, then the target's argmax."""
+    k = draft_tokens.shape[0]
+    return Verdict(k, int(target_logits[k].argmax()))
+
+
+@contextmanager
+def always_accept() -> Iterator[None]:
+    """Within the block the engine accepts every draft token (the `check --broken` self-test)."""
+    saved = engine.rejection_sample, engine.greedy_verify
+    engine.rejection_sample, engine.greedy_verify = accept_all, accept_all_greedy
+    try:
+        yield
+    finally:
+        engine.rejection_sample, engine.greedy_verify = saved
+
+
+def render(certificate: Certificate, broken: bool = False) -> str:
+    """The p-values and the verdict as text."""
+    lines = [f"{'context':<48} {'test':<36} {'samples':>7} {'p-value':>9}"]
+    for t in certificate.tests:
+        lines.append(f"{t.context[:48]:<48} {t.position[:36]:<36} {t.samples:>7} {t.p_value:>9.3g}")
+    s = certificate.stats
+    lines.append(f"drafted tokens {s.drafted_tokens}, acceptance rate {s.acceptance_rate:.3f}, "
+                 f"{certificate.seconds:.1f} s")
+    lines += [f"note: {note}" for note in certificate.notes]
+    rule = (f"family-wise alpha {certificate.alpha:g} (Bonferroni over {len(certificate.tests)} tests: "
+            f"each p-value against {certificate.threshold:.2g})")
+    if certificate.rejected:
+        verdict = "REJECTED: the sampled tokens do not follow the target distribution"
+    else:
+        verdict = "PASS: no evidence against losslessness"
+    lines.append(f"{verdict}, {rule}")
+    if broken:
+        outcome = "works" if certificate.rejected else "FAILED: the broken sampler was not caught"
+        lines.append(f"self-test with a sampler that always accepts: {outcome}")
+    return "\n".join(lines)

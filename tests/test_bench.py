@@ -1,0 +1,118 @@
+"""The Spec-Bench harness on a tiny model and a three-prompt file: JSON, table, plot, mismatch counting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import specsample.engine as engine
+from specsample.bench import harness, report
+from specsample.check import accept_all_greedy
+from specsample.cli import main
+from specsample.models import load_model, make_target
+
+PROMPTS = [
+    {"question_id": 1, "category": "writing", "turns": ["w5 w9 w7 w3", "w4 w4 w8"]},
+    {"question_id": 2, "category": "writing", "turns": ["w12 w30 w12 w30"]},
+    {"question_id": 3, "category": "qa", "turns": ["w2 w6 w10 w14 w2 w6"]},
+]
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    return path
+
+
+def cli(capsys, *args) -> tuple[int, str, str]:
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as done:
+        code = done.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_load_prompts_limits_each_category(prompts_file):
+    prompts = harness.load_prompts(prompts_file, limit=1)
+    assert [(p.question_id, p.category, len(p.turns)) for p in prompts] == [(1, "writing", 2), (3, "qa", 1)]
+    assert [p.question_id for p in harness.load_prompts(prompts_file, categories=["writing"])] == [1, 2]
+
+
+def test_bad_prompts_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"question_id": 1, "turns": ["hi"]}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        harness.load_prompts(path)
+
+
+def test_configs_from_toml_and_pairs_with_precedence(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('[defaults]\nmax_new_tokens = 64\nk = 3\n\n[[config]]\nname = "a"\ndrafter = "ngram"\n'
+                    '\n[[config]]\ndrafter = "suffix"\nk = "auto"\ntemperature = 0.7\n')
+    defaults, configs = harness.read_configs([str(toml), "drafter=ngram,k=5"], {"max_new_tokens": 32, "seed": None})
+    assert defaults["max_new_tokens"] == 32 and defaults["k"] == "3"
+    assert [(c.name, c.drafter, c.k, c.temperature, c.max_new_tokens) for c in configs] == [
+        ("a", "ngram", "3", 0.0, 32), ("suffix-kauto-t0.7", "suffix", "auto", 0.7, 32), ("ngram-k5", "ngram", "5", 0.0, 32)]
+    names = [c.name for c in harness.with_baselines(defaults, configs)]
+    assert names[0] == harness.REFERENCE and "hf-generate" in names and "hf-lookup" in names
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("drafter=ngram,colour=red", "unknown configuration keys"),
+    ("temperature=hot", "not a float"),
+    ("drafter", "key=value"),
+    ("temperature=-1", "temperature"),
+    ("kind=vllm", "unknown kind"),
+])
+def test_bad_configurations_are_clear_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        harness.read_configs([spec], {})
+
+
+def test_bench_run_writes_json_table_and_plot(capsys, tmp_path, prompts_file, tiny_dir, tiny_draft_dir):
+    out = tmp_path / "run"
+    code, stdout, err = cli(capsys, "bench", "run", "--model", str(tiny_dir), "--prompts", str(prompts_file),
+                            "--config", f"name=draft,drafter={tiny_draft_dir},k=3", "--config", "drafter=ngram,k=2",
+                            "--max-new-tokens", "8", "--out", str(out))
+    assert code == 0, err
+    results = json.loads((out / "results.json").read_text())
+    names = [c["name"] for c in results["configs"]]
+    assert names == ["plain", "draft", "ngram-k2", "hf-generate", "hf-lookup", f"hf-assisted-{tiny_draft_dir.name}-k3"]
+    assert len(results["records"]) == len(names) * 4  # four answers: a two-turn prompt and two one-turn prompts
+    record = next(r for r in results["records"] if r["config"] == "draft")
+    for key in ("question_id", "category", "turn", "prompt_tokens", "generated_tokens", "wall_seconds", "matches_plain"):
+        assert key in record
+    assert record["stats"]["mean_accepted_length"] >= 1
+    overall = {r["config"]: r for r in results["summary"] if r["category"] == report.OVERALL}
+    assert overall["plain"]["speedup"] == pytest.approx(1.0)
+    assert all(r["checked"] == 4 and r["mismatches"] == 0 for r in overall.values())  # all greedy, all lossless
+    table = (out / "table.md").read_text()
+    assert stdout == table and "| draft |" in table and "| writing | qa | overall |" in table
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (out / "plot.png").unlink()
+    code, again, err = cli(capsys, "bench", "report", str(out))
+    assert code == 0, err
+    assert again == table and (out / "plot.png").is_file()
+
+
+def test_mismatches_are_counted_when_verification_is_broken(monkeypatch, prompts_file, tiny_dir, tiny_draft_dir):
+    loaded = load_model(tiny_dir)
+    target = make_target(loaded)
+    defaults, configs = harness.read_configs([f"name=draft,drafter={tiny_draft_dir},k=3"], {"max_new_tokens": 8})
+    configs = harness.with_baselines(defaults, configs, transformers=False)
+    monkeypatch.setattr(engine, "greedy_verify", accept_all_greedy)  # plain decoding drafts nothing: unaffected
+    records = harness.run(loaded, target, configs, harness.load_prompts(prompts_file), warmup=0, progress=False)
+    rows = {r["config"]: r for r in report.summarize(harness.record_dicts(records), [c.name for c in configs])
+            if r["category"] == report.OVERALL}
+    assert rows["plain"]["mismatches"] == 0 and rows["plain"]["checked"] == 4
+    assert rows["draft"]["mismatches"] > 0
+    assert all(r.mismatch_at is not None for r in records if r.matches_plain is False)
+
+
+def test_report_of_a_directory_without_results_is_a_clear_error(capsys, tmp_path):
+    code, _, err = cli(capsys, "bench", "report", str(tmp_path))
+    assert code == 2 and "no results.json" in err

@@ -1,0 +1,68 @@
+"""`specsample check`: the certificate passes the real sampler and rejects one that always accepts.
+
+Tiny target and draft model (vocabulary 64), fixed seeds, family-wise
+significance level ALPHA = 1e-3 (Bonferroni over the tests of a certificate).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specsample.api import SpecSampler
+from specsample.check import ALPHA, always_accept, certify, chi_square_p
+from specsample.cli import main
+from specsample.policy import FixedK
+from specsample.sampling import SamplingParams
+
+CONTEXTS = ("w5 w9 w7", "w12 w30 w2 w8")
+
+
+@pytest.fixture(scope="module")
+def sampler(tiny_dir, tiny_draft_dir):
+    return SpecSampler.load(str(tiny_dir), str(tiny_draft_dir))
+
+
+def test_chi_square_p_edge_cases():
+    probs = np.array([0.5, 0.3, 0.2, 0.0])
+    assert chi_square_p(np.array([500.0, 300, 200, 0]), probs) > 0.99
+    assert chi_square_p(np.array([500.0, 300, 199, 1]), probs) == 0.0  # an impossible token was drawn
+    assert chi_square_p(np.array([0.0, 40, 0]), np.array([0.0, 1.0, 0.0])) == 1.0  # greedy: a point mass
+    assert chi_square_p(np.array([700.0, 200, 100, 0]), probs) < ALPHA
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=5)], ids=["t1", "t0.8-top_k5"])
+def test_certificate_passes_the_sampler_and_rejects_always_accept(sampler, params):
+    good = certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=300, seed=1)
+    assert good.stats.drafted_tokens > 0 and len(good.tests) >= 3
+    assert not good.rejected, [(t.position, t.p_value) for t in good.tests]
+    with always_accept():
+        bad = certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=300, seed=1)
+    assert bad.rejected, [(t.position, t.p_value) for t in bad.tests]
+
+
+def test_greedy_certificate(sampler):
+    params = SamplingParams(0.0)
+    assert not certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=50).rejected
+    with always_accept():
+        assert certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=50).rejected
+
+
+def test_check_command_and_its_broken_self_test(capsys, tiny_dir, tiny_draft_dir):
+    args = ["check", "--model", str(tiny_dir), "--drafter", str(tiny_draft_dir), "--k", "2", "--samples", "300",
+            "--context", CONTEXTS[0], "--seed", "3"]
+    for extra, verdict in (([], "PASS"), (["--broken"], "REJECTED")):
+        try:
+            main(args + extra)
+            code = 0
+        except SystemExit as done:
+            code = done.code
+        out = capsys.readouterr().out
+        assert code == 0, out
+        assert verdict in out and "first token" in out
+
+
+def test_check_rejects_bad_arguments(capsys, tiny_dir):
+    with pytest.raises(SystemExit) as done:
+        main(["check", "--model", str(tiny_dir), "--samples", "0", "--drafter", "none"])
+    assert done.value.code == 2 and "samples" in capsys.readouterr().err
