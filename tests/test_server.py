@@ -170,6 +170,12 @@ def test_stop_seed_and_top_p_as_the_library(client, sampler):
         assert response.choices[0].text == expected.text
 
 
+def test_default_max_tokens_fills_the_context_window(client, sampler):
+    response = client.completions.create(model="tiny", prompt=PROMPT, temperature=0)  # greedy: no EOS here
+    assert response.usage.completion_tokens == sampler.target.max_length - 4
+    assert response.choices[0].finish_reason == "length"
+
+
 def test_models_health_and_metrics(base_url, client, tiny_dir):
     assert [m.id for m in client.models.list()] == [str(tiny_dir)]
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
