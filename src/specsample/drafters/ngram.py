@@ -19,7 +19,27 @@ from specsample.drafters.base import Draft
 from specsample.sampling import SamplingParams
 
 
-class NgramDrafter:
+class LookupDrafter:
+    """Shared by the drafters that look their proposal up in an index of the context:
+    subclasses provide `lookup(k)` and `extend(tokens)`."""
+
+    draft: list[int]
+
+    def propose(self, k: int, generator: torch.Generator) -> Draft:
+        self.draft = self.lookup(k)
+        return Draft(torch.tensor(self.draft, dtype=torch.long), None)
+
+    def observe(self, accepted: int, next_token: int) -> None:
+        self.extend(self.draft[:accepted] + [next_token])
+
+    def lookup(self, k: int) -> list[int]:
+        raise NotImplementedError
+
+    def extend(self, new: list[int]) -> None:
+        raise NotImplementedError
+
+
+class NgramDrafter(LookupDrafter):
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
@@ -31,13 +51,6 @@ class NgramDrafter:
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         self.tokens, self.follows, self.draft = [], {}, []
         self.extend(prompt_ids.tolist())
-
-    def propose(self, k: int, generator: torch.Generator) -> Draft:
-        self.draft = self.lookup(k)
-        return Draft(torch.tensor(self.draft, dtype=torch.long), None)
-
-    def observe(self, accepted: int, next_token: int) -> None:
-        self.extend(self.draft[:accepted] + [next_token])
 
     def lookup(self, k: int) -> list[int]:
         """Up to k tokens after the latest earlier occurrence of the longest matching suffix."""

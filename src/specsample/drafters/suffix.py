@@ -22,10 +22,9 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
 from torch import Tensor
 
-from specsample.drafters.base import Draft
+from specsample.drafters.ngram import LookupDrafter
 from specsample.sampling import SamplingParams
 
 
@@ -94,7 +93,7 @@ class SuffixTree:
         return out
 
 
-class SuffixDrafter:
+class SuffixDrafter(LookupDrafter):
     def __init__(
         self,
         depth: int = 24,
@@ -118,13 +117,6 @@ class SuffixDrafter:
         self.retire()
         self.tokens, self.active, self.draft = [], [], []
         self.extend(prompt_ids.tolist())
-
-    def propose(self, k: int, generator: torch.Generator) -> Draft:
-        self.draft = self.lookup(k)
-        return Draft(torch.tensor(self.draft, dtype=torch.long), None)
-
-    def observe(self, accepted: int, next_token: int) -> None:
-        self.extend(self.draft[:accepted] + [next_token])
 
     def lookup(self, k: int) -> list[int]:
         """The most frequent continuation of the longest suffix that occurred before with one."""
