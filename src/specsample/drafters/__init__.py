@@ -12,6 +12,7 @@ from pathlib import Path
 
 from specsample.drafters.base import Draft, Drafter
 from specsample.drafters.draft_model import DraftModelDrafter
+from specsample.drafters.head import HeadDrafter, shipped_head_dir
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.none import NoDrafter
 from specsample.drafters.suffix import SuffixDrafter
@@ -22,8 +23,14 @@ DrafterFactory = Callable[[LoadedModel, Target], Drafter]
 
 REGISTRY: dict[str, DrafterFactory] = {
     "none": lambda model, target: NoDrafter(),
+    "head": lambda model, target: HeadDrafter.load(model, target, shipped_head_dir(model)),
     "ngram": lambda model, target: NgramDrafter(),
     "suffix": lambda model, target: SuffixDrafter(),
+}
+
+# Drafters that load their weights from a directory: `--drafter NAME:PATH`.
+PATH_REGISTRY: dict[str, Callable[[LoadedModel, Target, str], Drafter]] = {
+    "head": HeadDrafter.load,
 }
 
 
@@ -31,6 +38,9 @@ def make_drafter(spec: str, model: LoadedModel, target: Target, *, trust_remote_
     """A drafter from a registered name or the path of a draft model directory or GGUF file."""
     if spec in REGISTRY:
         return REGISTRY[spec](model, target)
+    name, sep, path = spec.partition(":")
+    if sep and name in PATH_REGISTRY:
+        return PATH_REGISTRY[name](model, target, path)
     if not Path(spec).expanduser().exists():
         names = ", ".join(sorted(REGISTRY))
         raise ValueError(f"unknown drafter {spec!r}: expected one of {names}, or the path of a draft model")

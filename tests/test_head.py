@@ -1,0 +1,156 @@
+"""The head drafter: lossless and greedy-identical on a tiny target, trainable, tied to its target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import test_lossless
+from specsample.drafters import NoDrafter, make_drafter
+from specsample.drafters.head import DraftHead, HeadConfig, HeadDrafter, save_head
+from specsample.engine import decode
+from specsample.models import LoadedModel, load_model, make_target
+from specsample.policy import FixedK
+from specsample.sampling import SamplingParams
+from specsample.stats import Stats
+from specsample.train_draft import Objective, Sequence, TrainOptions, read_prompts, teacher_forced_features, train
+from test_lossless import ALPHA, VOCAB, chi_square_p, exact_distribution, sampled_counts
+
+from conftest import tiny_llama
+
+SUBSET = 12  # of VOCAB: the head cannot propose 4 of the tokens
+
+
+def tiny_loaded(model) -> LoadedModel:
+    return LoadedModel(model, None, "tiny", frozenset(), 0.0)
+
+
+def tiny_head(loaded: LoadedModel, subset: int) -> tuple[DraftHead, torch.Tensor]:
+    torch.manual_seed(0)
+    head = DraftHead(HeadConfig.for_target(loaded, vocab_subset=subset))
+    head.init_from_target(loaded.model)
+    return head.eval(), torch.arange(subset)
+
+
+def head_drafter(loaded: LoadedModel, target, subset: int = SUBSET) -> HeadDrafter:
+    head, token_ids = tiny_head(loaded, subset)
+    hf = loaded.model
+    return HeadDrafter(target, head, hf.get_input_embeddings().weight, hf.get_output_embeddings().weight, token_ids)
+
+
+def test_head_sampling_matches_target_distribution(monkeypatch):
+    """Chi-square at significance ALPHA, through test_lossless's machinery, with a subset-restricted head."""
+    model = tiny_llama(VOCAB, seed=0)
+    loaded = tiny_loaded(model)
+    target = make_target(loaded)
+    monkeypatch.setattr(test_lossless, "as_target", lambda _: target)  # the drafter reads this target's features
+    params = SamplingParams(temperature=0.8)
+    observed = sampled_counts(model, head_drafter(loaded, target), params, seed=4321)
+    p = chi_square_p(observed, exact_distribution(model, params))
+    assert p > ALPHA, f"p = {p:.2e}"
+
+
+@pytest.mark.parametrize("backend", ["fast", "transformers"])
+def test_head_greedy_output_is_the_targets(backend):
+    loaded = tiny_loaded(tiny_llama(64, seed=3))
+    prompt = torch.tensor([5, 9, 2, 33, 7])
+    outputs, stats = [], []
+    for make in (lambda t: NoDrafter(), lambda t: head_drafter(loaded, t, subset=48)):
+        target = make_target(loaded, backend)
+        stats.append(Stats())
+        steps = decode(target, make(target), FixedK(4), prompt, SamplingParams(temperature=0), max_new_tokens=40,
+                       eos_token_ids=frozenset(), generator=torch.Generator().manual_seed(0), stats=stats[-1])
+        outputs.append([t for step in steps for t in step])
+    assert outputs[0] == outputs[1]
+    assert stats[1].drafted_tokens > 0
+
+
+def test_both_backends_give_the_head_the_same_features():
+    loaded = tiny_loaded(tiny_llama(64, seed=3))
+    tokens = torch.tensor([5, 9, 2, 33, 7])
+    features = []
+    for backend in ("fast", "transformers"):
+        target = make_target(loaded, backend)
+        target.prefill(tokens)
+        features.append(target.hidden_states())
+    torch.testing.assert_close(features[0], features[1], rtol=1e-4, atol=1e-4)
+
+
+def random_sequences(loaded: LoadedModel, n: int, length: int, seed: int) -> list[Sequence]:
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randint(2, 64, (n, length), generator=generator).tolist()
+    tokens, features = teacher_forced_features(loaded, rows)
+    return [Sequence(t, f, 0) for t, f in zip(tokens.split(length), features.split(length))]
+
+
+def test_training_lowers_the_loss():
+    loaded = tiny_loaded(tiny_llama(64, seed=3))
+    sequences = random_sequences(loaded, 8, 24, seed=0)
+    head, token_ids = tiny_head(loaded, 64)
+    hf = loaded.model
+    objective = Objective(head.train(), hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach())
+    tokens = torch.stack([s.tokens for s in sequences])
+    features = torch.stack([s.features.float() for s in sequences])
+    mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.bool)
+    options = TrainOptions()
+    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss, _ = objective.loss(tokens, features, mask, options)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+@pytest.fixture(scope="module")
+def trained_dir(tiny_dir, tmp_path_factory) -> Path:
+    """A head trained end to end (generate, features, train, evaluate) for the tiny target."""
+    out = tmp_path_factory.mktemp("head")
+    prompts = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    prompts.write_text("".join(f"w{i} w{i + 3} w{i + 7}\n" for i in range(2, 30)))
+    options = TrainOptions(generate_batch=8, batch_size=4, max_new_tokens=12, vocab_subset=40, steps=6, seq_len=16,
+                           eval_every=3)
+    train(load_model(tiny_dir), read_prompts([prompts]), out, options, log=lambda _: None)
+    return out
+
+
+def test_train_writes_a_head_and_a_report(trained_dir):
+    config = json.loads((trained_dir / "head.json").read_text())
+    assert config["vocab_subset"] == 40
+    report = json.loads((trained_dir / "report.json").read_text())
+    assert [h["step"] for h in report["history"]] == [3, 6]
+    assert report["engine"]["mean_accepted_length"] >= 1.0
+
+
+def test_head_loads_for_its_own_target_only(trained_dir, tiny_dir, tiny_draft_dir):
+    own = load_model(tiny_dir)
+    assert isinstance(make_drafter(f"head:{trained_dir}", own, make_target(own)), HeadDrafter)
+    other = load_model(tiny_draft_dir)  # same shapes and vocabulary, other weights
+    with pytest.raises(ValueError, match="trained for target"):
+        make_drafter(f"head:{trained_dir}", other, make_target(other))
+
+
+def test_no_shipped_head_for_an_unknown_target(tiny_dir):
+    model = load_model(tiny_dir)
+    with pytest.raises(ValueError, match="no draft head is shipped"):
+        make_drafter("head", model, make_target(model))
+
+
+def test_read_prompts_splits_spec_bench_by_question_id(tmp_path):
+    path = tmp_path / "bench.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "turns": [f"q{i}", "again"]}) + "\n" for i in range(1, 7)))
+    assert read_prompts([path], "even") == ["q2", "q4", "q6"]
+    assert read_prompts([path], "odd") == ["q1", "q3", "q5"]
+
+
+def test_saved_head_round_trips(tmp_path):
+    loaded = tiny_loaded(tiny_llama(64, seed=3))
+    head, token_ids = tiny_head(loaded, 20)
+    save_head(tmp_path, head, token_ids)
+    drafter = HeadDrafter.load(loaded, make_target(loaded), tmp_path)
+    assert torch.equal(drafter.token_ids, token_ids)
