@@ -75,7 +75,8 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "specsample"}]}
+        card = {"id": name, "object": "model", "created": created, "owned_by": "specsample"}
+        return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
