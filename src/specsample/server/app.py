@@ -249,6 +249,8 @@ def describe(error: dict) -> tuple[str, str | None]:
     if error["type"] == "json_invalid":
         return f"malformed JSON: {error.get('ctx', {}).get('error', error['msg'])}", None
     message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+    if not loc and error["type"] != "value_error":
+        message = f"the request body must be a JSON object ({message})"
     param = ".".join(loc) or None
     return (f"{param}: {message}" if param else message), (loc[0] if loc else None)
 
