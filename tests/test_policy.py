@@ -95,3 +95,15 @@ def test_cost_model_estimates_are_reported():
 def test_cost_model_refuses_k_max_zero():
     with pytest.raises(ValueError, match="k_max"):
         CostModelK(k_max=0)
+
+
+def test_cost_model_carries_what_it_learned_into_the_next_request():
+    def after_a_request_without_acceptance(carry: float) -> CostModelK:
+        policy = CostModelK(k_max=8, carry=carry)
+        run_cost_model(policy, 40, acceptance=lambda i: 0.0, cost=lambda n: 0.010 + 0.002 * n)
+        policy.begin()
+        return policy
+
+    carried, forgotten = after_a_request_without_acceptance(0.5), after_a_request_without_acceptance(0.0)
+    assert carried.tokens_per_step[8] < forgotten.tokens_per_step[8]
+    assert carried.choose() < forgotten.choose()  # forgotten: back to the optimistic prior

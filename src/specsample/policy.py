@@ -83,7 +83,7 @@ class CostModelK:
     the expected draft length d) plus f(1 + d), the target's time to score
     1 + d positions. P(accepted >= i | K >= i) and P(drafted >= i | K >= i)
     are counted per position with exponential forgetting (`decay` per drafting
-    step, `idle_decay` per plain one), reset at each request, on top of an
+    step, `idle_decay` per plain one, `carry` at a new request), on top of an
     optimistic prior. The cost curve f(n)
     is a moving average of the measured verify seconds per n, interpolated
     between measured n and flat beyond them, so an unmeasured larger K looks
@@ -99,12 +99,16 @@ class CostModelK:
         prior_acceptance: float = 0.9,
         prior_weight: float = 0.25,
         smoothing: float = 0.2,
+        carry: float = 0.5,
     ) -> None:
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
         self.k_max, self.decay, self.idle_decay, self.smoothing = k_max, decay, idle_decay, smoothing
-        self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
+        self.prior_acceptance, self.prior_weight, self.carry = prior_acceptance, prior_weight, carry
         self.positions = np.arange(1, k_max + 1)  # draft positions i
+        self.asked = np.zeros(k_max)  # [position] decayed steps that asked for >= i tokens
+        self.drafted_ge = np.zeros(k_max)  # [position] of them, drafted >= i
+        self.accepted_ge = np.zeros(k_max)  # [position] of them, accepted >= i
         self.verify_seconds: dict[int, float] = {}  # n positions scored -> moving average of seconds
         self.draft_seconds = 0.0  # decayed totals over steps that drafted
         self.drafted_tokens = 0.0
@@ -112,9 +116,9 @@ class CostModelK:
         self.begin()
 
     def begin(self) -> None:
-        self.asked = np.zeros(self.k_max)  # [position] decayed steps that asked for >= i tokens
-        self.drafted_ge = np.zeros(self.k_max)  # [position] of them, drafted >= i
-        self.accepted_ge = np.zeros(self.k_max)  # [position] of them, accepted >= i
+        """A new prompt may suit the drafter more or less: earlier evidence counts `carry` times."""
+        for counts in (self.asked, self.drafted_ge, self.accepted_ge):
+            counts *= self.carry
         self.predict()
 
     def choose(self) -> int:
