@@ -89,7 +89,7 @@ def test_cost_model_estimates_are_reported():
     estimates = policy.estimates()
     assert estimates["policy"] == "cost-model" and estimates["k"] == policy.k
     assert estimates["target_ms"][5] == pytest.approx(10.0)
-    assert len(estimates["acceptance_by_position"]) == 4
+    assert len(estimates["p_accepted_through"]) == 4
 
 
 def test_cost_model_refuses_k_max_zero():

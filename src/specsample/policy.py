@@ -180,7 +180,7 @@ class CostModelK:
             "expected_tokens_per_second": float(self.rates[k]),
             "target_ms": {n: 1e3 * s for n, s in sorted(self.verify_seconds.items())},
             "draft_ms_per_token": 1e3 * self.seconds_per_draft_token,
-            "acceptance_by_position": np.diff(self.tokens_per_step).tolist(),
+            "p_accepted_through": np.diff(self.tokens_per_step).tolist(),  # [i - 1]: P(first i accepted | K >= i)
         }
 
 
