@@ -9,8 +9,9 @@ import pytest
 import specsample.engine as engine
 from specsample.bench import harness, report
 from specsample.check import accept_all_greedy
-from specsample.cli import main
 from specsample.models import load_model, make_target
+
+from test_cli import cli
 
 PROMPTS = [
     {"question_id": 1, "category": "writing", "turns": ["w5 w9 w7 w3", "w4 w4 w8"]},
@@ -24,16 +25,6 @@ def prompts_file(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
     return path
-
-
-def cli(capsys, *args) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as done:
-        code = done.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_load_prompts_limits_each_category(prompts_file):

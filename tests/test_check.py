@@ -9,18 +9,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specsample.api import SpecSampler
-from specsample.check import ALPHA, always_accept, certify, chi_square_p
-from specsample.cli import main
+from specsample.check import ALPHA, always_accept, certify, chi_square_p, load_sampler
 from specsample.policy import FixedK
 from specsample.sampling import SamplingParams
+
+from test_cli import cli
 
 CONTEXTS = ("w5 w9 w7", "w12 w30 w2 w8")
 
 
 @pytest.fixture(scope="module")
 def sampler(tiny_dir, tiny_draft_dir):
-    return SpecSampler.load(str(tiny_dir), str(tiny_draft_dir))
+    return load_sampler(str(tiny_dir), str(tiny_draft_dir))
 
 
 def test_chi_square_p_edge_cases():
@@ -52,17 +52,11 @@ def test_check_command_and_its_broken_self_test(capsys, tiny_dir, tiny_draft_dir
     args = ["check", "--model", str(tiny_dir), "--drafter", str(tiny_draft_dir), "--k", "2", "--samples", "300",
             "--context", CONTEXTS[0], "--seed", "3"]
     for extra, verdict in (([], "PASS"), (["--broken"], "REJECTED")):
-        try:
-            main(args + extra)
-            code = 0
-        except SystemExit as done:
-            code = done.code
-        out = capsys.readouterr().out
-        assert code == 0, out
+        code, out, err = cli(capsys, *args, *extra)
+        assert code == 0, out + err
         assert verdict in out and "first token" in out
 
 
 def test_check_rejects_bad_arguments(capsys, tiny_dir):
-    with pytest.raises(SystemExit) as done:
-        main(["check", "--model", str(tiny_dir), "--samples", "0", "--drafter", "none"])
-    assert done.value.code == 2 and "samples" in capsys.readouterr().err
+    code, _, err = cli(capsys, "check", "--model", str(tiny_dir), "--samples", "0", "--drafter", "none")
+    assert code == 2 and "samples" in err

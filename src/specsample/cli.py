@@ -113,77 +113,6 @@ def train_draft(
     steps: Annotated[int, typer.Option(help="Training steps.")] = 2000,
     batch_size: Annotated[int, typer.Option(help="Training windows per step.")] = 16,
     seq_len: Annotated[int, typer.Option(help="Positions per training window.")] = 256,
-    generate_batch: Annotated[int, typer.Option(help="Prompts per batched generate call.")] = 32,
-    max_new_tokens: Annotated[int, typer.Option(help="Longest answer the target generates per prompt.")] = 160,
-    vocab_subset: Annotated[int, typer.Option(help="Tokens the head can propose, most frequent first (0: all).")] = 8192,
-    layers: Annotated[int, typer.Option(help="Decoder blocks in the head.")] = 1,
-    unroll: Annotated[int, typer.Option(help="Training passes on the head's own predicted features.")] = 2,
-    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 1e-3,
-    eval_every: Annotated[int, typer.Option(help="Steps between held-out evaluations and checkpoints.")] = 200,
-    seed: Annotated[int, typer.Option(help="Seed of the split, the windows and the initialisation.")] = 0,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow a model's own Python code.")] = False,
-) -> None:
-    """Train a draft head for a target by self-distillation on the CPU (resumes from OUT's checkpoint)."""
-    from pathlib import Path
-
-    from specsample.models import load_model
-    from specsample.train_draft import TrainOptions, read_prompts, train
-
-    options = TrainOptions(
-        generate_batch=generate_batch, batch_size=batch_size, max_new_tokens=max_new_tokens, vocab_subset=vocab_subset,
-        layers=layers, steps=steps, seq_len=seq_len, lr=lr, unroll=unroll, eval_every=eval_every, seed=seed,
-    )
-    texts = read_prompts([Path(p) for p in prompts], question_ids)
-    quiet_transformers()
-    loaded = load_model(model, trust_remote_code=trust_remote_code)
-    report = train(loaded, texts, Path(out), options, log=lambda line: print(line, file=sys.stderr))
-    print(json.dumps({k: v for k, v in report.items() if k != "history"}))
-
-
-@app.command()
-def check(
-    model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2-135M-Instruct).")] = None,
-    drafter: Annotated[str, typer.Option(help="'none', 'ngram', 'suffix', or the path of a draft model.")] = "ngram",
-    k: Annotated[str, typer.Option("--k", help="Speculation length K, or 'auto' (cost model) or 'auto:heuristic'.")] = "4",
-    temperature: Annotated[float, typer.Option(help="Sampling temperature (0 is greedy).")] = 1.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")] = 0,
-    samples: Annotated[int, typer.Option(help="Token pairs sampled per context.")] = 1000,
-    context: Annotated[Optional[list[str]], typer.Option(help="A chat prompt to test after (repeatable; default: three built in).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the sampling.")] = 0,
-    broken: Annotated[bool, typer.Option(help="Self-test: the same check with a sampler that always accepts; it must reject.")] = False,
-    backend: Annotated[str, typer.Option(help="auto, fast or transformers.")] = "auto",
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow a model's own Python code.")] = False,
-) -> None:
-    """Certify statistically that a configuration preserves the target distribution (chi-square tests)."""
-    from contextlib import nullcontext
-
-    from specsample import check as certificate
-    from specsample.api import SpecSampler
-    from specsample.policy import parse_k
-    from specsample.sampling import SamplingParams
-
-    params = SamplingParams(temperature, top_k, top_p)
-    policy = parse_k(k)
-    quiet_transformers()
-    sampler = SpecSampler.load(model, drafter, backend=backend, trust_remote_code=trust_remote_code)
-    with certificate.always_accept() if broken else nullcontext():
-        result = certificate.certify(sampler, policy, params, contexts=context or certificate.CONTEXTS,
-                                     samples=samples, seed=seed, progress=True)
-    print(certificate.render(result, broken))
-    if result.rejected != broken:
-        raise Exit(1)
-
-
-@app.command("train-draft")
-def train_draft(
-    out: Annotated[str, typer.Option(help="Directory for the head (head.safetensors, head.json), data shards and checkpoints.")],
-    prompts: Annotated[list[str], typer.Option(help="Prompts file: .jsonl (prompt or turns) or text, one a line (repeatable).")],
-    model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2-135M-Instruct).")] = None,
-    question_ids: Annotated[str, typer.Option(help="Keep only jsonl rows with even or odd question_id (all: keep every row).")] = "all",
-    steps: Annotated[int, typer.Option(help="Training steps.")] = 2000,
-    batch_size: Annotated[int, typer.Option(help="Training windows per step.")] = 16,
-    seq_len: Annotated[int, typer.Option(help="Positions per training window.")] = 256,
     generate_batch: Annotated[int, typer.Option(help="Prompts per batched generate call.")] = 16,
     max_new_tokens: Annotated[int, typer.Option(help="Longest answer the target generates per prompt.")] = 160,
     data_minutes: Annotated[float, typer.Option(help="Stop generating data after this many minutes and train on it (0: no limit).")] = 0.0,
@@ -221,7 +150,7 @@ def check(
     temperature: Annotated[float, typer.Option(help="Sampling temperature (0 is greedy).")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")] = 0,
-    samples: Annotated[int, typer.Option(help="Token pairs sampled per context.")] = 1000,
+    samples: Annotated[int, typer.Option(help="Token pairs sampled per context.")] = 300,
     context: Annotated[Optional[list[str]], typer.Option(help="A chat prompt to test after (repeatable; default: three built in).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the sampling.")] = 0,
     broken: Annotated[bool, typer.Option(help="Self-test: the same check with a sampler that always accepts; it must reject.")] = False,

@@ -112,7 +112,7 @@ def parse_prompt(line: str, where: str) -> Prompt:
         raise ValueError(f"{where}: not a Spec-Bench prompt (question_id, category, turns): {e}") from None
 
 
-FIELD_TYPES = {name: hint for name, hint in get_type_hints(Config).items()}
+FIELD_TYPES: dict[str, type] = get_type_hints(Config)  # str, int or float
 DEFAULTS = {f.name: f.default for f in fields(Config) if f.name not in ("name", "kind", "drafter")}
 
 
@@ -151,7 +151,7 @@ def coerce(entry: dict) -> dict:
         raise ValueError(f"unknown configuration keys {sorted(unknown)}: expected some of {sorted(FIELD_TYPES)}")
     out = {}
     for key, value in entry.items():
-        kind = {"str": str, "int": int, "float": float}[FIELD_TYPES[key].__name__]
+        kind = FIELD_TYPES[key]
         try:
             out[key] = kind(value)
         except ValueError:
