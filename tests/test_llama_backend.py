@@ -21,7 +21,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specsample.models import gemm, llama
+from specsample.models import kernels, llama
 from specsample.models.llama import LlamaTarget, UnsupportedModel
 
 ATOL = 1e-4
@@ -70,10 +70,10 @@ MODELS = {
 @pytest.fixture(params=[True, False], ids=["kernel", "torch-mm"])
 def packed(request, monkeypatch) -> bool:
     """Run a test with the packed-weight kernel and again with the torch.mm fallback."""
-    if request.param and not gemm.available():
+    if request.param and not kernels.available():
         pytest.skip("the gemm kernel could not be built here")
     if not request.param:
-        monkeypatch.setattr(gemm, "available", lambda: False)
+        monkeypatch.setattr(kernels, "available", lambda: False)
     return request.param
 
 
@@ -217,19 +217,19 @@ def test_sliding_window_caps_the_context():
         LlamaTarget.from_hf(model, max_length=32)
 
 
-@pytest.mark.skipif(not gemm.available(), reason="the gemm kernel could not be built here")
+@pytest.mark.skipif(not kernels.available(), reason="the gemm kernel could not be built here")
 @pytest.mark.parametrize("rows", [0, 1, 3, 8, 12, 13, 16, 29])
 def test_gemm_kernel(rows):
     torch.manual_seed(rows)
     weight, bias = torch.randn(100, 48), torch.randn(100)  # 100 columns: a partial last panel
     x = torch.randn(rows, 48)
-    packed = gemm.pack(weight)
-    torch.testing.assert_close(gemm.matmul(x, packed, 100), x @ weight.T, rtol=0, atol=ATOL)
-    torch.testing.assert_close(gemm.matmul(x, packed, 100, bias), x @ weight.T + bias, rtol=0, atol=ATOL)
+    packed = kernels.pack(weight)
+    torch.testing.assert_close(kernels.matmul(x, packed, 100), x @ weight.T, rtol=0, atol=ATOL)
+    torch.testing.assert_close(kernels.matmul(x, packed, 100, bias), x @ weight.T + bias, rtol=0, atol=ATOL)
     acc = torch.randn(rows, 100)
     expected = acc + x @ weight.T
-    torch.testing.assert_close(gemm.matmul(x, packed, 100, out=acc), expected, rtol=0, atol=ATOL)
-    torch.testing.assert_close(gemm.unpack_rows(packed, torch.tensor([0, 31, 32, 99])), weight[[0, 31, 32, 99]])
+    torch.testing.assert_close(kernels.matmul(x, packed, 100, out=acc), expected, rtol=0, atol=ATOL)
+    torch.testing.assert_close(kernels.unpack_rows(packed, torch.tensor([0, 31, 32, 99])), weight[[0, 31, 32, 99]])
 
 
 @pytest.mark.slow

@@ -1,22 +1,25 @@
-"""A matrix multiply for a handful of rows against packed float32 weights.
+"""Two CPU kernels for decoding a few tokens: a small-row matrix multiply and attention.
 
 Decoding multiplies 1 to 16 activation rows by weight matrices far larger than
 the caches, so its speed is the speed of streaming the weights from memory.
 MKL's sgemm is tuned for large matrices: on a small CPU it reads the weights
-at half the memory bandwidth for one row and gets slower with every row added,
-so scoring 8 tokens costs 2 to 3 times scoring one. This kernel reads each
+at about half the memory bandwidth for one row and gets slower with every row
+added, so scoring 8 tokens costs 2 to 3 times scoring one. `matmul` reads each
 weight once, in the order it lies in memory, and keeps up to 12 rows of
-results in vector registers, so 12 rows cost about what one does.
+results in vector registers, so 12 rows cost about what one does. Weights are
+packed in panels of 32 output columns, [blocks, in, 32]: one panel is a
+contiguous stream, and the 32 columns are two AVX-512 registers.
 
-Weights are packed in panels of 32 output columns, [blocks, in, 32]: one panel
-is a contiguous stream, and the 32 columns are two AVX-512 registers. The C++
-source is compiled on first use with the system compiler (`g++`/`c++`,
--march=native, OpenMP) into the user's cache and loaded with ctypes; without a
-compiler, or with SPECSAMPLE_NO_KERNELS=1, `available()` is False and callers
-fall back to `torch.mm`. Sums run in a different order than MKL's, so results
-differ from it by float32 rounding only.
+`attention` does in one call what takes about 25 small torch ops per layer
+(rotary embedding, cache writes, grouped-query attention); at 1 to 16 tokens
+their dispatch overhead, not their arithmetic, is what costs.
+
+The C++ source is compiled on first use with the system compiler (`g++`/`c++`,
+-O3 -march=native, OpenMP: the libgomp torch already loaded) into the user's
+cache and loaded with ctypes; without a compiler, or with
+SPECSAMPLE_NO_KERNELS=1, `available()` is False and callers use torch ops.
+Sums run in another order than MKL's, so results differ by float32 rounding.
 """
-
 from __future__ import annotations
 
 import ctypes
@@ -82,6 +85,147 @@ extern "C" void specsample_gemm(const float* x, long M, long K, long ldx, const 
     }
   }
 }
+
+typedef int v16i __attribute__((vector_size(64)));
+
+// exp(x) of 16 lanes, x <= 0: 2^k * p(r) with x = k ln2 + r, |r| <= ln2 / 2, p of degree 7
+// (relative error below float32 rounding).
+static inline v16 exp16(v16 x) {
+  x = x < -87.0f ? (v16){} - 87.0f : x;
+  v16 k = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
+  v16 r = x - k * 0.693145752f - k * 1.42860677e-6f;
+  v16 p = 1.0f / 5040 + r * (1.0f / 40320);
+  p = 1.0f / 720 + r * p;
+  p = 1.0f / 120 + r * p;
+  p = 1.0f / 24 + r * p;
+  p = 1.0f / 6 + r * p;
+  p = 0.5f + r * p;
+  p = 1.0f + r * p;
+  p = 1.0f + r * p;
+  v16i bits = (__builtin_convertvector(k, v16i) + 127) << 23;
+  return p * (v16)bits;
+}
+
+// o[0:d] = sum over i < len of p[i] * scale * v[i, 0:d], accumulators in registers for d = 16 NV.
+template <int NV>
+static void weighted_sum_v(const float* p, float scale, const float* v, long len, float* o) {
+  v16 acc[NV] = {};
+  for (long i = 0; i < len; i++)
+    for (int u = 0; u < NV; u++) acc[u] += (p[i] * scale) * *(const v16u*)(v + i * NV * 16 + u * 16);
+  for (int u = 0; u < NV; u++) *(v16u*)(o + u * 16) = acc[u];
+}
+
+static void weighted_sum(const float* p, float scale, const float* v, long len, long d, float* o) {
+  if (d == 64) return weighted_sum_v<4>(p, scale, v, len, o);
+  if (d == 128) return weighted_sum_v<8>(p, scale, v, len, o);
+  for (long j = 0; j < d; j++) o[j] = 0;
+  for (long i = 0; i < len; i++)
+    for (long j = 0; j < d; j++) o[j] += (p[i] * scale) * v[i * d + j];
+}
+
+// One layer's attention for n new tokens at positions start..start+n-1.
+// qkv [n, (heads + 2 kv_heads) d]: q and k are rotated in place (x cos + roll(x, d/2) signed_sin,
+// cos and sin [n, d]); keys [kv_heads, d, cap] (transposed: 16 positions are one vector) and
+// values [kv_heads, cap, d] get positions start.. written and 0..start+n-1 read, cap a multiple
+// of 16 and not of 1024 (rows of keys a power of two apart would share cache sets); out [n, heads d]. Query head h reads KV head h / (heads / kv_heads); token t sees
+// positions 0..start+t.
+static void attention(float* qkv, long n, long heads, long kv_heads, long d, const float* cos,
+                      const float* sin, float* keys, float* values, long cap, long start, float* out) {
+  long width = (heads + 2 * kv_heads) * d, groups = heads / kv_heads, half = d / 2;
+  for (long t = 0; t < n; t++) {
+    float* row = qkv + t * width;
+    const float *c = cos + t * d, *s = sin + t * d;
+    for (long h = 0; h < heads + kv_heads; h++) {
+      float x[1024], *y = row + h * d;
+      memcpy(x, y, d * sizeof(float));
+      for (long j = 0; j < half; j++) y[j] = x[j] * c[j] + x[j + half] * s[j];
+      for (long j = half; j < d; j++) y[j] = x[j] * c[j] + x[j - half] * s[j];
+    }
+    for (long g = 0; g < kv_heads; g++) {
+      for (long j = 0; j < d; j++) keys[(g * d + j) * cap + start + t] = row[(heads + g) * d + j];
+      memcpy(values + (g * cap + start + t) * d, row + (heads + kv_heads + g) * d, d * sizeof(float));
+    }
+  }
+  long end = start + n;
+  float scale = 1.0f / __builtin_sqrtf((float)d);
+#pragma omp parallel if (n * heads * end * d >= 500000)
+  {
+    float* scores = new float[(end + 15) / 16 * 16];
+#pragma omp for schedule(static)
+    for (long job = 0; job < n * heads; job++) {
+      long t = job / heads, h = job % heads, g = h / groups, len = start + t + 1, blocks = (len + 15) / 16;
+      const float* q = qkv + t * width + h * d;
+      const float* kt = keys + g * d * cap;
+      v16 top = (v16){} - __builtin_inff();
+      for (long b = 0; b < blocks; b++) {
+        v16 acc = {};
+        for (long j = 0; j < d; j++) acc += q[j] * *(const v16u*)(kt + j * cap + b * 16);
+        acc *= scale;
+        if (b == blocks - 1)  // lanes past len are not positions of this token
+          for (int l = (int)(len - b * 16); l < 16; l++) acc[l] = -__builtin_inff();
+        *(v16u*)(scores + b * 16) = acc;
+        top = acc > top ? acc : top;
+      }
+      float m = top[0];
+      for (int l = 1; l < 16; l++) m = top[l] > m ? top[l] : m;
+      v16 sum = {};
+      for (long b = 0; b < blocks; b++) {
+        v16 e = exp16(*(v16u*)(scores + b * 16) - m);
+        *(v16u*)(scores + b * 16) = e;
+        sum += e;
+      }
+      float total = 0;
+      for (int l = 0; l < 16; l++) total += sum[l];
+      float inv = 1.0f / total;
+      weighted_sum(scores, inv, values + g * cap * d, len, d, out + t * heads * d + h * d);
+    }
+    delete[] scores;
+  }
+}
+
+static void rms_norm(const float* x, const float* w, long M, long n, float eps, float* y) {
+  for (long m = 0; m < M; m++) {
+    const float* row = x + m * n;
+    float acc[16] = {0}, sum = 0;
+    long j = 0;
+    for (; j + 16 <= n; j += 16)
+      for (int l = 0; l < 16; l++) acc[l] += row[j + l] * row[j + l];
+    for (; j < n; j++) sum += row[j] * row[j];
+    for (int l = 0; l < 16; l++) sum += acc[l];
+    float r = 1.0f / __builtin_sqrtf(sum / n + eps);
+    for (j = 0; j < n; j++) y[m * n + j] = w[j] * (row[j] * r);
+  }
+}
+
+// Weights and cache of one decoder layer; matrices packed as by `pack`.
+struct Layer {
+  long hidden, heads, kv_heads, d, inter, cap;
+  float eps;
+  const float *attn_norm, *mlp_norm, *wqkv, *bqkv, *wo, *bo, *wgu, *wdown, *cos, *sin;
+  float *keys, *values;
+};
+
+// One decoder layer over x [M, hidden] (the residual stream, updated in place) at positions
+// start..start+M-1. scratch holds M (hidden + (heads + 2 kv_heads) d + heads d + 3 inter) floats.
+extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, float* scratch) {
+  long H = L->hidden, qkv_width = (L->heads + 2 * L->kv_heads) * L->d, att_width = L->heads * L->d;
+  long I = L->inter;
+  float *h = scratch, *qkv = h + M * H, *att = qkv + M * qkv_width, *gu = att + M * att_width;
+  float* act = gu + M * 2 * I;
+  rms_norm(x, L->attn_norm, M, H, L->eps, h);
+  specsample_gemm(h, M, H, H, L->wqkv, qkv_width, qkv, qkv_width, L->bqkv, 0);
+  attention(qkv, M, L->heads, L->kv_heads, L->d, L->cos + start * L->d, L->sin + start * L->d,
+            L->keys, L->values, L->cap, start, att);
+  specsample_gemm(att, M, att_width, att_width, L->wo, H, x, H, L->bo, 1);
+  rms_norm(x, L->mlp_norm, M, H, L->eps, h);
+  specsample_gemm(h, M, H, H, L->wgu, 2 * I, gu, 2 * I, 0, 0);
+  for (long m = 0; m < M; m++)
+    for (long j = 0; j < I; j++) {
+      float g = gu[m * 2 * I + j];
+      act[m * I + j] = g / (1.0f + __builtin_expf(-g)) * gu[m * 2 * I + I + j];
+    }
+  specsample_gemm(act, M, I, I, L->wdown, H, x, H, 0, 1);
+}
 """
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
@@ -133,6 +277,9 @@ def _library() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                    ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
     fn.restype = None
+    fn = lib.specsample_layer
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    fn.restype = None
     return lib
 
 
@@ -168,3 +315,34 @@ def matmul(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = N
         out.data_ptr(), out.stride(0), None if bias is None else bias.data_ptr(), int(add),
     )
     return out
+
+
+def capacity(length: int) -> int:
+    """Cache capacity for `length` positions: a multiple of 16 plus 16, so that rows of the
+    transposed keys are never a power of two apart (they would fall into the same cache sets)."""
+    return -(-length // 16) * 16 + 16
+
+
+class LayerArgs(ctypes.Structure):
+    """The C `Layer`: pointers into tensors that the caller keeps alive."""
+
+    _fields_ = [(name, ctypes.c_long) for name in ("hidden", "heads", "kv_heads", "d", "inter", "cap")] + [
+        ("eps", ctypes.c_float)
+    ] + [(name, ctypes.c_void_p) for name in (
+        "attn_norm", "mlp_norm", "wqkv", "bqkv", "wo", "bo", "wgu", "wdown", "cos", "sin", "keys", "values"
+    )]
+
+
+def scratch_size(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> int:
+    """Floats of scratch `layer` needs per token."""
+    return hidden + (2 * heads + 2 * kv_heads) * head_dim + 3 * intermediate
+
+
+def layer(args: LayerArgs, x: Tensor, start: int, scratch: Tensor) -> None:
+    """One decoder layer over the residual stream x [n, hidden] (updated in place) at positions start..
+
+    In one call: RMSNorm, the fused QKV product, rotary embedding, K/V written into the
+    cache, causal grouped-query attention, the output projection added into x, RMSNorm,
+    the fused gate/up product, SiLU(gate) * up and the down projection added into x.
+    """
+    _library().specsample_layer(ctypes.addressof(args), x.data_ptr(), x.shape[0], start, scratch.data_ptr())

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specsample.models import gemm
+from specsample.models import kernels
 
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
 # Rope types whose frequencies do not depend on the sequence length, so one
@@ -57,7 +57,7 @@ class Linear:
         """From an nn.Linear weight [out, in] and bias [out]."""
         bias = None if bias is None else bias.detach().to(dtype).clone()
         if packed:
-            return cls(gemm.pack(weight), bias, weight.shape[0], True)
+            return cls(kernels.pack(weight), bias, weight.shape[0], True)
         return cls(weight.detach().to(dtype).t().contiguous(), bias, weight.shape[0], False)
 
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
@@ -65,7 +65,7 @@ class Linear:
         if self.packed:
             if residual is not None and self.bias is not None:
                 residual += self.bias
-            return gemm.matmul(x, self.weight, self.out_features, None if residual is not None else self.bias, residual)
+            return kernels.matmul(x, self.weight, self.out_features, None if residual is not None else self.bias, residual)
         y = torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
         return y if residual is None else residual.add_(y)
 
@@ -190,14 +190,23 @@ class LlamaTarget:
         self.cos, self.sin = cos, sin  # [max_length, head_dim]; sin signed, see _rope_tables
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
         self.dtype = norm.dtype
+        self.kernels = lm_head.packed  # packed weights go with the C++ kernels, attention included
         self.vocab_size = lm_head.out_features
         self.hidden_size = norm.shape[0]
         self.max_length = cos.shape[0]
-        cache_shape = (len(layers), kv_heads, self.max_length, head_dim)
         # Uninitialised on purpose: pages are committed as positions are written,
         # and attention only reads positions below the length, all written.
-        self.k_cache = torch.empty(cache_shape, dtype=self.dtype)  # [layers, kv_heads, max_length, dim]
-        self.v_cache = torch.empty(cache_shape, dtype=self.dtype)
+        # The attention kernel wants keys transposed, 16 positions to a vector.
+        capacity = kernels.capacity(self.max_length)
+        layers_kv = (len(layers), kv_heads)
+        if self.kernels:
+            self.k_cache = torch.empty(*layers_kv, head_dim, capacity, dtype=self.dtype)  # [layers, kv_heads, dim, cap]
+        else:
+            self.k_cache = torch.empty(*layers_kv, capacity, head_dim, dtype=self.dtype)  # [layers, kv_heads, cap, dim]
+        self.v_cache = torch.empty(*layers_kv, capacity, head_dim, dtype=self.dtype)  # [layers, kv_heads, cap, dim]
+        intermediate = layers[0].gate_up.out_features // 2 if layers else 0
+        self._scratch_per_token = kernels.scratch_size(self.hidden_size, heads, kv_heads, head_dim, intermediate)
+        self._kernel_layers = [self._kernel_args(i) for i in range(len(layers))] if self.kernels else []
         self._length = 0
         self._hidden: Tensor | None = None
 
@@ -227,7 +236,7 @@ class LlamaTarget:
         embed_w = model.model.embed_tokens.weight
         lm_w = model.lm_head.weight
         tied = embed_w.data_ptr() == lm_w.data_ptr()
-        packed = dtype == torch.float32 and gemm.available()
+        packed = dtype == torch.float32 and kernels.available()
         with torch.inference_mode():
             return cls(
                 [_layer_from_hf(layer, dtype, packed) for layer in model.model.layers],
@@ -280,23 +289,44 @@ class LlamaTarget:
             raise ValueError(f"{start + n} positions exceed max_length {self.max_length}")
         x = self._embed(token_ids.reshape(-1).long())  # [n, hidden]
         if n:
-            mask = self._mask(start, n)
-            cos = self.cos[start : start + n, None]  # [n, 1, dim]
-            sin = self.sin[start : start + n, None]
-            for i in range(len(self.layers)) if layers is None else layers:
-                x = self._layer(i, x, start, mask, cos, sin)
+            layer_ids = range(len(self.layers)) if layers is None else layers
+            if self.kernels:
+                scratch = torch.empty(n * self._scratch_per_token, dtype=torch.float32)
+                for i in layer_ids:
+                    kernels.layer(self._kernel_layers[i], x, start, scratch)
+            else:
+                mask = self._mask(start, n)
+                cos = self.cos[start : start + n, None]  # [n, 1, dim]
+                sin = self.sin[start : start + n, None]
+                for i in layer_ids:
+                    x = self._layer(i, x, start, mask, cos, sin)
         self._length = start + n
         self._hidden = _rms_norm(x, self.norm, self.eps)  # [n, hidden]
         if not logits:
             return None
         return self.lm_head(self._hidden).float()  # [n, vocab]
 
+    def _kernel_args(self, i: int) -> kernels.LayerArgs:
+        """Pointers to layer i's packed weights and cache, for `kernels.layer`."""
+        w = self.layers[i]
+
+        def ptr(t: Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        return kernels.LayerArgs(
+            hidden=self.hidden_size, heads=self.heads, kv_heads=self.kv_heads, d=self.head_dim,
+            inter=w.gate_up.out_features // 2, cap=self.v_cache.shape[2], eps=self.eps,
+            attn_norm=ptr(w.attn_norm), mlp_norm=ptr(w.mlp_norm), wqkv=ptr(w.qkv.weight), bqkv=ptr(w.qkv.bias),
+            wo=ptr(w.o.weight), bo=ptr(w.o.bias), wgu=ptr(w.gate_up.weight), wdown=ptr(w.down.weight),
+            cos=ptr(self.cos), sin=ptr(self.sin), keys=ptr(self.k_cache[i]), values=ptr(self.v_cache[i]),
+        )
+
     def _embed(self, token_ids: Tensor) -> Tensor:
         """Input embeddings [n, hidden]; a tied LM head doubles as the embedding table."""
         if self.embed is not None:
             return self.embed[token_ids]
         if self.lm_head.packed:
-            return gemm.unpack_rows(self.lm_head.weight, token_ids)
+            return kernels.unpack_rows(self.lm_head.weight, token_ids)
         return self.lm_head.weight.index_select(1, token_ids).t().contiguous()
 
     def _mask(self, start: int, n: int) -> Tensor | None:
