@@ -62,6 +62,12 @@ MODELS = {
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
         },
     ),
+    "yarn-rope": lambda: tiny(
+        "llama", seed=6, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        },
+    ),
+    "linear-rope": lambda: tiny("llama", seed=7, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
     "qwen2-bias": lambda: tiny("qwen2", seed=4, tie_word_embeddings=True),
     "mistral": lambda: tiny("mistral", seed=5, sliding_window=None),
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -54,7 +55,7 @@ def cost_curve(
         table.add_column(f"{curve.backend} f(n)/f(1)", justify="right")
     for i, n in enumerate(curves[0].ns):
         table.add_row(str(n), *[cell for c in curves for cell in (f"{c.ms[i]:.1f}", f"{c.ratios[i]:.2f}")])
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 120).print(table)
     if json_path is not None:
         json_path.write_text(json.dumps({"model": loaded.name, "curves": [c.to_dict() for c in curves]}, indent=2))
 
@@ -81,7 +82,7 @@ def decode(
     if limit < 1 or max_new_tokens < 1 or k < 1:
         raise ValueError("--limit, --max-new-tokens and --k must be positive")
     texts = bench_decode.read_prompts(prompts or bench_decode.DEFAULT_PROMPTS, limit)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)
     _quiet()
 
     def progress(i: int, runs: list) -> None:
@@ -91,8 +92,9 @@ def decode(
     drafters = {f"specsample+{spec}": spec for spec in drafter or []}
     result = bench_decode.run(texts, model, max_new_tokens, drafters, k, backend, progress)
     table = Table(title=f"Greedy decoding, {len(texts)} prompts, up to {max_new_tokens} new tokens")
-    for column in ("system", "tokens", "tok/s", "median tok/s", "decode-only tok/s", "vs transformers", "same tokens"):
-        table.add_column(column, justify="left" if column == "system" else "right")
+    table.add_column("system", no_wrap=True)
+    for column in ("tokens", "tok/s", "median tok/s", "decode tok/s", "speedup", "same tokens"):
+        table.add_column(column, justify="right")
     for s in result.summaries:
         decode_rate = "" if s.decode_tokens_per_second is None else f"{s.decode_tokens_per_second:.1f}"
         table.add_row(s.system, str(s.tokens), f"{s.tokens_per_second:.1f}", f"{s.median_tokens_per_second:.1f}",

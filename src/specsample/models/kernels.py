@@ -29,6 +29,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from functools import cache
 from pathlib import Path
 
@@ -259,19 +260,21 @@ def _compile(compiler: str, target: Path) -> None:
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernel, building it on first use; None where that is impossible or disabled."""
+    """The compiled kernels, built on first use; None where that is impossible or disabled."""
     if os.environ.get("SPECSAMPLE_NO_KERNELS") or platform.system() != "Linux":
         return None
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         return None
     key = hashlib.sha256("\0".join([SOURCE, *FLAGS, compiler, _cpu_id()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"gemm-{key}.so"
+    target = _cache_dir() / f"kernels-{key}.so"
     try:
         if not target.is_file():
             _compile(compiler, target)
         lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.CalledProcessError):
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", b"") or str(error).encode()
+        warnings.warn(f"specsample: C++ kernels unavailable, using torch ops: {detail.decode()[-500:]}", stacklevel=2)
         return None
     fn = lib.specsample_gemm
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
