@@ -50,6 +50,8 @@ def test_configs_from_toml_and_pairs_with_precedence(tmp_path):
         ("a", "ngram", "3", 0.0, 32), ("suffix-kauto-t0.7", "suffix", "auto", 0.7, 32), ("ngram-k5", "ngram", "5", 0.0, 32)]
     names = [c.name for c in harness.with_baselines(defaults, configs)]
     assert names[0] == harness.REFERENCE and "hf-generate" in names and "hf-lookup" in names
+    baselines = {c.name: c for c in harness.with_baselines({**defaults, "k": "auto"}, configs)}
+    assert baselines["hf-lookup"].k == "4"  # transformers takes an integer K: the built-in default
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -154,7 +154,7 @@ def coerce(entry: dict) -> dict:
         kind = FIELD_TYPES[key]
         try:
             out[key] = kind(value)
-        except ValueError:
+        except (TypeError, ValueError):
             raise ValueError(f"configuration key {key}: {value!r} is not a {kind.__name__}") from None
     return out
 
@@ -183,10 +183,12 @@ def with_baselines(defaults: dict, configs: Sequence[Config], transformers: bool
     reference = make_config({**defaults, "name": REFERENCE, "drafter": "none", "k": "0"})
     extra = []
     if transformers:
+        k = fixed_k(defaults["k"])
         extra += [make_config({**defaults, "name": "hf-generate", "kind": "hf-generate"}),
-                  make_config({**defaults, "name": "hf-lookup", "kind": "hf-lookup"})]
+                  make_config({**defaults, "name": "hf-lookup", "kind": "hf-lookup", "k": k})]
         drafts = {c.drafter: c for c in configs if c.kind == "engine" and is_draft_model(c.drafter)}
-        extra += [replace(c, name=f"hf-assisted-{Path(path).name}-k{c.k}", kind="hf-assisted") for path, c in drafts.items()]
+        extra += [replace(c, name=f"hf-assisted-{Path(path).name}-k{fixed_k(c.k)}", kind="hf-assisted", k=fixed_k(c.k))
+                  for path, c in drafts.items()]
     out = [reference, *configs, *extra]
     names = [c.name for c in out]
     if len(set(names)) < len(names):
@@ -194,8 +196,13 @@ def with_baselines(defaults: dict, configs: Sequence[Config], transformers: bool
     return out
 
 
+def fixed_k(k: str) -> str:
+    """K for a transformers baseline: the configuration's K where it is an integer, else the built-in default."""
+    return k if k.isdigit() else DEFAULTS["k"]
+
+
 def is_draft_model(drafter: str) -> bool:
-    return drafter not in REGISTRY
+    return drafter not in REGISTRY and Path(drafter).expanduser().exists()
 
 
 def engine_runner(config: Config, model: LoadedModel, target: Target, trust_remote_code: bool) -> Runner:
