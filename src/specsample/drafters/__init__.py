@@ -13,8 +13,10 @@ from pathlib import Path
 from specsample.drafters.base import Draft, Drafter
 from specsample.drafters.draft_model import DraftModelDrafter
 from specsample.drafters.head import HeadDrafter, shipped_head_dir
+from specsample.drafters.layerskip import LayerSkipDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.none import NoDrafter
+from specsample.drafters.quantized import quantized_drafter
 from specsample.drafters.suffix import SuffixDrafter
 from specsample.models import LoadedModel, Target, load_model, make_target
 
@@ -26,6 +28,8 @@ REGISTRY: dict[str, DrafterFactory] = {
     "head": lambda model, target: HeadDrafter.load(model, target, shipped_head_dir(model)),
     "ngram": lambda model, target: NgramDrafter(),
     "suffix": lambda model, target: SuffixDrafter(),
+    "layerskip": LayerSkipDrafter.load,
+    "quantized": quantized_drafter,
 }
 
 # Drafters that load their weights from a directory: `--drafter NAME:PATH`.

@@ -1,0 +1,88 @@
+"""The `layerskip` drafter: lossless, greedy output identical to transformers generate, and a
+calibration that leaves the shared cache as it found it.
+
+The chi-square test reuses test_lossless.py's machinery (N_SAMPLES samples,
+significance level ALPHA) on a 4-layer tiny target whose drafter skips its
+two middle layers; the drafter shares the target's KV cache, so the engine
+is handed that same target.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import test_lossless as lossless
+from specsample.drafters import LayerSkipDrafter, make_drafter
+from specsample.engine import decode
+from specsample.models import TransformersTarget
+from specsample.models.loading import LoadedModel
+from specsample.policy import CostModelK, FixedK
+from specsample.sampling import SamplingParams
+from specsample.stats import Stats
+from test_lossless_drafters import GREEDY_PROMPT, GREEDY_VOCAB, check_it_drafts
+
+from conftest import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def deep_model():
+    return tiny_llama(lossless.VOCAB, seed=0, init_scale=lossless.INIT_SCALE, layers=4)
+
+
+def test_layerskip_keeps_the_target_distribution(deep_model, monkeypatch):
+    target = lossless.as_target(deep_model)
+    monkeypatch.setattr(lossless, "as_target", lambda model: target)  # the drafter drafts in this target's cache
+    params = lossless.PARAMS["t0.7-top_p0.9"]
+    check_it_drafts(deep_model, LayerSkipDrafter(target, deep_model, skip=[1, 2]), FixedK(lossless.K), params)
+    observed = lossless.sampled_counts(deep_model, LayerSkipDrafter(target, deep_model, skip=[1, 2]), params, seed=99)
+    p = lossless.chi_square_p(observed, lossless.exact_distribution(deep_model, params))
+    assert p > lossless.ALPHA, f"layerskip: p = {p:.2e}"
+
+
+def generate_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
+    """transformers' own greedy decoding: the reference."""
+    mask = torch.ones(1, prompt.shape[0], dtype=torch.long)
+    out = model.generate(prompt[None], attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, prompt.shape[0] :].tolist()
+
+
+def greedy_with(name: str, model, policy, stats: Stats) -> list[int]:
+    """Greedy decoding through the engine with the registered drafter `name` on the fast backend."""
+    loaded = LoadedModel(model, None, "tiny", frozenset(), 0.0)
+    target = lossless.as_target(model)
+    steps = decode(
+        target, make_drafter(name, loaded, target), policy, GREEDY_PROMPT, SamplingParams(temperature=0),
+        max_new_tokens=60, eos_token_ids=frozenset(), generator=torch.Generator().manual_seed(0), stats=stats,
+    )
+    return [t for step in steps for t in step]
+
+
+@pytest.mark.parametrize("policy", [lambda: FixedK(3), CostModelK])
+def test_greedy_output_is_transformers_generate(policy):
+    model = tiny_llama(GREEDY_VOCAB, seed=3, layers=4)
+    stats = Stats()
+    assert greedy_with("layerskip", model, policy(), stats) == generate_greedy(model, GREEDY_PROMPT, 60)
+    assert stats.drafted_tokens > 0
+
+
+def test_calibration_leaves_the_cache_as_it_found_it():
+    """After calibrating, the target continues exactly as if nothing had run in its cache."""
+    model = tiny_llama(GREEDY_VOCAB, seed=3, layers=6)
+    target = lossless.as_target(model)
+    target.prefill(GREEDY_PROMPT[:-1])
+    expected = target.score(GREEDY_PROMPT[-1:])
+    target.prefill(GREEDY_PROMPT[:-1])
+    drafter = LayerSkipDrafter(target, model)
+    drafter.begin(GREEDY_PROMPT, SamplingParams(temperature=0))
+    assert target.length == GREEDY_PROMPT.shape[0] - 1
+    assert torch.equal(target.score(GREEDY_PROMPT[-1:]), expected)
+    assert drafter.skip and all(0 < i < 5 for i in drafter.skip)  # first and last layers are kept
+    assert drafter.skip in {c.skip for c in drafter.candidates}
+
+
+def test_the_transformers_backend_is_refused():
+    model = tiny_llama(GREEDY_VOCAB, seed=3, layers=4)
+    with pytest.raises(ValueError, match="layerskip needs the fast backend"):
+        LayerSkipDrafter(TransformersTarget(model), model)
+
