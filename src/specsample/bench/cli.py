@@ -120,7 +120,7 @@ def run(
     seed: Annotated[Optional[int], typer.Option(help="Default seed.")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Default most new tokens per answer (built-in: 128).")] = None,
     baselines: Annotated[bool, typer.Option(help="Also run transformers generate, prompt lookup and assisted generation.")] = True,
-    warmup: Annotated[int, typer.Option(help="Prompts run by every configuration before measuring.")] = 1,
+    warmup: Annotated[int, typer.Option(help="Warm-up generations of every configuration (on a prompt not measured).")] = 1,
     out: Annotated[Path, typer.Option(help="Directory for results.json, table.md and plot.png.")] = Path("bench-results"),
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model's own Python code.")] = False,
 ) -> None:

@@ -4,7 +4,9 @@ Prompts come from a JSONL file in Spec-Bench's format (`question_id`,
 `category`, `turns`); a multi-turn prompt is fed turn by turn, each turn
 after the configuration's own earlier answers. Every configuration shares
 the one loaded target (its KV cache is per-request state, reset by prefill).
-After a warm-up, all configurations run prompt by prompt, in an order that
+After a warm-up on a prompt of its own (a measured prompt would let drafters
+that remember earlier requests, such as `suffix`, learn its answer), all
+configurations run prompt by prompt, in an order that
 rotates from one prompt to the next, so drift of the machine's speed hits
 them alike. The reference is plain decoding through the engine ("plain");
 at temperature 0 every configuration's tokens are compared with its tokens.
@@ -33,6 +35,7 @@ from specsample.text import Message
 
 DEFAULT_PROMPTS = "../shared/data/spec_bench/dev.jsonl"
 REFERENCE = "plain"
+WARMUP_PROMPT = "Explain in a few sentences why the sky is blue."
 
 
 @dataclass(frozen=True)
@@ -271,9 +274,9 @@ def run(
 ) -> list[Record]:
     """Run every configuration on every prompt, interleaved; the first configuration is the reference."""
     runners = {c.name: RUNNERS[c.kind](c, model, target, trust_remote_code) for c in configs}
-    for prompt in prompts[:warmup]:
+    for _ in range(warmup):
         for c in configs:
-            runners[c.name].run([{"role": "user", "content": prompt.turns[0]}])
+            runners[c.name].run([{"role": "user", "content": WARMUP_PROMPT}])
     records, tokens = [], {}
     bar = tqdm(total=len(prompts) * len(configs), desc="bench", unit="run", disable=not progress)
     for i, prompt in enumerate(prompts):
