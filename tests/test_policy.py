@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from specsample.policy import CostModelK, FixedK, HeuristicK, parse_k
@@ -107,3 +108,12 @@ def test_cost_model_carries_what_it_learned_into_the_next_request():
     carried, forgotten = after_a_request_without_acceptance(0.5), after_a_request_without_acceptance(0.0)
     assert carried.tokens_per_step[8] < forgotten.tokens_per_step[8]
     assert carried.choose() < forgotten.choose()  # forgotten: back to the optimistic prior
+
+
+def test_one_fast_step_at_a_rare_n_does_not_make_the_cost_curve_flat():
+    policy = CostModelK(k_max=8)
+    for drafted, seconds, times in [(0, 0.010, 20), (3, 0.012, 5), (8, 0.004, 1)]:
+        for _ in range(times):
+            policy.observe(step(drafted, 0, verify_seconds=seconds))
+    f = policy.target_seconds(np.array([1.0, 4.0, 9.0]))
+    assert f[0] > 0.009 and f[0] <= f[1] <= f[2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
+from scipy.optimize import isotonic_regression
 
 from specsample.stats import Step
 
@@ -84,11 +85,11 @@ class CostModelK:
     1 + d positions. P(accepted >= i | K >= i) and P(drafted >= i | K >= i)
     are counted per position with exponential forgetting (`decay` per drafting
     step, `idle_decay` per plain one, `carry` at a new request), on top of an
-    optimistic prior. The cost curve f(n)
-    is a moving average of the measured verify seconds per n, interpolated
-    between measured n and flat beyond them, so an unmeasured larger K looks
-    cheap and gets tried; f(1) is measured by a plain first step. K = 0, plain
-    decoding, wins when drafting does not pay.
+    optimistic prior. The cost curve f(n) is a moving average of the measured
+    verify seconds per n, made nondecreasing, interpolated between measured n
+    and flat beyond them, so an unmeasured larger K looks cheap and gets
+    tried; f(1) is measured by a plain first step. K = 0, plain decoding, wins
+    when drafting does not pay.
     """
 
     def __init__(
@@ -110,6 +111,7 @@ class CostModelK:
         self.drafted_ge = np.zeros(k_max)  # [position] of them, drafted >= i
         self.accepted_ge = np.zeros(k_max)  # [position] of them, accepted >= i
         self.verify_seconds: dict[int, float] = {}  # n positions scored -> moving average of seconds
+        self.verify_count: dict[int, int] = {}  # n positions scored -> steps measured
         self.draft_seconds = 0.0  # decayed totals over steps that drafted
         self.drafted_tokens = 0.0
         self.k = k_max
@@ -131,6 +133,7 @@ class CostModelK:
         n = step.drafted + 1
         old = self.verify_seconds.get(n, step.verify_seconds)
         self.verify_seconds[n] = old + self.smoothing * (step.verify_seconds - old)
+        self.verify_count[n] = self.verify_count.get(n, 0) + 1
         for counts in (self.asked, self.drafted_ge, self.accepted_ge):
             counts *= self.decay if self.k else self.idle_decay
         if self.k == 0:
@@ -164,11 +167,17 @@ class CostModelK:
         """f(n) at (fractional) n: the measured seconds, interpolated; 1.0 before any measurement."""
         if not self.verify_seconds:
             return np.ones_like(n)
+        measured, curve = self.cost_curve()
+        return np.interp(n, measured, curve)
+
+    def cost_curve(self) -> tuple[list[int], np.ndarray]:
+        """The measured n and f(n) there: a longer pass never costs less than a shorter one, so the
+        moving averages are fitted by a nondecreasing curve, each weighted by its number of
+        measurements (up to 10), so that one noisy step at a rarely used n moves little."""
         measured = sorted(self.verify_seconds)
         seconds = np.array([self.verify_seconds[m] for m in measured])
-        # A longer pass never costs less than a shorter one: a dip at a larger n lowers the smaller ones.
-        floor = np.minimum.accumulate(seconds[::-1])[::-1]
-        return np.interp(n, measured, floor)
+        weights = np.array([min(self.verify_count[m], 10) for m in measured], dtype=float)
+        return measured, isotonic_regression(seconds, weights=weights).x
 
     def estimates(self) -> dict:
         k = self.k
@@ -178,7 +187,7 @@ class CostModelK:
             "expected_tokens_per_step": float(self.tokens_per_step[k]),
             "expected_draft_length": float(self.draft_length[k]),
             "expected_tokens_per_second": float(self.rates[k]),
-            "target_ms": {n: 1e3 * s for n, s in sorted(self.verify_seconds.items())},
+            "target_ms": {n: 1e3 * float(f) for n, f in zip(*self.cost_curve())} if self.verify_seconds else {},
             "draft_ms_per_token": 1e3 * self.seconds_per_draft_token,
             "p_accepted_through": np.diff(self.tokens_per_step).tolist(),  # [i - 1]: P(first i accepted | K >= i)
         }
