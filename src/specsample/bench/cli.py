@@ -13,8 +13,13 @@ app = typer.Typer(
 )
 
 
-def _quiet() -> None:
+def _setup(threads: int | None) -> None:
+    """Quiet transformers; set the number of CPU threads if asked."""
+    import torch
     from transformers.utils import logging
+
+    if threads is not None:
+        torch.set_num_threads(threads)
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
@@ -27,6 +32,7 @@ def cost_curve(
     max_n: Annotated[int, typer.Option(help="Largest number of new tokens per pass.")] = 16,
     repeats: Annotated[int, typer.Option(help="Repetitions; each f(n) is their median.")] = 7,
     backends: Annotated[str, typer.Option(help="Comma-separated Target backends: fast, transformers.")] = "fast,transformers",
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: torch's, one per core).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
 ) -> None:
     """f(n)/f(1): the cost of one forward pass over n new tokens, for n = 1..max_n."""
@@ -42,7 +48,7 @@ def cost_curve(
     names = [b.strip() for b in backends.split(",") if b.strip()]
     if max_n < 1 or context_length < 1 or repeats < 1 or not names:
         raise ValueError("--max-n, --context-length and --repeats must be positive, --backends non-empty")
-    _quiet()
+    _setup(threads)
     loaded = load_model(model)
     text = "\n".join(read_prompts(DEFAULT_PROMPTS)) if DEFAULT_PROMPTS.is_file() else "The quick brown fox. " * 64
     ids = cc.context_tokens(loaded.tokenizer, text, context_length + max_n)
@@ -71,6 +77,7 @@ def decode(
         "path, or 'self' for the target as its own draft model.")] = None,
     k: Annotated[int, typer.Option("--k", help="Speculation length for --drafter runs.")] = 4,
     backend: Annotated[str, typer.Option(help="Target backend of the engine: auto, fast or transformers.")] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: torch's, one per core).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
 ) -> None:
     """Greedy decoding tokens/s: our engine against transformers generate, prompt by prompt."""
@@ -83,7 +90,7 @@ def decode(
         raise ValueError("--limit, --max-new-tokens and --k must be positive")
     texts = bench_decode.read_prompts(prompts or bench_decode.DEFAULT_PROMPTS, limit)
     console = Console(width=None if sys.stdout.isatty() else 120)
-    _quiet()
+    _setup(threads)
 
     def progress(i: int, runs: list) -> None:
         rates = ", ".join(f"{r.system} {r.tokens_per_second:.1f} tok/s ({len(r.tokens)} tokens)" for r in runs)
