@@ -12,8 +12,7 @@ import torch
 
 import test_lossless as lossless
 from test_lossless import models  # noqa: F401  (the fixture: target and draft model)
-from specsample.drafters import DraftModelDrafter
-from specsample.drafters.quantized import quantized_drafter
+from specsample.drafters.quantized import QuantizedDrafter, quantized_drafter
 from specsample.models.llama import Linear
 from specsample.models.loading import LoadedModel
 from specsample.models.quantize import Int8Linear, int8_target
@@ -28,7 +27,7 @@ from conftest import tiny_llama
 def test_quantized_keeps_the_target_distribution(models):
     target_model, _ = models
     params = lossless.PARAMS["t1"]
-    observed = lossless.sampled_counts(target_model, DraftModelDrafter(int8_target(target_model)), params, seed=77)
+    observed = lossless.sampled_counts(target_model, QuantizedDrafter(int8_target(target_model)), params, seed=77)
     p = lossless.chi_square_p(observed, lossless.exact_distribution(target_model, params))
     assert p > lossless.ALPHA, f"quantized: p = {p:.2e}"
 
