@@ -10,9 +10,10 @@ results in vector registers, so 12 rows cost about what one does. Weights are
 packed in panels of 32 output columns, [blocks, in, 32]: one panel is a
 contiguous stream, and the 32 columns are two AVX-512 registers.
 
-`attention` does in one call what takes about 25 small torch ops per layer
-(rotary embedding, cache writes, grouped-query attention); at 1 to 16 tokens
-their dispatch overhead, not their arithmetic, is what costs.
+`layer` runs a whole decoder layer in one call: the four products, and what
+takes about 40 small torch ops (norms, rotary embedding, cache writes,
+grouped-query attention, SwiGLU), whose dispatch overhead, not arithmetic, is
+what they cost at 1 to 16 tokens.
 
 The C++ source is compiled on first use with the system compiler (`g++`/`c++`,
 -O3 -march=native, OpenMP: the libgomp torch already loaded) into the user's
@@ -37,6 +38,7 @@ import torch
 from torch import Tensor
 
 BLOCK = 32  # output columns per panel
+MAX_HEAD_DIM = 1024  # rotary embedding works on a stack copy of one head
 
 SOURCE = r"""
 #include <string.h>
@@ -251,7 +253,7 @@ def _compile(compiler: str, target: Path) -> None:
     """Build the shared library into `target`, atomically (concurrent builds are harmless)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = Path(tmp) / "gemm.cpp"
+        source = Path(tmp) / "kernels.cpp"
         source.write_text(SOURCE)
         library = Path(tmp) / target.name
         subprocess.run([compiler, *FLAGS, str(source), "-o", str(library)], check=True, capture_output=True)
@@ -287,7 +289,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """True if the kernel is built (or buildable) and loaded."""
+    """True if the kernels are built (or buildable) and loaded."""
     return _library() is not None
 
 

@@ -239,7 +239,7 @@ class LlamaTarget:
         embed_w = model.model.embed_tokens.weight
         lm_w = model.lm_head.weight
         tied = embed_w.data_ptr() == lm_w.data_ptr()
-        packed = dtype == torch.float32 and kernels.available()
+        packed = dtype == torch.float32 and head_dim <= kernels.MAX_HEAD_DIM and kernels.available()
         with torch.inference_mode():
             return cls(
                 [_layer_from_hf(layer, dtype, packed) for layer in model.model.layers],
