@@ -7,6 +7,7 @@ significance level ALPHA = 1e-3 (Bonferroni over the tests of a certificate).
 from __future__ import annotations
 
 import numpy as np
+import torch
 import pytest
 
 from specsample.check import ALPHA, always_accept, certify, chi_square_p, load_sampler
@@ -60,3 +61,19 @@ def test_check_command_and_its_broken_self_test(capsys, tiny_dir, tiny_draft_dir
 def test_check_rejects_bad_arguments(capsys, tiny_dir):
     code, _, err = cli(capsys, "check", "--model", str(tiny_dir), "--samples", "0", "--drafter", "none")
     assert code == 2 and "samples" in err
+
+
+def test_prefix_cache_gives_the_same_logits_as_a_fresh_prefill(tiny_dir):
+    from specsample.check import PrefixCache
+    from specsample.models import load_model, make_target
+
+    loaded = load_model(tiny_dir)
+    cached, fresh = PrefixCache(make_target(loaded)), make_target(loaded)
+    prefix, tail = torch.tensor([5, 9, 7, 3]), torch.tensor([12, 30])
+    cached.prefill(prefix)
+    cached.score(torch.tensor([40, 41, 42]))
+    cached.prefill(prefix)  # answered by rolling back
+    assert cached.reused and cached.length == len(prefix)
+    fresh.prefill(prefix)
+    assert torch.equal(cached.hidden_states(), fresh.hidden_states())  # what drafters reading features see
+    assert torch.allclose(cached.score(tail), fresh.score(tail))

@@ -92,6 +92,11 @@ class PrefixCache:
     def hidden_states(self) -> Tensor | None:
         return self.prefix_hidden if self.reused else self.target.hidden_states()
 
+    def __getattr__(self, name: str):
+        """A backend's extras (layerskip runs the target's `forward` over a subset of its `layers`)."""
+        self.reused = False  # they may change the cache and the hidden states
+        return getattr(self.target, name)
+
 
 def load_sampler(
     model: str | None, drafter: str, *, backend: str = "auto", trust_remote_code: bool = False
