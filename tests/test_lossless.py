@@ -16,9 +16,9 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import specsample.engine as engine
+from specsample.check import accept_all, chi_square_p
 from specsample.drafters import DraftModelDrafter
 from specsample.drafters.base import Draft
 from specsample.models import make_target
@@ -113,17 +113,6 @@ def sampled_counts(target_model, drafter, params: SamplingParams, seed: int) -> 
     return out
 
 
-def chi_square_p(observed: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-square goodness of fit; cells expected below 5 are pooled into one remainder bucket."""
-    expected = probs / probs.sum() * observed.sum()
-    big = expected >= 5
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return float(chisquare(obs, exp).pvalue)
-
-
 def make_drafter(kind: str, draft_model):
     inner = DraftModelDrafter(as_target(draft_model))
     return inner if kind == "draft-model" else PointMassDrafter(inner)
@@ -139,12 +128,6 @@ def test_speculative_sampling_matches_target_distribution(models, kind, name):
     assert p > ALPHA, f"{kind} {name}: p = {p:.2e}"
 
 
-def accept_everything(draft_tokens, draft_probs, target_probs, generator) -> Verdict:
-    """A broken sampler: accepts every draft token, then draws the bonus token."""
-    k = draft_tokens.shape[0]
-    return Verdict(k, sample(target_probs[k], generator))
-
-
 def reject_without_residual(draft_tokens, draft_probs, target_probs, generator) -> Verdict:
     """A broken sampler: right acceptance test, but recovers from target_probs instead of the residual."""
     k = draft_tokens.shape[0]
@@ -155,7 +138,7 @@ def reject_without_residual(draft_tokens, draft_probs, target_probs, generator) 
     return Verdict(accepted, sample(target_probs[accepted], generator))
 
 
-@pytest.mark.parametrize("broken", [accept_everything, reject_without_residual])
+@pytest.mark.parametrize("broken", [accept_all, reject_without_residual])
 def test_broken_sampler_is_rejected(models, monkeypatch, broken):
     target_model, draft_model = models
     params = PARAMS["t1"]
