@@ -206,8 +206,11 @@ class Batcher:
         return tokens, features, mask
 
     def window(self, s: Sequence) -> tuple[Tensor, Tensor]:
+        """A window inside the answer where it can be: position prompt_length - 2 predicts the first
+        answer token's feature, and only answers are drafted (the fixed chat template is not)."""
         span = min(self.seq_len + 1, len(s.tokens))
-        start = int(torch.randint(len(s.tokens) - span + 1, (1,), generator=self.generator))
+        first = min(max(0, s.prompt_length - 2), len(s.tokens) - span)
+        start = first + int(torch.randint(len(s.tokens) - span - first + 1, (1,), generator=self.generator))
         return s.tokens[start : start + span], s.features[start : start + span]
 
 
@@ -248,7 +251,7 @@ class Objective:
     def accepted_length(self, sequences: list[Sequence], k: int = EVAL_K) -> float:
         """Estimated greedy mean accepted length at K = k (bonus token included) on `sequences`.
 
-        Drafting step j from a context ending at position m is right when the
+        Anchors are the answer's positions. Drafting step j from a context ending at position m is right when the
         predictions of passes 1..j at positions m..m + j - 1 all match the
         target's argmax token.
         """
@@ -267,7 +270,8 @@ class Objective:
             for j in range(k):
                 chain &= right[j, j : j + anchors]
                 length += chain.float()
-            counted, total = counted + anchors, total + float(length.sum())
+            answer = length[max(0, s.prompt_length - 2) :]  # drafting happens in the answer only
+            counted, total = counted + answer.numel(), total + float(answer.sum())
         return total / max(counted, 1)
 
 
@@ -307,7 +311,7 @@ def train(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
-        bar.set_postfix(loss=f"{float(loss):.3f}")
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
         if (step + 1) % options.eval_every == 0 or step + 1 == options.steps:
             history.append(evaluate(objective, eval_set, step + 1, options))
             log(json.dumps(history[-1]))
