@@ -97,7 +97,7 @@ class CostModelK:
         k_max: int = 16,
         decay: float = 0.9,
         idle_decay: float = 0.98,
-        prior_acceptance: float = 0.9,
+        prior_acceptance: float = 0.7,
         prior_weight: float = 0.25,
         smoothing: float = 0.2,
         carry: float = 0.5,
@@ -107,9 +107,11 @@ class CostModelK:
         self.k_max, self.decay, self.idle_decay, self.smoothing = k_max, decay, idle_decay, smoothing
         self.prior_acceptance, self.prior_weight, self.carry = prior_acceptance, prior_weight, carry
         self.positions = np.arange(1, k_max + 1)  # draft positions i
-        self.asked = np.zeros(k_max)  # [position] decayed steps that asked for >= i tokens
-        self.drafted_ge = np.zeros(k_max)  # [position] of them, drafted >= i
-        self.accepted_ge = np.zeros(k_max)  # [position] of them, accepted >= i
+        # [position i] decayed counts of the steps that asked for >= i tokens and
+        self.drafted_reached = np.zeros(k_max)  # drafted >= i - 1,
+        self.drafted_ge = np.zeros(k_max)  # of them, drafted >= i;
+        self.accepted_reached = np.zeros(k_max)  # accepted >= i - 1,
+        self.accepted_ge = np.zeros(k_max)  # of them, accepted >= i
         self.verify_seconds: dict[int, float] = {}  # n positions scored -> moving average of seconds
         self.verify_count: dict[int, int] = {}  # n positions scored -> steps measured
         self.draft_seconds = 0.0  # decayed totals over steps that drafted
@@ -119,7 +121,7 @@ class CostModelK:
 
     def begin(self) -> None:
         """A new prompt may suit the drafter more or less: earlier evidence counts `carry` times."""
-        for counts in (self.asked, self.drafted_ge, self.accepted_ge):
+        for counts in self.counts():
             counts *= self.carry
         self.predict()
 
@@ -134,33 +136,38 @@ class CostModelK:
         old = self.verify_seconds.get(n, step.verify_seconds)
         self.verify_seconds[n] = old + self.smoothing * (step.verify_seconds - old)
         self.verify_count[n] = self.verify_count.get(n, 0) + 1
-        for counts in (self.asked, self.drafted_ge, self.accepted_ge):
+        for counts in self.counts():
             counts *= self.decay if self.k else self.idle_decay
         if self.k == 0:
             return
         self.draft_seconds = self.decay * self.draft_seconds + step.draft_seconds
         self.drafted_tokens = self.decay * self.drafted_tokens + step.drafted
         asked = self.positions <= self.k
-        self.asked += asked
+        self.drafted_reached += asked & (self.positions <= step.drafted + 1)
         self.drafted_ge += asked & (self.positions <= step.drafted)
+        self.accepted_reached += asked & (self.positions <= step.accepted + 1)
         self.accepted_ge += asked & (self.positions <= step.accepted)
+
+    def counts(self) -> tuple[np.ndarray, ...]:
+        return self.drafted_reached, self.drafted_ge, self.accepted_reached, self.accepted_ge
 
     def predict(self) -> None:
         """Expected tokens per step, draft length and tokens per second for K = 0..k_max."""
-        self.tokens_per_step = 1 + self.cumulative(self.accepted_ge, self.prior_acceptance)  # [K]
-        self.draft_length = self.cumulative(self.drafted_ge, 1.0)  # [K]
+        self.tokens_per_step = 1 + self.cumulative(self.accepted_ge, self.accepted_reached, self.prior_acceptance)  # [K]
+        self.draft_length = self.cumulative(self.drafted_ge, self.drafted_reached, 1.0)  # [K]
         self.seconds_per_draft_token = self.draft_seconds / self.drafted_tokens if self.drafted_tokens else 0.0
         seconds = self.seconds_per_draft_token * self.draft_length + self.target_seconds(1 + self.draft_length)
         self.rates = self.tokens_per_step / seconds  # [K]
 
-    def cumulative(self, counts: np.ndarray, prior: float) -> np.ndarray:
-        """[sum_{i<=K} P(count >= i)] for K = 0..k_max, each P no larger than the one before.
+    def cumulative(self, counts: np.ndarray, reached: np.ndarray, prior: float) -> np.ndarray:
+        """[sum_{i<=K} P(count >= i)] for K = 0..k_max, P(count >= i) as the product over
+        j <= i of P(count >= j | count >= j - 1).
 
-        `prior_weight` pseudo-steps with P = prior**i stand for what has not been
-        seen; as the evidence decays (slowly while K = 0) the estimate returns to
-        it, so drafting is tried again now and then."""
+        `prior_weight` pseudo-steps with each conditional P = prior stand for what
+        has not been seen; as the evidence decays (slowly while K = 0) the estimate
+        returns to it, so drafting is tried again now and then."""
         pseudo = self.prior_weight
-        p = np.minimum.accumulate((counts + pseudo * prior**self.positions) / (self.asked + pseudo))
+        p = ((counts + pseudo * prior) / (reached + pseudo)).cumprod()
         return np.concatenate([[0.0], p.cumsum()])
 
     def target_seconds(self, n: np.ndarray) -> np.ndarray:
