@@ -82,10 +82,10 @@ class CostModelK:
     A step that asks for K draft tokens emits 1 + sum_{i<=K} P(accepted >= i)
     tokens on average and costs the drafting (seconds per drafted token times
     the expected draft length d) plus f(1 + d), the target's time to score
-    1 + d positions. P(accepted >= i | K >= i) and P(drafted >= i | K >= i)
-    are counted per position with exponential forgetting (`decay` per drafting
-    step, `idle_decay` per plain one, `carry` at a new request), on top of an
-    optimistic prior. The cost curve f(n) is a moving average of the measured
+    1 + d positions. P(accepted >= i) and P(drafted >= i), given K >= i, are
+    products of per-position rates P(>= i | >= i - 1), counted with exponential
+    forgetting (`decay` per drafting step, `idle_decay` per plain one, `carry`
+    at a new request) on top of a prior. The cost curve f(n) is a moving average of the measured
     verify seconds per n, made nondecreasing, interpolated between measured n
     and flat beyond them, so an unmeasured larger K looks cheap and gets
     tried; f(1) is measured by a plain first step. K = 0, plain decoding, wins
