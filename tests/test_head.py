@@ -22,6 +22,7 @@ from test_lossless import ALPHA, VOCAB, chi_square_p, exact_distribution, sample
 from conftest import tiny_llama
 
 SUBSET = 12  # of VOCAB: the head cannot propose 4 of the tokens
+N_SAMPLES = 20_000
 
 
 def tiny_loaded(model) -> LoadedModel:
@@ -42,11 +43,16 @@ def head_drafter(loaded: LoadedModel, target, subset: int = SUBSET) -> HeadDraft
 
 
 def test_head_sampling_matches_target_distribution(monkeypatch):
-    """Chi-square at significance ALPHA, through test_lossless's machinery, with a subset-restricted head."""
+    """Chi-square at significance ALPHA, through test_lossless's machinery, with a subset-restricted head.
+
+    N_SAMPLES sequences, fewer than test_lossless draws, keep the test's time near
+    theirs (a head step costs more than a tiny draft model's).
+    """
     model = tiny_llama(VOCAB, seed=0)
     loaded = tiny_loaded(model)
     target = make_target(loaded)
     monkeypatch.setattr(test_lossless, "as_target", lambda _: target)  # the drafter reads this target's features
+    monkeypatch.setattr(test_lossless, "N_SAMPLES", N_SAMPLES)
     params = SamplingParams(temperature=0.8)
     observed = sampled_counts(model, head_drafter(loaded, target), params, seed=4321)
     p = chi_square_p(observed, exact_distribution(model, params))

@@ -75,7 +75,7 @@ def target_fingerprint(model: nn.Module) -> str:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -145,18 +145,27 @@ class DraftHead(nn.Module):
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.cos = self.sin = torch.empty(0, 1, config.head_dim)
 
     def forward(self, features: Tensor, embeds: Tensor, cache: HeadCache | None = None) -> Tensor:
         start, t = (cache.length if cache is not None else 0), features.shape[1]
-        freqs = torch.arange(start, start + t, dtype=torch.float32)[:, None] * self.inv_freq  # [t, dim / 2]
-        angles = torch.cat((freqs, freqs), -1)[:, None]  # [t, 1, dim]
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = self.rotary(start + t)
+        cos, sin = cos[start:], sin[start:]  # [t, 1, dim]
         x = self.fc(torch.cat([features, embeds], -1))
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, cache, i)
         if cache is not None:
             cache.length = start + t
         return rms_norm(x, self.norm, self.config.eps)
+
+    def rotary(self, length: int) -> tuple[Tensor, Tensor]:
+        """cos, sin [length, 1, dim] of positions 0..length - 1, from a table grown by doubling."""
+        if self.cos.shape[0] < length:
+            positions = torch.arange(max(2 * self.cos.shape[0], length, 256), dtype=torch.float32)
+            freqs = positions[:, None] * self.inv_freq  # [n, dim / 2]
+            angles = torch.cat((freqs, freqs), -1)[:, None]  # [n, 1, dim]
+            self.cos, self.sin = angles.cos(), angles.sin()
+        return self.cos[:length], self.sin[:length]
 
     @torch.no_grad()
     def init_from_target(self, model: nn.Module) -> None:
