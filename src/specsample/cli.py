@@ -14,6 +14,9 @@ from typer.exceptions import Abort, Exit, TyperException
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None)
 
+DRAFTER_HELP = "none, ngram, suffix, layerskip, quantized, head, head:DIR, or the path of a draft model."
+K_HELP = "Speculation length K, or 'auto' (cost model) or 'auto:heuristic'."
+
 
 def quiet_transformers() -> None:
     """No progress bars or advisory warnings from transformers on our output."""
@@ -27,8 +30,8 @@ def quiet_transformers() -> None:
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt; read from stdin when absent.")] = None,
     model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2-135M-Instruct).")] = None,
-    drafter: Annotated[str, typer.Option(help="'none', 'ngram', 'suffix', or the path of a draft model.")] = "none",
-    k: Annotated[str, typer.Option("--k", help="Speculation length K, or 'auto' (cost model) or 'auto:heuristic'.")] = "4",
+    drafter: Annotated[str, typer.Option(help=DRAFTER_HELP)] = "none",
+    k: Annotated[str, typer.Option("--k", help=K_HELP)] = "4",
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
@@ -80,8 +83,8 @@ def generate(
 @app.command()
 def serve(
     model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2-135M-Instruct).")] = None,
-    drafter: Annotated[str, typer.Option(help="'none', 'ngram', 'suffix', or the path of a draft model.")] = "none",
-    k: Annotated[str, typer.Option("--k", help="Speculation length K, or 'auto' (cost model) or 'auto:heuristic'.")] = "4",
+    drafter: Annotated[str, typer.Option(help=DRAFTER_HELP)] = "none",
+    k: Annotated[str, typer.Option("--k", help=K_HELP)] = "4",
     backend: Annotated[str, typer.Option(help="auto, fast or transformers.")] = "auto",
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model's own Python code.")] = False,
     host: Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 exposes the server to the network.")] = "127.0.0.1",
@@ -145,8 +148,8 @@ def train_draft(
 @app.command()
 def check(
     model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2-135M-Instruct).")] = None,
-    drafter: Annotated[str, typer.Option(help="'none', 'ngram', 'suffix', or the path of a draft model.")] = "ngram",
-    k: Annotated[str, typer.Option("--k", help="Speculation length K, or 'auto' (cost model) or 'auto:heuristic'.")] = "4",
+    drafter: Annotated[str, typer.Option(help=DRAFTER_HELP)] = "ngram",
+    k: Annotated[str, typer.Option("--k", help=K_HELP)] = "4",
     temperature: Annotated[float, typer.Option(help="Sampling temperature (0 is greedy).")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")] = 0,
