@@ -16,7 +16,9 @@ from specsample.models import LoadedModel, load_model, make_target
 from specsample.policy import FixedK
 from specsample.sampling import SamplingParams
 from specsample.stats import Stats
-from specsample.train_draft import Objective, Sequence, TrainOptions, read_prompts, teacher_forced_features, train
+from specsample.train_draft import (
+    Objective, Sequence, TrainOptions, load_sequences, read_prompts, teacher_forced_features, train,
+)
 from test_lossless import ALPHA, VOCAB, chi_square_p, exact_distribution, sampled_counts
 
 from conftest import tiny_llama
@@ -85,6 +87,28 @@ def test_both_backends_give_the_head_the_same_features():
     torch.testing.assert_close(features[0], features[1], rtol=1e-4, atol=1e-4)
 
 
+def test_drafting_runs_the_trained_head_exactly():
+    """The fast layout of the head (`fast_head`) predicts the features the trained module does,
+    over a whole window and one position at a time through its cache, with rollback."""
+    loaded = tiny_loaded(tiny_llama(64, seed=3))
+    head, token_ids = tiny_head(loaded, 48)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # away from the target's own layer
+    hf = loaded.model
+    embed, lm_head = hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach()
+    features, tokens = torch.randn(9, hf.config.hidden_size), torch.randint(0, 64, (9,))
+    with torch.no_grad():
+        expected = head(features[None], embed[tokens][None])[0]  # [9, hidden]
+    drafter = HeadDrafter(make_target(loaded), head, embed, lm_head, token_ids)
+    drafter.step(features[:4], tokens[:4])
+    drafter.step(torch.randn(3, hf.config.hidden_size), tokens[4:7])  # positions later rolled back
+    drafter.decoder.rollback(4)
+    steps = [drafter.step(features[i : i + 1], tokens[i : i + 1]) for i in range(4, 9)]
+    torch.testing.assert_close(drafter.decoder.hidden_states(), expected[-1:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(steps[-1], expected[-1:] @ lm_head[token_ids].t(), rtol=1e-4, atol=1e-4)
+
+
 def random_sequences(loaded: LoadedModel, n: int, length: int, seed: int) -> list[Sequence]:
     generator = torch.Generator().manual_seed(seed)
     rows = torch.randint(2, 64, (n, length), generator=generator).tolist()
@@ -119,8 +143,8 @@ def trained_dir(tiny_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("head")
     prompts = tmp_path_factory.mktemp("prompts") / "prompts.txt"
     prompts.write_text("".join(f"w{i} w{i + 3} w{i + 7}\n" for i in range(2, 30)))
-    options = TrainOptions(generate_batch=8, batch_size=4, max_new_tokens=12, vocab_subset=40, steps=6, seq_len=16,
-                           eval_every=3)
+    options = TrainOptions(generate_batch=8, sampled_answers=1, batch_size=4, max_new_tokens=12, vocab_subset=40,
+                           steps=6, seq_len=16, eval_every=3)
     train(load_model(tiny_dir), read_prompts([prompts]), out, options, log=lambda _: None)
     return out
 
@@ -131,6 +155,16 @@ def test_train_writes_a_head_and_a_report(trained_dir):
     report = json.loads((trained_dir / "report.json").read_text())
     assert [h["step"] for h in report["history"]] == [3, 6]
     assert report["engine"]["mean_accepted_length"] >= 1.0
+
+
+def test_sampled_answers_add_a_round_of_other_answers(trained_dir):
+    """28 prompts in 4 batches, each answered greedily and once sampled: 8 shards, 56 sequences."""
+    greedy = sorted((trained_dir / "data").glob("shard-?????.safetensors"))
+    sampled = sorted((trained_dir / "data").glob("shard-?????-s1.safetensors"))
+    assert len(greedy) == len(sampled) == 4
+    assert json.loads((trained_dir / "report.json").read_text())["sequences"] == 56
+    pairs = [(load_sequences([g]), load_sequences([s])) for g, s in zip(greedy, sampled)]
+    assert any(not torch.equal(a.tokens, b.tokens) for g, s in pairs for a, b in zip(g, s))
 
 
 def test_head_loads_for_its_own_target_only(trained_dir, tiny_dir, tiny_draft_dir):

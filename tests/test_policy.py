@@ -117,3 +117,28 @@ def test_one_fast_step_at_a_rare_n_does_not_make_the_cost_curve_flat():
             policy.observe(step(drafted, 0, verify_seconds=seconds))
     f = policy.target_seconds(np.array([1.0, 4.0, 9.0]))
     assert f[0] > 0.009 and f[0] <= f[1] <= f[2]
+
+
+def test_cost_model_grows_k_at_most_twofold():
+    ks = run_cost_model(CostModelK(k_max=16), 7, acceptance=lambda i: 1.0, cost=lambda n: 0.01)
+    assert ks == [0, 1, 2, 4, 8, 16, 16]  # plain first, to measure f(1)
+
+
+def test_cost_model_tries_an_expensive_drafter_with_a_short_draft():
+    """Drafting a token costs 4 target passes: one try of one token shows it, and plain decoding follows."""
+    ks = run_cost_model(CostModelK(k_max=16), 40, acceptance=lambda i: 1.0, cost=lambda n: 0.01, draft_cost_per_token=0.04)
+    assert ks[:2] == [0, 1] and sum(ks) <= 2
+
+
+def test_a_sampler_keeps_one_auto_policy_across_requests(tiny_dir):
+    """`auto` keeps its measurements from one request to the next instead of learning them anew."""
+    from specsample.api import SpecSampler
+
+    sampler = SpecSampler.load(str(tiny_dir), "ngram")
+    steps = [
+        sampler.generate("w3 w5 w3 w5 w3", max_new_tokens=12, temperature=0, k="auto", chat=False).stats.steps
+        for _ in range(2)
+    ]
+    policy = sampler.policy("AUTO ")
+    assert policy is sampler.policy("auto") and isinstance(policy, CostModelK)
+    assert sum(policy.verify_count.values()) == sum(steps)  # every step of both requests

@@ -62,6 +62,7 @@ class SpecSampler:
         self.model = model
         self.target = target
         self.drafter = drafter
+        self.policies: dict[str, KPolicy] = {}
 
     @classmethod
     def load(
@@ -76,6 +77,14 @@ class SpecSampler:
         loaded = load_model(model, trust_remote_code=trust_remote_code)
         target = make_target(loaded, backend)
         return cls(loaded, target, make_drafter(drafter, loaded, target, trust_remote_code=trust_remote_code))
+
+    def policy(self, k: int | str) -> KPolicy:
+        """The K policy of a spec (`parse_k`), one per spec for the sampler's life, so that `auto`
+        keeps what it measured (the cost curve, the drafter's cost, acceptance) across requests."""
+        key = str(k).strip().lower()
+        if key not in self.policies:
+            self.policies[key] = parse_k(k)
+        return self.policies[key]
 
     def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
         return encode_prompt(self.model.tokenizer, prompt, chat)
@@ -100,7 +109,7 @@ class SpecSampler:
     ) -> Generation:
         """Start a generation; its chunks carry text that never splits a character or a stop string."""
         params = SamplingParams(temperature, top_k, top_p, min_p)
-        policy = parse_k(k) if isinstance(k, (int, str)) else k
+        policy = self.policy(k) if isinstance(k, (int, str)) else k
         prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)
         generation = Generation(iter(()))
         generation.chunks = self._chunks(generation, prompt_ids, params, policy, max_new_tokens, seed, stop)

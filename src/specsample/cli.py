@@ -117,6 +117,7 @@ def train_draft(
     batch_size: Annotated[int, typer.Option(help="Training windows per step.")] = 16,
     seq_len: Annotated[int, typer.Option(help="Positions per training window.")] = 256,
     generate_batch: Annotated[int, typer.Option(help="Prompts per batched generate call.")] = 16,
+    sampled_answers: Annotated[int, typer.Option(help="Extra answers per prompt sampled at temperature 1 (more data).")] = 0,
     max_new_tokens: Annotated[int, typer.Option(help="Longest answer the target generates per prompt.")] = 160,
     data_minutes: Annotated[float, typer.Option(help="Stop generating data after this many minutes and train on it (0: no limit).")] = 0.0,
     vocab_subset: Annotated[int, typer.Option(help="Tokens the head can propose, most frequent first (0: all).")] = 8192,
@@ -134,7 +135,7 @@ def train_draft(
     from specsample.train_draft import TrainOptions, read_prompts, train
 
     options = TrainOptions(
-        generate_batch=generate_batch, batch_size=batch_size, max_new_tokens=max_new_tokens, data_minutes=data_minutes,
+        generate_batch=generate_batch, sampled_answers=sampled_answers, batch_size=batch_size, max_new_tokens=max_new_tokens, data_minutes=data_minutes,
         vocab_subset=vocab_subset,
         layers=layers, steps=steps, seq_len=seq_len, lr=lr, unroll=unroll, eval_every=eval_every, seed=seed,
     )

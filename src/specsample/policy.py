@@ -90,6 +90,11 @@ class CostModelK:
     and flat beyond them, so an unmeasured larger K looks cheap and gets
     tried; f(1) is measured by a plain first step. K = 0, plain decoding, wins
     when drafting does not pay.
+
+    Trying costs: before a drafter's cost and acceptance are known, a long draft
+    may waste many target passes' worth of time (a draft model's K forwards). So
+    K grows at most to twice the largest K asked so far (1, 2, 4, ...): each
+    guess is tested on a draft at most twice as long as the evidence behind it.
     """
 
     def __init__(
@@ -116,6 +121,7 @@ class CostModelK:
         self.verify_count: dict[int, int] = {}  # n positions scored -> steps measured
         self.draft_seconds = 0.0  # decayed totals over steps that drafted
         self.drafted_tokens = 0.0
+        self.largest_k = 0  # the largest K asked so far
         self.k = k_max
         self.begin()
 
@@ -128,7 +134,8 @@ class CostModelK:
     def choose(self) -> int:
         self.predict()
         # Plain decoding is measured first: every other cost is judged against f(1).
-        self.k = int(self.rates.argmax()) if 1 in self.verify_seconds else 0
+        limit = max(1, 2 * self.largest_k) if 1 in self.verify_seconds else 0
+        self.k = int(self.rates[: limit + 1].argmax())
         return self.k
 
     def observe(self, step: Step) -> None:
@@ -140,6 +147,7 @@ class CostModelK:
             counts *= self.decay if self.k else self.idle_decay
         if self.k == 0:
             return
+        self.largest_k = max(self.largest_k, self.k)
         self.draft_seconds = self.decay * self.draft_seconds + step.draft_seconds
         self.drafted_tokens = self.decay * self.drafted_tokens + step.drafted
         asked = self.positions <= self.k

@@ -42,6 +42,7 @@ EVAL_K = 4
 @dataclass(frozen=True)
 class TrainOptions:
     generate_batch: int = 16  # prompts per generate call
+    sampled_answers: int = 0  # answers per prompt sampled at temperature 1, after the greedy one
     batch_size: int = 16  # windows per training step
     max_new_tokens: int = 160
     max_prompt_tokens: int = 384  # longer prompts keep their last tokens
@@ -63,6 +64,8 @@ class TrainOptions:
                      "seq_len", "unroll", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sampled_answers < 0:
+            raise ValueError(f"sampled_answers must be >= 0, got {self.sampled_answers}")
         if self.data_minutes < 0:
             raise ValueError(f"data_minutes must be >= 0 (0: no limit), got {self.data_minutes}")
         if self.vocab_subset < 0:
@@ -96,38 +99,46 @@ def read_prompts(paths: list[Path], question_ids: str = "all") -> list[str]:
 
 
 def generate_shards(model: LoadedModel, prompts: list[str], data_dir: Path, options: TrainOptions) -> list[Path]:
-    """Answer the prompts in batches and store tokens + features, one shard per batch (resumable)."""
+    """Answer the prompts in batches and store tokens + features, one shard per batch (resumable).
+
+    Every batch is answered greedily first; then, `sampled_answers` times over, by
+    sampling at temperature 1 (from torch's global generator, seeded once by `train`),
+    so the head also sees the continuations it will draft for at temperature > 0.
+    """
     data_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = model.tokenizer
     encoded = sorted((encode_prompt(tokenizer, p, True)[-options.max_prompt_tokens :] for p in prompts), key=len)
     batches = [encoded[i : i + options.generate_batch] for i in range(0, len(encoded), options.generate_batch)]
     random.Random(options.seed).shuffle(batches)  # similar lengths in a batch, all lengths among the first shards
-    shards = [data_dir / f"shard-{i:05d}.safetensors" for i in range(len(batches))]
-    todo = [(batch, shard) for batch, shard in zip(batches, shards) if not shard.exists()]
+    jobs = [(batch, round_, data_dir / (f"shard-{i:05d}" + (f"-s{round_}" if round_ else "") + ".safetensors"))
+            for round_ in range(options.sampled_answers + 1) for i, batch in enumerate(batches)]
+    todo = [job for job in jobs if not job[2].exists()]
     start = perf_counter()
-    for batch, shard in tqdm(todo, desc="generating answers", unit="batch", initial=len(batches) - len(todo), total=len(batches)):
+    for batch, round_, shard in tqdm(todo, desc="generating answers", unit="batch", initial=len(jobs) - len(todo), total=len(jobs)):
         if options.data_minutes and perf_counter() - start > 60 * options.data_minutes:
             break  # out of time: train on the shards made so far (a later run resumes generating)
-        sequences = [prompt + answer for prompt, answer in zip(batch, generate_batch(model, batch, options.max_new_tokens))]
+        answers = generate_batch(model, batch, options.max_new_tokens, sampled=round_ > 0)
+        sequences = [prompt + answer for prompt, answer in zip(batch, answers)]
         tokens, features = teacher_forced_features(model, sequences)
         lengths = torch.tensor([len(s) for s in sequences])
         prompt_lengths = torch.tensor([len(p) for p in batch])
         tmp = shard.with_suffix(".tmp")
         save_file({"tokens": tokens, "features": features, "lengths": lengths, "prompt_lengths": prompt_lengths}, tmp)
         tmp.rename(shard)
-    return [shard for shard in shards if shard.exists()]
+    return [shard for _, _, shard in jobs if shard.exists()]
 
 
 @torch.inference_mode()
-def generate_batch(model: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy answers to a batch of prompts (left-padded), each cut after its first EOS."""
+def generate_batch(model: LoadedModel, prompts: list[list[int]], max_new_tokens: int, sampled: bool = False) -> list[list[int]]:
+    """Answers to a batch of prompts (left-padded), greedy or sampled at temperature 1, each cut after its first EOS."""
     pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
     width = max(map(len, prompts))
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sampled else {"do_sample": False}
     out = model.model.generate(
         input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-        do_sample=False, pad_token_id=pad, eos_token_id=sorted(model.eos_token_ids) or None,
+        pad_token_id=pad, eos_token_id=sorted(model.eos_token_ids) or None, **sampling,
     )
     answers = []
     for row in out[:, width:].tolist():

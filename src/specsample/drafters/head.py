@@ -8,6 +8,10 @@ restricted to the N tokens the target produces most often (FR-Spec), so a
 draft step costs one small block plus an [hidden, N] matmul. Tokens outside
 the subset get draft probability 0, which rejection sampling handles exactly.
 
+Drafting runs the trained weights on the fast backend's decoder code
+(`fast_head`: packed small-row kernels, a preallocated cache rolled back by
+length), so a draft step costs a small fraction of a target pass.
+
 After verification the head recomputes the accepted positions from the
 target's true features, so its cache never keeps its own guesses.
 
@@ -29,7 +33,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from specsample.drafters.base import Draft
-from specsample.models import LoadedModel, Target
+from specsample.models import LoadedModel, Target, kernels
+from specsample.models.llama import Layer, Linear, LlamaTarget, rope_tables
 from specsample.sampling import SamplingParams, probs_from_logits, sample
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "data" / "heads"
@@ -84,21 +89,6 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-class HeadCache:
-    """Keys and values of every head layer, preallocated; `length` positions are valid."""
-
-    def __init__(self, config: HeadConfig, max_length: int) -> None:
-        shape = (config.layers, 1, config.kv_heads, max_length, config.head_dim)
-        self.k, self.v = torch.empty(shape), torch.empty(shape)  # [layers, 1, kv_heads, max_length, dim]
-        self.length = 0
-
-    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v [1, kv_heads, t, dim] after the valid positions; return all keys and values so far."""
-        end = self.length + k.shape[2]
-        self.k[layer, :, :, self.length : end], self.v[layer, :, :, self.length : end] = k, v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-
-
 class Block(nn.Module):
     """A Llama decoder layer: RMSNorm, rotary grouped-query attention, SwiGLU MLP."""
 
@@ -112,25 +102,19 @@ class Block(nn.Module):
         self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: HeadCache | None, layer: int) -> Tensor:
-        x = x + self.attention(rms_norm(x, self.attn_norm, self.c.eps), cos, sin, cache, layer)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attention(rms_norm(x, self.attn_norm, self.c.eps), cos, sin)
         gate, up = self.gate_up(rms_norm(x, self.mlp_norm, self.c.eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
-    def attention(self, x: Tensor, cos: Tensor, sin: Tensor, cache: HeadCache | None, layer: int) -> Tensor:
-        """Causal attention of x [b, t, hidden]; with a cache (b = 1), over the cached positions too."""
+    def attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Causal attention over x [b, t, hidden]."""
         c, (b, t, _) = self.c, x.shape
         q, k, v = self.qkv(x).split([c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim], -1)
         q = rotate(q.view(b, t, c.heads, c.head_dim), cos, sin).transpose(1, 2)  # [b, heads, t, dim]
         k = rotate(k.view(b, t, c.kv_heads, c.head_dim), cos, sin).transpose(1, 2)  # [b, kv_heads, t, dim]
         v = v.view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
-        if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            start = cache.length
-            k, v = cache.write(layer, k, v)
-            mask = None if t == 1 else torch.arange(start + t)[None, :] <= torch.arange(start, start + t)[:, None]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o(out.transpose(1, 2).reshape(b, t, c.heads * c.head_dim))
 
 
@@ -145,27 +129,20 @@ class DraftHead(nn.Module):
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.cos = self.sin = torch.empty(0, 1, config.head_dim)
 
-    def forward(self, features: Tensor, embeds: Tensor, cache: HeadCache | None = None) -> Tensor:
-        start, t = (cache.length if cache is not None else 0), features.shape[1]
-        cos, sin = self.rotary(start + t)
-        cos, sin = cos[start:], sin[start:]  # [t, 1, dim]
+    def forward(self, features: Tensor, embeds: Tensor) -> Tensor:
+        """Training and evaluation over whole windows; drafting runs `fast_head` instead."""
+        cos, sin = self.rotary(features.shape[1])
         x = self.fc(torch.cat([features, embeds], -1))
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cache, i)
-        if cache is not None:
-            cache.length = start + t
+        for block in self.blocks:
+            x = block(x, cos, sin)
         return rms_norm(x, self.norm, self.config.eps)
 
     def rotary(self, length: int) -> tuple[Tensor, Tensor]:
-        """cos, sin [length, 1, dim] of positions 0..length - 1, from a table grown by doubling."""
-        if self.cos.shape[0] < length:
-            positions = torch.arange(max(2 * self.cos.shape[0], length, 256), dtype=torch.float32)
-            freqs = positions[:, None] * self.inv_freq  # [n, dim / 2]
-            angles = torch.cat((freqs, freqs), -1)[:, None]  # [n, 1, dim]
-            self.cos, self.sin = angles.cos(), angles.sin()
-        return self.cos[:length], self.sin[:length]
+        """cos, sin [length, 1, dim] of positions 0..length - 1."""
+        freqs = torch.arange(length, dtype=torch.float32)[:, None] * self.inv_freq  # [length, dim / 2]
+        angles = torch.cat((freqs, freqs), -1)[:, None]  # [length, 1, dim]
+        return angles.cos(), angles.sin()
 
     @torch.no_grad()
     def init_from_target(self, model: nn.Module) -> None:
@@ -221,19 +198,46 @@ def shipped_head_dir(model: LoadedModel) -> Path:
     )
 
 
+def fast_head(head: DraftHead, lm_head_rows: Tensor, max_length: int) -> tuple[Linear, LlamaTarget]:
+    """The trained head in the fast backend's layout, for drafting one or a few rows at a time.
+
+    Returns the input projection and a `LlamaTarget` made of the head's blocks whose
+    LM head is the target's restricted to the subset (`lm_head_rows` [n, hidden]):
+    `forward_embeddings(fc(feature ++ embedding))` then gives the subset logits
+    [t, n] and leaves the predicted features in `hidden_states()`, with the head's
+    cache preallocated and rolled back by length, as the target's is.
+    """
+    c, dtype = head.config, torch.float32
+    packed = c.head_dim <= kernels.MAX_HEAD_DIM and kernels.available()
+
+    def linear(layer: nn.Linear | Tensor) -> Linear:
+        return Linear.from_weight(layer.weight if isinstance(layer, nn.Linear) else layer, None, dtype, packed)
+
+    layers = [
+        Layer(block.attn_norm.detach().clone(), linear(block.qkv), linear(block.o), block.mlp_norm.detach().clone(),
+              linear(block.gate_up), linear(block.down))
+        for block in head.blocks
+    ]
+    cos, sin = rope_tables(head.inv_freq, 1.0, max_length, dtype)
+    decoder = LlamaTarget(
+        layers, None, head.norm.detach().clone(), linear(lm_head_rows.detach()), cos, sin,
+        heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, eps=c.eps,
+    )
+    return linear(head.fc), decoder
+
+
 class HeadDrafter:
     """Drafts K tokens by running the head on its own predicted features."""
 
     def __init__(self, target: Target, head: DraftHead, embed: Tensor, lm_head: Tensor, token_ids: Tensor) -> None:
         self.target = target
-        self.head = head
+        self.fc, self.decoder = fast_head(head, lm_head[token_ids], target.max_length)
         self.embed = embed  # [vocab, hidden], the target's input embeddings
-        self.lm_head_t = lm_head[token_ids].t().contiguous()  # [hidden, n]: few-row matmuls are fast this way
         self.token_ids = token_ids  # [n]
         self.vocab_size = target.vocab_size
-        self.cache = HeadCache(head.config, target.max_length)
         self.params = SamplingParams()
-        self.feature: Tensor | None = None  # [1, 1, hidden] predicted feature of the pending token
+        self.feature: Tensor | None = None  # [1, hidden] predicted feature of the pending token
+        self.logits: Tensor | None = None  # [n] subset logits of the token after the pending one
         self.draft: list[int] = []
 
     @classmethod
@@ -245,7 +249,8 @@ class HeadDrafter:
     @torch.inference_mode()
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         """Run the head over the prompt, reading the features the target's prefill left."""
-        self.params, self.draft, self.cache.length, self.feature = params, [], 0, None
+        self.params, self.draft, self.feature, self.logits = params, [], None, None
+        self.decoder.rollback(0)
         features = self.target.hidden_states()  # [n - 1, hidden] of prompt_ids[:-1]
         if features is not None and features.shape[0] == prompt_ids.shape[0] - 1 > 0:
             self.advance(features, prompt_ids[1:])
@@ -254,9 +259,8 @@ class HeadDrafter:
     def propose(self, k: int, generator: torch.Generator) -> Draft:
         if self.feature is None:
             return Draft.empty()
-        feature, tokens, probs = self.feature, [], []
+        feature, logits, tokens, probs = self.feature, self.logits, [], []
         for i in range(k):
-            logits = (feature[0, 0] @ self.lm_head_t).float()  # [n]
             if self.params.greedy:
                 token = int(self.token_ids[logits.argmax()])
             else:
@@ -265,8 +269,9 @@ class HeadDrafter:
                 probs.append(torch.zeros(self.vocab_size).index_copy_(0, self.token_ids, subset_probs))
             tokens.append(token)
             if i + 1 < k:
-                feature = self.head(feature, self.embed[token].view(1, 1, -1), self.cache)
-        self.cache.length -= k - 1  # drop the positions computed from predicted features
+                logits = self.step(feature, torch.tensor([token]))[0]
+                feature = self.decoder.hidden_states()
+        self.decoder.rollback(self.decoder.length - (k - 1))  # drop the positions computed from predicted features
         self.draft = tokens
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
 
@@ -278,6 +283,12 @@ class HeadDrafter:
         self.draft = []
 
     def advance(self, features: Tensor, next_tokens: Tensor) -> None:
-        """Append positions (features [t, hidden], next_tokens [t]); keep the last predicted feature."""
-        embeds = self.embed[next_tokens]  # [t, hidden]
-        self.feature = self.head(features[None].float(), embeds[None], self.cache)[:, -1:]  # [1, 1, hidden]
+        """Append positions (features [t, hidden], next_tokens [t]); keep the last predicted feature and its logits."""
+        self.step(features, next_tokens, logits=False)
+        self.feature = self.decoder.hidden_states()[-1:]  # [1, hidden]
+        self.logits = self.decoder.lm_head(self.feature)[0]  # [n]
+
+    def step(self, features: Tensor, next_tokens: Tensor, logits: bool = True) -> Tensor | None:
+        """One head pass over t positions (features [t, hidden], next_tokens [t]): subset logits [t, n] or None."""
+        x = self.fc(torch.cat([features.float(), self.embed[next_tokens]], -1))  # [t, hidden]
+        return self.decoder.forward_embeddings(x, logits=logits)

@@ -139,7 +139,7 @@ def _layer_from_hf(layer, dtype: torch.dtype, packed: bool) -> Layer:
     )
 
 
-def _rope_tables(inv_freq: Tensor, scaling: float, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rope_tables(inv_freq: Tensor, scaling: float, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and signed sin [length, head_dim] for positions 0..length-1, computed as transformers does.
 
     The first half of sin is negated, so the rotate-half of transformers,
@@ -190,7 +190,7 @@ class LlamaTarget:
         self.embed = embed  # [vocab, hidden], or None when tied to lm_head
         self.norm = norm  # [hidden]
         self.lm_head = lm_head  # hidden -> vocab
-        self.cos, self.sin = cos, sin  # [max_length, head_dim]; sin signed, see _rope_tables
+        self.cos, self.sin = cos, sin  # [max_length, head_dim]; sin signed, see rope_tables
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
         self.dtype = norm.dtype
         self.kernels = lm_head.packed  # packed weights go with the C++ kernels, attention included
@@ -235,7 +235,7 @@ class LlamaTarget:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         rotary = model.model.rotary_emb
-        cos, sin = _rope_tables(rotary.inv_freq, float(rotary.attention_scaling), max_length, dtype)
+        cos, sin = rope_tables(rotary.inv_freq, float(rotary.attention_scaling), max_length, dtype)
         embed_w = model.model.embed_tokens.weight
         lm_w = model.lm_head.weight
         tied = embed_w.data_ptr() == lm_w.data_ptr()
@@ -286,11 +286,18 @@ class LlamaTarget:
         self, token_ids: Tensor, layers: Sequence[int] | None = None, logits: bool = True
     ) -> Tensor | None:
         """Append `token_ids` [n] running only `layers` (default: all); logits [n, vocab] or None."""
-        n = int(token_ids.shape[0])
+        return self.forward_embeddings(self._embed(token_ids.reshape(-1).long()), layers, logits)
+
+    @torch.inference_mode()
+    def forward_embeddings(
+        self, x: Tensor, layers: Sequence[int] | None = None, logits: bool = True
+    ) -> Tensor | None:
+        """`forward` from input embeddings x [n, hidden] (overwritten): for decoders whose input is
+        not a token embedding, such as a draft head's fused (feature, token) input."""
+        n = int(x.shape[0])
         start = self._length
         if start + n > self.max_length:
             raise ValueError(f"{start + n} positions exceed max_length {self.max_length}")
-        x = self._embed(token_ids.reshape(-1).long())  # [n, hidden]
         if n:
             layer_ids = range(len(self.layers)) if layers is None else layers
             if self.kernels:
