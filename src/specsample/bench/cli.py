@@ -166,6 +166,51 @@ def run(
     print(f"[{len(items)} prompts, {len(configs)} configurations; results in {out}]", file=sys.stderr)
 
 
+@app.command("copy-bound")
+def copy_bound(
+    prompts: Annotated[str, typer.Option(help="Spec-Bench JSONL file (question_id, category, turns).")] = "../shared/data/spec_bench/dev.jsonl",
+    limit: Annotated[Optional[int], typer.Option(help="Prompts per category (default: all).")] = None,
+    category: Annotated[Optional[list[str]], typer.Option(help="Only this category (repeatable).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2).")] = None,
+    k: Annotated[Optional[list[int]], typer.Option("--k", help="Speculation length (repeatable; default 4 and 8).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Most new tokens per answer.")] = 128,
+) -> None:
+    """What copying from the context can give: mean accepted lengths on the target's greedy answers (first turns)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from specsample.api import SpecSampler
+    from specsample.bench import copy_bound as cb
+    from specsample.bench import harness
+    from specsample.cli import quiet_transformers
+
+    ks = k or [4, 8]
+    if min(ks) < 1 or max_new_tokens < 1:
+        raise ValueError("--k and --max-new-tokens must be positive")
+    items = harness.load_prompts(prompts, limit, category or ())
+    quiet_transformers()
+    sampler = SpecSampler.load(model)
+    totals: dict[tuple[str, int, str], list[int]] = {}
+    for item in items:
+        prompt = sampler.encode([{"role": "user", "content": item.turns[0]}])
+        output = sampler.generate([{"role": "user", "content": item.turns[0]}], max_new_tokens=max_new_tokens,
+                                  temperature=0, k=0).token_ids
+        for kk in ks:
+            for name, bound in cb.bounds(prompt, output, kk).items():
+                for key in ((item.category, kk, name), ("overall", kk, name)):
+                    total = totals.setdefault(key, [0, 0])
+                    total[0], total[1] = total[0] + bound.tokens, total[1] + bound.steps
+    categories = list(dict.fromkeys(key[0] for key in totals))
+    table = Table(title=f"Mean accepted length of copy drafters on {len(items)} greedy answers (up to {max_new_tokens} tokens)")
+    table.add_column("K, drafter", no_wrap=True)
+    for name in categories:
+        table.add_column(name, justify="right")
+    for kk in ks:
+        for name in ("ngram", "all matches", "any copy"):
+            table.add_row(f"K={kk} {name}", *(f"{totals[c, kk, name][0] / totals[c, kk, name][1]:.2f}" for c in categories))
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+
+
 @app.command("report")
 def report_command(
     directory: Annotated[Path, typer.Argument(help="A `bench run --out` directory.")],

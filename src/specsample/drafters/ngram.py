@@ -61,13 +61,7 @@ class NgramDrafter(LookupDrafter):
         return []
 
     def copy(self, start: int, k: int) -> list[int]:
-        """k tokens from `start` on; past the end of the context the copy reads its own output,
-        so a repeating pattern (shorter than k) continues instead of stopping."""
-        out: list[int] = []
-        length = len(self.tokens)
-        for i in range(start, start + k):
-            out.append(self.tokens[i] if i < length else out[i - length])
-        return out
+        return copy_from(self.tokens, start, k)
 
     def extend(self, new: list[int]) -> None:
         """Append tokens; each n-gram that now has a following token points at it."""
@@ -76,3 +70,13 @@ class NgramDrafter(LookupDrafter):
             self.tokens.append(token)
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.follows[tuple(self.tokens[end - n : end])] = end
+
+
+def copy_from(tokens: list[int], start: int, k: int) -> list[int]:
+    """k tokens of `tokens` from `start` on; past the end the copy reads its own output,
+    so a repeating pattern (shorter than k) continues instead of stopping."""
+    out: list[int] = []
+    length = len(tokens)
+    for i in range(start, start + k):
+        out.append(tokens[i] if i < length else out[i - length])
+    return out
