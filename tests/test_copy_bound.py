@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import torch
 
 from specsample.bench.copy_bound import all_matches, any_copy, bounds, common_prefix, ngram_bound, replay
-from specsample.drafters.ngram import NgramDrafter
+from specsample.drafters.ngram import NgramDrafter, copy_from
 from specsample.sampling import SamplingParams
 
 
@@ -35,6 +35,11 @@ def test_each_step_s_candidates_are_ordered(context, truth, k):
     drafter = NgramDrafter()
     drafter.begin(torch.tensor(context), SamplingParams(temperature=0))
     ngram = common_prefix(drafter.lookup(k), truth)
-    matches = max((common_prefix(c, truth) for c in all_matches()(context, k)), default=0)
-    copies = max(common_prefix(c, truth) for c in any_copy(context, k))
+    matches = max((common_prefix(c, truth) for c in all_matches(context, truth)), default=0)
+    copies = max((common_prefix(c, truth) for c in any_copy(context, truth)), default=0)
     assert ngram <= matches <= copies
+    suffix_matches = [  # all matches by their definition: every suffix length, every earlier occurrence
+        copy_from(context, end, len(truth))
+        for n in range(1, len(context)) for end in range(n, len(context)) if context[end - n : end] == context[-n:]
+    ]
+    assert matches == max((common_prefix(c, truth) for c in suffix_matches), default=0)

@@ -6,8 +6,8 @@ the target adds) for three drafters:
 
 - `ngram`: the ngram drafter itself, one proposal per step;
 - `all matches`: the best of the continuations of every earlier occurrence of
-  every suffix of the context (up to `max_n` tokens): what a tree holding all
-  of them, verified at once, would get;
+  every suffix of the context: what a tree holding all of them, verified at
+  once, would get;
 - `any copy`: the best copy starting anywhere in the context: a bound on every
   drafter that proposes text copied from the context.
 
@@ -29,7 +29,9 @@ import torch
 from specsample.drafters.ngram import NgramDrafter, copy_from
 from specsample.sampling import SamplingParams
 
-Proposer = Callable[[list[int], int], list[list[int]]]  # (context, k) -> candidate drafts
+# (context, truth: the next K tokens of the answer) -> candidate drafts. The truth only rules candidates
+# out that cannot match (a bound may look at it); its length is K, shorter at the answer's end.
+Proposer = Callable[[list[int], list[int]], list[list[int]]]
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ def replay(prompt: list[int], output: list[int], k: int, propose: Proposer) -> B
     j = steps = 0
     while j < len(output):
         truth = output[j : j + k]
-        accepted = max((common_prefix(c, truth) for c in propose(prompt + output[:j], k)), default=0)
+        accepted = max((common_prefix(c, truth) for c in propose(prompt + output[:j], truth)), default=0)
         j, steps = j + accepted + 1, steps + 1
     return Bound(len(output), steps)
 
@@ -71,29 +73,32 @@ def ngram_bound(prompt: list[int], output: list[int], k: int) -> Bound:
     return Bound(len(output), steps)
 
 
-def all_matches(max_n: int = 8) -> Proposer:
-    """The continuations of every earlier occurrence of each suffix of 1..max_n tokens."""
-
-    def propose(context: list[int], k: int) -> list[list[int]]:
-        candidates = []
-        for n in range(1, min(max_n, len(context) - 1) + 1):
-            suffix = context[-n:]
-            for end in range(n, len(context)):
-                if context[end - n : end] == suffix:
-                    candidates.append(copy_from(context, end, k))
-        return candidates
-
-    return propose
+def positions(tokens: list[int], token: int, stop: int) -> list[int]:
+    """Every i < stop with tokens[i] == token (list.index scans in C)."""
+    found, i = [], -1
+    while True:
+        try:
+            i = tokens.index(token, i + 1, stop)
+        except ValueError:
+            return found
+        found.append(i)
 
 
-def any_copy(context: list[int], k: int) -> list[list[int]]:
-    """A copy of k tokens from every position of the context (the bound: any copied text at all)."""
-    return [copy_from(context, i, k) for i in range(len(context))]
+def all_matches(context: list[int], truth: list[int]) -> list[list[int]]:
+    """The continuations of every earlier occurrence of every suffix of the context. An occurrence of a
+    longer suffix is one of the last token too, so these are the continuations of the last token's."""
+    return [copy_from(context, i + 1, len(truth)) for i in positions(context, context[-1], len(context) - 1)]
+
+
+def any_copy(context: list[int], truth: list[int]) -> list[list[int]]:
+    """A copy from every position of the context (the bound: any copied text at all); those that do
+    not start with the truth's first token are left out, as they match nothing."""
+    return [copy_from(context, i, len(truth)) for i in positions(context, truth[0], len(context))]
 
 
 def bounds(prompt: list[int], output: list[int], k: int) -> dict[str, Bound]:
     return {
         "ngram": ngram_bound(prompt, output, k),
-        "all matches": replay(prompt, output, k, all_matches()),
+        "all matches": replay(prompt, output, k, all_matches),
         "any copy": replay(prompt, output, k, any_copy),
     }
