@@ -1,11 +1,16 @@
 """The `quantized` drafter: an int8 copy of the target drafts, losslessly.
 
-The chi-square test reuses test_lossless.py's machinery (N_SAMPLES samples,
-significance level ALPHA); greedy output is compared with transformers
-generate, as for layerskip.
+The int8 panel kernel is checked against the product of the dequantized
+weights (int8 * scale), and the int8 copy against the float model with those
+weights. The chi-square test reuses test_lossless.py's machinery (N_SAMPLES
+samples, significance level ALPHA); greedy output is compared with
+transformers generate, as for layerskip. Drafter tests run with the C++
+kernels and again on the torch path (`packed` fixture of test_llama_backend).
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -13,18 +18,75 @@ import torch
 import test_lossless as lossless
 from test_lossless import models  # noqa: F401  (the fixture: target and draft model)
 from specsample.drafters.quantized import QuantizedDrafter, quantized_drafter
+from specsample.models import kernels
 from specsample.models.llama import Linear
 from specsample.models.loading import LoadedModel
 from specsample.models.quantize import Int8Linear, int8_target
 from specsample.policy import CostModelK, FixedK
 from specsample.stats import Stats
 from test_layerskip import generate_greedy, greedy_with
+from test_llama_backend import MODELS, packed, prompt, reference_logits  # noqa: F401  (packed: a fixture)
 from test_lossless_drafters import GREEDY_PROMPT, GREEDY_VOCAB
 
 from conftest import tiny_llama
 
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the gemm kernel could not be built here")
 
-def test_quantized_keeps_the_target_distribution(models):
+
+def dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """The reference int8 weight [out, in]: each row rounded to a multiple of its absmax / 127."""
+    scales = weight.abs().amax(1, keepdim=True) / 127  # [out, 1]
+    return (weight / scales).round() * scales
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", range(1, 17))
+def test_int8_gemm_kernel_is_the_dequantized_product(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(100, 48, generator=gen), torch.randn(100, generator=gen)  # a partial last panel
+    x = torch.randn(rows, 48, generator=gen)
+    packed_weight, scales = kernels.pack_int8(weight)
+    assert packed_weight.dtype == torch.int8 and packed_weight.shape == (4, 48, 32)
+    reference = dequantized(weight.double())  # [100, 48]
+    torch.testing.assert_close(kernels.unpack(packed_weight, 100).double() * scales[:, None].double(), reference)
+    product = x.double() @ reference.T  # [rows, 100]
+    torch.testing.assert_close(kernels.matmul(x, packed_weight, 100, scales=scales).double(), product, rtol=0, atol=1e-5)
+    with_bias = kernels.matmul(x, packed_weight, 100, bias, scales=scales).double()
+    torch.testing.assert_close(with_bias, product + bias.double(), rtol=0, atol=1e-5)
+    acc = torch.randn(rows, 100, generator=gen)
+    expected = acc.double() + product
+    torch.testing.assert_close(kernels.matmul(x, packed_weight, 100, out=acc, scales=scales).double(), expected, rtol=0, atol=1e-5)
+    rows_of = torch.tensor([0, 31, 32, 99])
+    torch.testing.assert_close(kernels.unpack_rows(packed_weight, rows_of, scales).double(), reference[rows_of])
+
+
+@torch.no_grad()
+def dequantized_model(model):
+    """A copy of `model` whose linear maps, the LM head included, hold their int8 weights as floats
+    (a tied embedding with them)."""
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.copy_(dequantized(module.weight))
+    return model
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["llama-untied", "llama-tied", "llama-mha-odd-sizes", "qwen2-bias"])
+def test_int8_copy_on_the_kernels_is_the_dequantized_model(name):
+    model = MODELS[name]()
+    ids = prompt(vocab=model.config.vocab_size)
+    ref = reference_logits(dequantized_model(model), ids)
+    copy_ = int8_target(model, max_length=64)
+    assert copy_.kernels and copy_.lm_head.weight.dtype == torch.int8
+    assert all(w.weight.dtype == torch.int8 for layer in copy_.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    copy_.prefill(ids[:5])
+    logits = torch.cat([copy_.score(ids[5:6]), copy_.score(ids[6:14]), copy_.score(ids[14:])])
+    torch.testing.assert_close(logits, ref[5:], rtol=0, atol=1e-4)
+    assert (logits - reference_logits(model, ids)[5:]).abs().max() > 1e-3  # it is quantized
+
+
+def test_quantized_keeps_the_target_distribution(models, packed):
     target_model, _ = models
     params = lossless.PARAMS["t1"]
     observed = lossless.sampled_counts(target_model, QuantizedDrafter(int8_target(target_model)), params, seed=77)
@@ -33,7 +95,7 @@ def test_quantized_keeps_the_target_distribution(models):
 
 
 @pytest.mark.parametrize("policy", [lambda: FixedK(3), CostModelK])
-def test_greedy_output_is_transformers_generate(policy):
+def test_greedy_output_is_transformers_generate(policy, packed):
     model = tiny_llama(GREEDY_VOCAB, seed=3)
     stats = Stats()
     assert greedy_with("quantized", model, policy(), stats) == generate_greedy(model, GREEDY_PROMPT, 60)

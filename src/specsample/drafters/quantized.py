@@ -5,7 +5,9 @@ No second model and no training: a weight-only int8 copy of the target
 drafts are sampled from the copy's distributions under the request's sampling
 transform and verification stays exact. The copy agrees with the target on
 almost every token; it pays off only where its forward pass is cheaper than
-the target's, which depends on the CPU's int8 kernels (see BENCHMARKS.md).
+the target's. On the C++ kernels it is: a draft step streams int8 weights, a
+quarter of the float32 target's bytes. On the torch fallback it is not (see
+BENCHMARKS.md).
 The copy fills its cache at the first draft of a request, not at its start,
 so a K policy that settles on K = 0 never pays for it.
 """

@@ -10,6 +10,11 @@ results in vector registers, so 12 rows cost about what one does. Weights are
 packed in panels of 32 output columns, [blocks, in, 32]: one panel is a
 contiguous stream, and the 32 columns are two AVX-512 registers.
 
+Weights are float32 (`pack`) or int8 with one float scale per output column
+(`pack_int8`): the same code, a template over the weight type, converts int8
+weights to float in registers, accumulates in float32 and scales the columns
+at the end, so an int8 matrix streams a quarter of the bytes.
+
 `layer` runs a whole decoder layer in one call: the four products, and what
 takes about 40 small torch ops (norms, rotary embedding, cache writes,
 grouped-query attention, SwiGLU), whose dispatch overhead, not arithmetic, is
@@ -41,20 +46,37 @@ BLOCK = 32  # output columns per panel
 MAX_HEAD_DIM = 1024  # rotary embedding works on a stack copy of one head
 
 SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
 #include <string.h>
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int8_t v16b __attribute__((vector_size(16), aligned(1)));
+typedef int v16i __attribute__((vector_size(64)));
 enum { NB = 32, MAX_ROWS = 12 };
 
-// y[0:MR, panel] (+)= x[0:MR, :] @ w_panel[K, NB] (+ bias): accumulators stay in registers.
-template <int MR>
-static void panel(const float* __restrict x, long ldx, const float* __restrict w, long K,
-                  float* __restrict y, long ldy, const float* __restrict bias, int ncols, int add) {
+// 16 consecutive weights as floats: float32 as stored, int8 converted in registers. GCC 12
+// lowers the conversion of an int8 vector loaded from memory byte by byte, so AVX-512 gets
+// the two instructions it takes (vpmovsxbd, vcvtdq2ps) as intrinsics.
+static inline v16 load16(const float* w) { return *(const v16*)w; }
+static inline v16 load16(const int8_t* w) {
+#ifdef __AVX512F__
+  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
+#else
+  return __builtin_convertvector(__builtin_convertvector(*(const v16b*)w, v16i), v16);
+#endif
+}
+
+// y[0:MR, panel] (+)= (x[0:MR, :] @ w_panel[K, NB]) * scale (+ bias): accumulators stay in registers.
+// scale (one per column) is null for float32 weights.
+template <typename W, int MR>
+static void panel(const float* __restrict x, long ldx, const W* __restrict w, const float* __restrict scale,
+                  long K, float* __restrict y, long ldy, const float* __restrict bias, int ncols, int add) {
   v16 a0[MR], a1[MR];
   for (int m = 0; m < MR; m++) { a0[m] = (v16){}; a1[m] = (v16){}; }
   for (long k = 0; k < K; k++) {
-    v16 w0 = *(const v16*)(w + k * NB);
-    v16 w1 = *(const v16*)(w + k * NB + 16);
+    v16 w0 = load16(w + k * NB);
+    v16 w1 = load16(w + k * NB + 16);
     for (int m = 0; m < MR; m++) { float s = x[m * ldx + k]; a0[m] += s * w0; a1[m] += s * w1; }
   }
   for (int m = 0; m < MR; m++) {
@@ -62,19 +84,23 @@ static void panel(const float* __restrict x, long ldx, const float* __restrict w
     *(v16u*)out = a0[m];
     *(v16u*)(out + 16) = a1[m];
     float* row = y + m * ldy;
+    if (scale) for (int j = 0; j < ncols; j++) out[j] *= scale[j];
     if (bias) for (int j = 0; j < ncols; j++) out[j] += bias[j];
     if (add) for (int j = 0; j < ncols; j++) row[j] += out[j];
     else memcpy(row, out, ncols * sizeof(float));
   }
 }
 
-typedef void (*panel_fn)(const float*, long, const float*, long, float*, long, const float*, int, int);
-static const panel_fn PANELS[MAX_ROWS + 1] = {0, panel<1>, panel<2>, panel<3>, panel<4>, panel<5>, panel<6>,
-                                              panel<7>, panel<8>, panel<9>, panel<10>, panel<11>, panel<12>};
+template <typename W>
+using panel_fn = void (*)(const float*, long, const W*, const float*, long, float*, long, const float*, int, int);
+template <typename W>
+static const panel_fn<W> PANELS[MAX_ROWS + 1] = {
+    0, panel<W, 1>, panel<W, 2>, panel<W, 3>, panel<W, 4>, panel<W, 5>, panel<W, 6>,
+    panel<W, 7>, panel<W, 8>, panel<W, 9>, panel<W, 10>, panel<W, 11>, panel<W, 12>};
 
-// y[M, N] (+)= x[M, K] @ w (+ bias); w packed [ceil(N / NB), K, NB]; row strides ldx, ldy.
-extern "C" void specsample_gemm(const float* x, long M, long K, long ldx, const float* w, long N,
-                                float* y, long ldy, const float* bias, int add) {
+template <typename W>
+static void gemm(const float* x, long M, long K, long ldx, const W* w, const float* scale, long N,
+                 float* y, long ldy, const float* bias, int add) {
   long blocks = (N + NB - 1) / NB;
   long chunks = (M + MAX_ROWS - 1) / MAX_ROWS;
   // Threads pay off only once the weights outgrow the cache of one core.
@@ -83,13 +109,19 @@ extern "C" void specsample_gemm(const float* x, long M, long K, long ldx, const 
     int ncols = (int)(N - b * NB < NB ? N - b * NB : NB);
     for (long c = 0; c < chunks; c++) {
       long m0 = c * M / chunks, m1 = (c + 1) * M / chunks;
-      PANELS[m1 - m0](x + m0 * ldx, ldx, w + b * K * NB, K, y + m0 * ldy + b * NB, ldy,
-                      bias ? bias + b * NB : 0, ncols, add);
+      PANELS<W>[m1 - m0](x + m0 * ldx, ldx, w + b * K * NB, scale ? scale + b * NB : 0, K,
+                         y + m0 * ldy + b * NB, ldy, bias ? bias + b * NB : 0, ncols, add);
     }
   }
 }
 
-typedef int v16i __attribute__((vector_size(64)));
+// y[M, N] (+)= x[M, K] @ w (* scale) (+ bias); w packed [ceil(N / NB), K, NB], float32 with scale
+// null, or int8 with one scale per column; row strides ldx, ldy.
+extern "C" void specsample_gemm(const float* x, long M, long K, long ldx, const void* w, const float* scale,
+                                long N, float* y, long ldy, const float* bias, int add) {
+  if (scale) gemm(x, M, K, ldx, (const int8_t*)w, scale, N, y, ldy, bias, add);
+  else gemm(x, M, K, ldx, (const float*)w, scale, N, y, ldy, bias, add);
+}
 
 // exp(x) of 16 lanes, x <= 0: 2^k * p(r) with x = k ln2 + r, |r| <= ln2 / 2, p of degree 7
 // (relative error below float32 rounding).
@@ -200,11 +232,18 @@ static void rms_norm(const float* x, const float* w, long M, long n, float eps, 
   }
 }
 
-// Weights and cache of one decoder layer; matrices packed as by `pack`.
+// Weights and cache of one decoder layer; matrices packed as by `pack` (scales null) or by
+// `pack_int8` (each with its column scales).
 struct Layer {
   long hidden, heads, kv_heads, d, inter, cap;
   float eps;
-  const float *attn_norm, *mlp_norm, *wqkv, *bqkv, *wo, *bo, *wgu, *wdown, *cos, *sin;
+  const float *attn_norm, *mlp_norm;
+  const void* wqkv;
+  const float* bqkv;
+  const void* wo;
+  const float* bo;
+  const void *wgu, *wdown;
+  const float *sqkv, *so, *sgu, *sdown, *cos, *sin;
   float *keys, *values;
 };
 
@@ -216,18 +255,18 @@ extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, f
   float *h = scratch, *qkv = h + M * H, *att = qkv + M * qkv_width, *gu = att + M * att_width;
   float* act = gu + M * 2 * I;
   rms_norm(x, L->attn_norm, M, H, L->eps, h);
-  specsample_gemm(h, M, H, H, L->wqkv, qkv_width, qkv, qkv_width, L->bqkv, 0);
+  specsample_gemm(h, M, H, H, L->wqkv, L->sqkv, qkv_width, qkv, qkv_width, L->bqkv, 0);
   attention(qkv, M, L->heads, L->kv_heads, L->d, L->cos + start * L->d, L->sin + start * L->d,
             L->keys, L->values, L->cap, start, att);
-  specsample_gemm(att, M, att_width, att_width, L->wo, H, x, H, L->bo, 1);
+  specsample_gemm(att, M, att_width, att_width, L->wo, L->so, H, x, H, L->bo, 1);
   rms_norm(x, L->mlp_norm, M, H, L->eps, h);
-  specsample_gemm(h, M, H, H, L->wgu, 2 * I, gu, 2 * I, 0, 0);
+  specsample_gemm(h, M, H, H, L->wgu, L->sgu, 2 * I, gu, 2 * I, 0, 0);
   for (long m = 0; m < M; m++)
     for (long j = 0; j < I; j++) {
       float g = gu[m * 2 * I + j];
       act[m * I + j] = g / (1.0f + __builtin_expf(-g)) * gu[m * 2 * I + I + j];
     }
-  specsample_gemm(act, M, I, I, L->wdown, H, x, H, 0, 1);
+  specsample_gemm(act, M, I, I, L->wdown, L->sdown, H, x, H, 0, 1);
 }
 """
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -279,7 +318,7 @@ def _library() -> ctypes.CDLL | None:
         warnings.warn(f"specsample: C++ kernels unavailable, using torch ops: {detail.decode()[-500:]}", stacklevel=2)
         return None
     fn = lib.specsample_gemm
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
     fn.restype = None
     fn = lib.specsample_layer
@@ -293,31 +332,72 @@ def available() -> bool:
     return _library() is not None
 
 
-def pack(weight: Tensor) -> Tensor:
-    """An nn.Linear weight [out, in] as float32 panels [ceil(out / 32), in, 32], zero-padded."""
+def _panels(weight: Tensor) -> Tensor:
+    """A weight [out, in] as panels [ceil(out / 32), in, 32] of its dtype, zero-padded."""
     out_features, in_features = weight.shape
     blocks = -(-out_features // BLOCK)
-    padded = torch.zeros(blocks * BLOCK, in_features, dtype=torch.float32)
+    padded = torch.zeros(blocks * BLOCK, in_features, dtype=weight.dtype)
     padded[:out_features] = weight.detach()
     return padded.view(blocks, BLOCK, in_features).transpose(1, 2).contiguous()  # [blocks, in, 32]
 
 
-def unpack_rows(packed: Tensor, rows: Tensor) -> Tensor:
-    """Rows `rows` [n] of the original [out, in] weight: [n, in] (an embedding lookup in a tied LM head)."""
-    return packed[rows // BLOCK, :, rows % BLOCK]
+def pack(weight: Tensor) -> Tensor:
+    """An nn.Linear weight [out, in] as float32 panels [ceil(out / 32), in, 32], zero-padded."""
+    return _panels(weight.detach().float())
 
 
-def matmul(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = None, out: Tensor | None = None) -> Tensor:
-    """x [n, in] @ weight.T (+ bias) -> [n, out]; with `out` given, adds the product into it."""
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-channel int8 of a weight [out, in]: (int8 [out, in], float32 scales [out]),
+    weight ~ int8 * scale with scale = absmax / 127, so each weight is off by at most scale / 2."""
+    weight = weight.detach().float()
+    scales = weight.abs().amax(1).clamp_min(1e-12) / 127  # [out]
+    return (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8), scales
+
+
+def pack_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """An nn.Linear weight [out, in] quantized as by `quantize_int8`: int8 panels [ceil(out / 32), in, 32]
+    (a quarter of the float32 bytes to stream) and float32 scales [out]."""
+    quantized, scales = quantize_int8(weight)
+    return _panels(quantized), scales
+
+
+def unpack(packed: Tensor, out_features: int) -> Tensor:
+    """The weight [out, in] that `pack` or `pack_int8` (before scaling) turned into `packed`."""
+    blocks, in_features, _ = packed.shape
+    return packed.transpose(1, 2).reshape(blocks * BLOCK, in_features)[:out_features]
+
+
+def unpack_rows(packed: Tensor, rows: Tensor, scales: Tensor | None = None) -> Tensor:
+    """Rows `rows` [n] of the original [out, in] weight, float32 (int8 times its scales):
+    [n, in] (an embedding lookup in a tied LM head)."""
+    picked = packed[rows // BLOCK, :, rows % BLOCK]  # [n, in]
+    return picked if scales is None else picked.float() * scales[rows, None]
+
+
+def matmul(
+    x: Tensor,
+    packed: Tensor,
+    out_features: int,
+    bias: Tensor | None = None,
+    out: Tensor | None = None,
+    scales: Tensor | None = None,
+) -> Tensor:
+    """x [n, in] @ weight.T (+ bias) -> [n, out]; with `out` given, adds the product into it.
+
+    `packed` is float32 from `pack`, or int8 from `pack_int8` with its `scales` [out]:
+    the product is then x @ (int8 * scales).T, the int8 weights converted to float in registers.
+    """
     assert x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == packed.shape[1]
+    assert packed.dtype == (torch.float32 if scales is None else torch.int8)
+    assert scales is None or (scales.dtype == torch.float32 and scales.shape == (out_features,))
     n = x.shape[0]
     add = out is not None
     if out is None:
         out = torch.empty(n, out_features, dtype=torch.float32)
     assert out.stride(1) == 1 and out.shape == (n, out_features)
     _library().specsample_gemm(
-        x.data_ptr(), n, x.shape[1], x.stride(0), packed.data_ptr(), out_features,
-        out.data_ptr(), out.stride(0), None if bias is None else bias.data_ptr(), int(add),
+        x.data_ptr(), n, x.shape[1], x.stride(0), packed.data_ptr(), None if scales is None else scales.data_ptr(),
+        out_features, out.data_ptr(), out.stride(0), None if bias is None else bias.data_ptr(), int(add),
     )
     return out
 
@@ -329,12 +409,14 @@ def capacity(length: int) -> int:
 
 
 class LayerArgs(ctypes.Structure):
-    """The C `Layer`: pointers into tensors that the caller keeps alive."""
+    """The C `Layer`: pointers into tensors that the caller keeps alive. The scales sqkv, so,
+    sgu and sdown belong to int8 matrices (`pack_int8`) and are null for float32 ones (`pack`)."""
 
     _fields_ = [(name, ctypes.c_long) for name in ("hidden", "heads", "kv_heads", "d", "inter", "cap")] + [
         ("eps", ctypes.c_float)
     ] + [(name, ctypes.c_void_p) for name in (
-        "attn_norm", "mlp_norm", "wqkv", "bqkv", "wo", "bo", "wgu", "wdown", "cos", "sin", "keys", "values"
+        "attn_norm", "mlp_norm", "wqkv", "bqkv", "wo", "bo", "wgu", "wdown", "sqkv", "so", "sgu", "sdown",
+        "cos", "sin", "keys", "values",
     )]
 
 

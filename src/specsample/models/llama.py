@@ -50,12 +50,16 @@ class UnsupportedModel(ValueError):
 
 @dataclass
 class Linear:
-    """A linear map in the layout of the fastest kernel available: packed panels, else [in, out]."""
+    """A linear map in the layout of the fastest kernel available: packed panels, else [in, out].
+
+    Packed panels are float32, or int8 with per-column `scales` (`kernels.pack_int8`).
+    """
 
     weight: Tensor  # [blocks, in, 32] when packed, else [in, out]
     bias: Tensor | None  # [out]
     out_features: int
     packed: bool
+    scales: Tensor | None = None  # [out] float32 when the packed weight is int8
 
     @classmethod
     def from_weight(cls, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, packed: bool) -> Linear:
@@ -68,7 +72,7 @@ class Linear:
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """x [n, in] -> [n, out]; with `residual` [n, out], adds into it in place and returns it."""
         if self.packed:
-            return kernels.matmul(x, self.weight, self.out_features, self.bias, residual)
+            return kernels.matmul(x, self.weight, self.out_features, self.bias, residual, self.scales)
         y = torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
         return y if residual is None else residual.add_(y)
 
@@ -328,6 +332,7 @@ class LlamaTarget:
             inter=w.gate_up.out_features // 2, cap=self.v_cache.shape[2], eps=self.eps,
             attn_norm=ptr(w.attn_norm), mlp_norm=ptr(w.mlp_norm), wqkv=ptr(w.qkv.weight), bqkv=ptr(w.qkv.bias),
             wo=ptr(w.o.weight), bo=ptr(w.o.bias), wgu=ptr(w.gate_up.weight), wdown=ptr(w.down.weight),
+            sqkv=ptr(w.qkv.scales), so=ptr(w.o.scales), sgu=ptr(w.gate_up.scales), sdown=ptr(w.down.scales),
             cos=ptr(self.cos), sin=ptr(self.sin), keys=ptr(self.k_cache[i]), values=ptr(self.v_cache[i]),
         )
 
@@ -336,7 +341,7 @@ class LlamaTarget:
         if self.embed is not None:
             return self.embed[token_ids]
         if self.lm_head.packed:
-            return kernels.unpack_rows(self.lm_head.weight, token_ids)
+            return kernels.unpack_rows(self.lm_head.weight, token_ids, self.lm_head.scales)
         return self.lm_head.weight.index_select(1, token_ids).t().contiguous()
 
     def _mask(self, start: int, n: int) -> Tensor | None:
