@@ -133,6 +133,24 @@ def test_rollback_and_rescore(name, packed):
     torch.testing.assert_close(target.score(ids[3:9]), ref[3:9], rtol=0, atol=ATOL)
 
 
+def test_adopted_cache_scores_as_a_prefilled_one(packed):
+    model = MODELS["qwen2-bias"]()
+    ids = prompt()
+    source, adopter = LlamaTarget.from_hf(model, max_length=64), LlamaTarget.from_hf(model, max_length=64)
+    source.prefill(ids[:10])
+    adopter.prefill(prompt(seed=1)[:12])  # other tokens, all replaced
+    assert adopter.shares_cache_layout(source)
+    adopter.adopt_cache(source, 8)
+    assert adopter.length == 8 and source.length == 10
+    torch.testing.assert_close(adopter.score(ids[8:]), reference_logits(model, ids)[8:], rtol=0, atol=ATOL)
+    shorter = LlamaTarget.from_hf(model, max_length=32)
+    assert not adopter.shares_cache_layout(shorter)
+    with pytest.raises(ValueError):
+        adopter.adopt_cache(shorter, 0)
+    with pytest.raises(ValueError):
+        adopter.adopt_cache(source, 11)
+
+
 def test_prefill_in_chunks_and_hidden_states(monkeypatch):
     model = MODELS["llama-tied"]()
     ids = prompt(30)

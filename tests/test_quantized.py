@@ -23,6 +23,7 @@ from specsample.models.llama import Linear
 from specsample.models.loading import LoadedModel
 from specsample.models.quantize import Int8Linear, int8_target
 from specsample.policy import CostModelK, FixedK
+from specsample.sampling import SamplingParams
 from specsample.stats import Stats
 from test_layerskip import generate_greedy, greedy_with
 from test_llama_backend import MODELS, packed, prompt, reference_logits  # noqa: F401  (packed: a fixture)
@@ -92,6 +93,20 @@ def test_quantized_keeps_the_target_distribution(models, packed):
     observed = lossless.sampled_counts(target_model, QuantizedDrafter(int8_target(target_model)), params, seed=77)
     p = lossless.chi_square_p(observed, lossless.exact_distribution(target_model, params))
     assert p > lossless.ALPHA, f"quantized: p = {p:.2e}"
+
+
+def test_the_copy_starts_from_the_target_cache(packed):
+    model = tiny_llama(GREEDY_VOCAB, seed=3)
+    target = lossless.as_target(model)
+    drafter = quantized_drafter(LoadedModel(model, None, "tiny", frozenset(), 0.0), target)
+    target.prefill(GREEDY_PROMPT[:-1])
+    drafter.begin(GREEDY_PROMPT, SamplingParams(temperature=0))
+    assert drafter.model.length == 0  # nothing before the first draft
+    drafter.propose(3, torch.Generator().manual_seed(0))
+    cached = len(GREEDY_PROMPT) - 1
+    assert drafter.model.length == cached + 3
+    # Its own prefill would give the int8 copy's values, not the target's.
+    assert torch.equal(drafter.model.v_cache[:, :, :cached], target.v_cache[:, :, :cached].to(drafter.model.dtype))
 
 
 @pytest.mark.parametrize("policy", [lambda: FixedK(3), CostModelK])

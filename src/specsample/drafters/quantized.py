@@ -8,8 +8,16 @@ almost every token; it pays off only where its forward pass is cheaper than
 the target's. On the C++ kernels it is: a draft step streams int8 weights, a
 quarter of the float32 target's bytes. On the torch fallback it is not (see
 BENCHMARKS.md).
+
 The copy fills its cache at the first draft of a request, not at its start,
-so a K policy that settles on K = 0 never pays for it.
+so a K policy that settles on K = 0 never pays for it. When the target is the
+fast backend it takes the target's K and V of the context, a copy that costs
+next to nothing, instead of a prefill of its own, which costs about as much
+as the target's (many rows are bound by arithmetic, not by the weights' bytes)
+and which a K policy would count as the cost of that first draft.
+Drafts then condition on the target's view of the context, which only brings
+them closer to the target's; they stay exact, since the drafter returns the
+distributions it sampled from.
 """
 
 from __future__ import annotations
@@ -20,12 +28,16 @@ from torch import Tensor
 from specsample.drafters.base import Draft
 from specsample.drafters.draft_model import DraftModelDrafter
 from specsample.models import LoadedModel, Target
-from specsample.models.llama import UnsupportedModel
+from specsample.models.llama import LlamaTarget, UnsupportedModel
 from specsample.models.quantize import int8_target
 from specsample.sampling import SamplingParams
 
 
 class QuantizedDrafter(DraftModelDrafter):
+    def __init__(self, model: LlamaTarget, target: Target | None = None) -> None:
+        super().__init__(model)
+        self.target = target  # whose cache the copy adopts, if the layouts agree
+
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         self.context = prompt_ids.tolist()
         self.params = params
@@ -33,13 +45,23 @@ class QuantizedDrafter(DraftModelDrafter):
 
     def propose(self, k: int, generator: torch.Generator) -> Draft:
         if self.model.length == 0:
-            self.model.prefill(torch.tensor(self.context[:-1]))
+            self.fill_cache()
         return super().propose(k, generator)
+
+    def fill_cache(self) -> None:
+        """Cache the context but its last token: the target's K and V where it holds exactly those
+        positions in the copy's layout, else a prefill of the copy."""
+        cached = len(self.context) - 1
+        target = self.target
+        if isinstance(target, LlamaTarget) and target.length == cached and self.model.shares_cache_layout(target):
+            self.model.adopt_cache(target, cached)
+        else:
+            self.model.prefill(torch.tensor(self.context[:-1]))
 
 
 def quantized_drafter(model: LoadedModel, target: Target) -> QuantizedDrafter:
     """The registry's factory: an int8 copy of `model`, as long a context as the target's."""
     try:
-        return QuantizedDrafter(int8_target(model.model, target.max_length))
+        return QuantizedDrafter(int8_target(model.model, target.max_length), target)
     except UnsupportedModel as e:
         raise ValueError(f"quantized needs a model the fast backend supports: {e}") from None

@@ -46,7 +46,9 @@ BLOCK = 32  # output columns per panel
 MAX_HEAD_DIM = 1024  # rotary embedding works on a stack copy of one head
 
 SOURCE = r"""
+#ifdef __AVX512F__
 #include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <string.h>
 typedef float v16 __attribute__((vector_size(64)));

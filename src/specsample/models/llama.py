@@ -281,6 +281,24 @@ class LlamaTarget:
             raise ValueError(f"cannot roll back to {length}: the cache holds {self._length}")
         self._length = length
 
+    def shares_cache_layout(self, other: LlamaTarget) -> bool:
+        """True if `other` keeps K and V as this one does (same shapes, either dtype), so `adopt_cache` works."""
+        same_shapes = self.k_cache.shape == other.k_cache.shape and self.v_cache.shape == other.v_cache.shape
+        return self.kernels == other.kernels and same_shapes
+
+    @torch.inference_mode()
+    def adopt_cache(self, source: LlamaTarget, length: int) -> None:
+        """Reset the cache to positions 0..length-1 of `source`'s (converted to this dtype), in place of a
+        prefill: a draft model of the target's architecture starts from the target's K and V."""
+        if not self.shares_cache_layout(source) or not 0 <= length <= source.length:
+            raise ValueError(f"cannot adopt {length} positions of a cache of {source.length} in another layout")
+        if self.kernels:  # keys [layers, kv_heads, dim, cap]
+            self.k_cache[..., :length] = source.k_cache[..., :length]
+        else:
+            self.k_cache[:, :, :length] = source.k_cache[:, :, :length]
+        self.v_cache[:, :, :length] = source.v_cache[:, :, :length]
+        self._length, self._hidden = length, None
+
     def hidden_states(self) -> Tensor | None:
         """Final normed hidden states [n, hidden] of the last prefill or score call."""
         return self._hidden
