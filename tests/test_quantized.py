@@ -5,7 +5,9 @@ weights (int8 * scale), and the int8 copy against the float model with those
 weights. The chi-square test reuses test_lossless.py's machinery (N_SAMPLES
 samples, significance level ALPHA); greedy output is compared with
 transformers generate, as for layerskip. Drafter tests run with the C++
-kernels and again on the torch path (`packed` fixture of test_llama_backend).
+kernels and again on the torch path (`packed` fixture of test_llama_backend);
+the chi-square test's copy fills its cache by its own prefill, the greedy
+tests' copy adopts the target's.
 """
 
 from __future__ import annotations
@@ -74,15 +76,15 @@ def dequantized_model(model):
 
 @needs_kernels
 @pytest.mark.parametrize("name", ["llama-untied", "llama-tied", "llama-mha-odd-sizes", "qwen2-bias"])
-def test_int8_copy_on_the_kernels_is_the_dequantized_model(name):
+def test_int8_quantizedon_the_kernels_is_the_dequantized_model(name):
     model = MODELS[name]()
     ids = prompt(vocab=model.config.vocab_size)
     ref = reference_logits(dequantized_model(model), ids)
-    copy_ = int8_target(model, max_length=64)
-    assert copy_.kernels and copy_.lm_head.weight.dtype == torch.int8
-    assert all(w.weight.dtype == torch.int8 for layer in copy_.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    copy_.prefill(ids[:5])
-    logits = torch.cat([copy_.score(ids[5:6]), copy_.score(ids[6:14]), copy_.score(ids[14:])])
+    quantized = int8_target(model, max_length=64)
+    assert quantized.kernels and quantized.lm_head.weight.dtype == torch.int8
+    assert all(w.weight.dtype == torch.int8 for layer in quantized.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    quantized.prefill(ids[:5])
+    logits = torch.cat([quantized.score(ids[5:6]), quantized.score(ids[6:14]), quantized.score(ids[14:])])
     torch.testing.assert_close(logits, ref[5:], rtol=0, atol=1e-4)
     assert (logits - reference_logits(model, ids)[5:]).abs().max() > 1e-3  # it is quantized
 
@@ -95,7 +97,7 @@ def test_quantized_keeps_the_target_distribution(models, packed):
     assert p > lossless.ALPHA, f"quantized: p = {p:.2e}"
 
 
-def test_the_copy_starts_from_the_target_cache(packed):
+def test_the_quantizedstarts_from_the_target_cache(packed):
     model = tiny_llama(GREEDY_VOCAB, seed=3)
     target = lossless.as_target(model)
     drafter = quantized_drafter(LoadedModel(model, None, "tiny", frozenset(), 0.0), target)
