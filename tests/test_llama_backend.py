@@ -139,6 +139,8 @@ def test_adopted_cache_scores_as_a_prefilled_one(packed):
     source, adopter = LlamaTarget.from_hf(model, max_length=64), LlamaTarget.from_hf(model, max_length=64)
     source.prefill(ids[:10])
     adopter.prefill(prompt(seed=1)[:12])  # other tokens, all replaced
+    adopter.commit_cache(100)  # beyond max_length: up to it
+    assert adopter.length == 0
     assert adopter.shares_cache_layout(source)
     adopter.adopt_cache(source, 8)
     assert adopter.length == 8 and source.length == 10

@@ -292,12 +292,23 @@ class LlamaTarget:
         prefill: a draft model of the target's architecture starts from the target's K and V."""
         if not self.shares_cache_layout(source) or not 0 <= length <= source.length:
             raise ValueError(f"cannot adopt {length} positions of a cache of {source.length} in another layout")
-        if self.kernels:  # keys [layers, kv_heads, dim, cap]
-            self.k_cache[..., :length] = source.k_cache[..., :length]
-        else:
-            self.k_cache[:, :, :length] = source.k_cache[:, :, :length]
-        self.v_cache[:, :, :length] = source.v_cache[:, :, :length]
+        for mine, theirs in zip(self._cache_positions(length), source._cache_positions(length)):
+            mine.copy_(theirs)
         self._length, self._hidden = length, None
+
+    @torch.inference_mode()
+    def commit_cache(self, length: int) -> None:
+        """Empty the cache and write the slots of positions 0..length-1, so that their memory pages are
+        committed now and not at first use (page faults that cost milliseconds on the transposed keys)."""
+        for part in self._cache_positions(min(length, self.max_length)):
+            part.zero_()
+        self._length, self._hidden = 0, None
+
+    def _cache_positions(self, length: int) -> tuple[Tensor, Tensor]:
+        """Views of keys and values at positions 0..length-1, in this cache's layout."""
+        if self.kernels:  # keys [layers, kv_heads, dim, cap]
+            return self.k_cache[..., :length], self.v_cache[:, :, :length]
+        return self.k_cache[:, :, :length], self.v_cache[:, :, :length]
 
     def hidden_states(self) -> Tensor | None:
         """Final normed hidden states [n, hidden] of the last prefill or score call."""
