@@ -142,3 +142,15 @@ def test_a_sampler_keeps_one_auto_policy_across_requests(tiny_dir):
     policy = sampler.policy("AUTO ")
     assert policy is sampler.policy("auto") and isinstance(policy, CostModelK)
     assert sum(policy.verify_count.values()) == sum(steps)  # every step of both requests
+
+
+def test_cost_model_tries_again_after_one_slow_draft():
+    """A first draft slowed by the machine (10 target passes for one token) sends K to 0; the measurement
+    fades while K = 0, and a drafter that is in fact free and always right is drafting again."""
+    policy = CostModelK(k_max=8)
+    assert policy.choose() == 0
+    policy.observe(step(0, 0, verify_seconds=0.01))
+    assert policy.choose() == 1
+    policy.observe(Step(1, 1, 2, 0.1, 0.0105))
+    ks = run_cost_model(policy, 400, acceptance=lambda i: 1.0, cost=lambda n: 0.01 + 0.0005 * n)
+    assert ks[0] == 0 and ks[-1] >= 4

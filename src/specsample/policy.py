@@ -146,6 +146,10 @@ class CostModelK:
         for counts in self.counts():
             counts *= self.decay if self.k else self.idle_decay
         if self.k == 0:
+            # The drafter's cost is forgotten too, toward the optimistic prior: one noisy early
+            # measurement must not keep K at 0 for good.
+            self.draft_seconds *= self.idle_decay
+            self.drafted_tokens *= self.idle_decay
             return
         self.largest_k = max(self.largest_k, self.k)
         self.draft_seconds = self.decay * self.draft_seconds + step.draft_seconds
@@ -163,7 +167,8 @@ class CostModelK:
         """Expected tokens per step, draft length and tokens per second for K = 0..k_max."""
         self.tokens_per_step = 1 + self.cumulative(self.accepted_ge, self.accepted_reached, self.prior_acceptance)  # [K]
         self.draft_length = self.cumulative(self.drafted_ge, self.drafted_reached, 1.0)  # [K]
-        self.seconds_per_draft_token = self.draft_seconds / self.drafted_tokens if self.drafted_tokens else 0.0
+        # prior_weight pseudo-tokens drafted for free stand for what has not been measured.
+        self.seconds_per_draft_token = self.draft_seconds / (self.drafted_tokens + self.prior_weight)
         seconds = self.seconds_per_draft_token * self.draft_length + self.target_seconds(1 + self.draft_length)
         self.rates = self.tokens_per_step / seconds  # [K]
 
