@@ -58,3 +58,12 @@ def tiny_draft_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def other_vocab_dir(tmp_path_factory) -> Path:
     return save_tiny(tmp_path_factory.mktemp("tiny-other"), 48, seed=2)
+
+
+def drafting_cost_model(k_max: int = 16):
+    """The cost-model K policy with a prior worth 1000 steps: its choices follow timings, and this keeps it
+    drafting (K growing 1, 2, 4, ...) on a loaded machine too, so a test exercises its varying K,
+    not the machine's speed."""
+    from specsample.policy import CostModelK
+
+    return CostModelK(k_max=k_max, prior_weight=1e3)

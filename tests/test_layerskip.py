@@ -17,12 +17,12 @@ from specsample.drafters import LayerSkipDrafter, make_drafter
 from specsample.engine import decode
 from specsample.models import TransformersTarget
 from specsample.models.loading import LoadedModel
-from specsample.policy import CostModelK, FixedK
+from specsample.policy import FixedK
 from specsample.sampling import SamplingParams
 from specsample.stats import Stats
 from test_lossless_drafters import GREEDY_PROMPT, GREEDY_VOCAB, check_it_drafts
 
-from conftest import tiny_llama
+from conftest import drafting_cost_model, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def greedy_with(name: str, model, policy, stats: Stats) -> list[int]:
     return [t for step in steps for t in step]
 
 
-@pytest.mark.parametrize("policy", [lambda: FixedK(3), CostModelK])
+@pytest.mark.parametrize("policy", [lambda: FixedK(3), drafting_cost_model])
 def test_greedy_output_is_transformers_generate(policy):
     model = tiny_llama(GREEDY_VOCAB, seed=3, layers=4)
     stats = Stats()

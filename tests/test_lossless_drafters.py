@@ -17,14 +17,14 @@ from specsample.drafters import NgramDrafter, NoDrafter, SuffixDrafter
 from specsample.engine import decode
 from specsample.models import make_target
 from specsample.models.loading import LoadedModel
-from specsample.policy import CostModelK, FixedK, HeuristicK
+from specsample.policy import FixedK, HeuristicK
 from specsample.sampling import SamplingParams
 from specsample.stats import Stats
 
-from conftest import tiny_llama
+from conftest import drafting_cost_model, tiny_llama
 
 DRAFTERS = {"ngram": NgramDrafter, "suffix": SuffixDrafter}
-POLICIES = {"fixed": FixedK, "heuristic": lambda k: HeuristicK(k_start=k), "cost-model": lambda k: CostModelK()}
+POLICIES = {"fixed": FixedK, "heuristic": lambda k: HeuristicK(k_start=k), "cost-model": lambda k: drafting_cost_model()}
 
 
 def repeating_prompt(model) -> torch.Tensor:

@@ -24,14 +24,14 @@ from specsample.models import kernels
 from specsample.models.llama import Linear
 from specsample.models.loading import LoadedModel
 from specsample.models.quantize import Int8Linear, int8_target
-from specsample.policy import CostModelK, FixedK
+from specsample.policy import FixedK
 from specsample.sampling import SamplingParams
 from specsample.stats import Stats
 from test_layerskip import generate_greedy, greedy_with
 from test_llama_backend import MODELS, packed, prompt, reference_logits  # noqa: F401  (packed: a fixture)
 from test_lossless_drafters import GREEDY_PROMPT, GREEDY_VOCAB
 
-from conftest import tiny_llama
+from conftest import drafting_cost_model, tiny_llama
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the gemm kernel could not be built here")
 
@@ -111,7 +111,7 @@ def test_the_quantizedstarts_from_the_target_cache(packed):
     assert torch.equal(drafter.model.v_cache[:, :, :cached], target.v_cache[:, :, :cached].to(drafter.model.dtype))
 
 
-@pytest.mark.parametrize("policy", [lambda: FixedK(3), CostModelK])
+@pytest.mark.parametrize("policy", [lambda: FixedK(3), drafting_cost_model])
 def test_greedy_output_is_transformers_generate(policy, packed):
     model = tiny_llama(GREEDY_VOCAB, seed=3)
     stats = Stats()
