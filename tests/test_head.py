@@ -21,7 +21,7 @@ from specsample.train_draft import (
 )
 from test_lossless import ALPHA, VOCAB, chi_square_p, exact_distribution, sampled_counts
 
-from conftest import tiny_llama
+from conftest import drafting_cost_model, tiny_llama
 
 SUBSET = 12  # of VOCAB: the head cannot propose 4 of the tokens
 N_SAMPLES = 20_000
@@ -61,19 +61,34 @@ def test_head_sampling_matches_target_distribution(monkeypatch):
     assert p > ALPHA, f"p = {p:.2e}"
 
 
-@pytest.mark.parametrize("backend", ["fast", "transformers"])
-def test_head_greedy_output_is_the_targets(backend):
+@pytest.mark.parametrize(("backend", "policy"), [("fast", "fixed"), ("transformers", "fixed"), ("fast", "cost-model")])
+def test_head_greedy_output_is_the_targets(backend, policy):
+    """The cost model also cuts the head's drafts on their confidence."""
     loaded = tiny_loaded(tiny_llama(64, seed=3))
     prompt = torch.tensor([5, 9, 2, 33, 7])
     outputs, stats = [], []
+    policies = {"fixed": lambda: FixedK(4), "cost-model": drafting_cost_model}
     for make in (lambda t: NoDrafter(), lambda t: head_drafter(loaded, t, subset=48)):
         target = make_target(loaded, backend)
         stats.append(Stats())
-        steps = decode(target, make(target), FixedK(4), prompt, SamplingParams(temperature=0), max_new_tokens=40,
-                       eos_token_ids=frozenset(), generator=torch.Generator().manual_seed(0), stats=stats[-1])
+        steps = decode(target, make(target), policies[policy](), prompt, SamplingParams(temperature=0),
+                       max_new_tokens=40, eos_token_ids=frozenset(), generator=torch.Generator().manual_seed(0),
+                       stats=stats[-1])
         outputs.append([t for step in steps for t in step])
     assert outputs[0] == outputs[1]
     assert stats[1].drafted_tokens > 0
+
+
+def test_head_reports_the_peak_of_its_distribution_as_confidence():
+    loaded = tiny_loaded(tiny_llama(64, seed=3))
+    target = make_target(loaded)
+    drafter = head_drafter(loaded, target, subset=48)
+    target.prefill(torch.tensor([5, 9, 2, 33]))
+    drafter.begin(torch.tensor([5, 9, 2, 33, 7]), SamplingParams(temperature=0))
+    peak = float(drafter.logits.softmax(-1).max())
+    draft = drafter.propose(3, torch.Generator().manual_seed(0))
+    assert draft.confidence.shape == (3,) and float(draft.confidence[0]) == pytest.approx(peak)
+    assert ((draft.confidence > 0) & (draft.confidence <= 1)).all()
 
 
 def test_both_backends_give_the_head_the_same_features():

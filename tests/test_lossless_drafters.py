@@ -14,6 +14,7 @@ import torch
 import test_lossless as lossless
 from test_lossless import models  # noqa: F401  (the fixture: target and draft model)
 from specsample.drafters import NgramDrafter, NoDrafter, SuffixDrafter
+from specsample.drafters.base import Draft
 from specsample.engine import decode
 from specsample.models import make_target
 from specsample.models.loading import LoadedModel
@@ -86,3 +87,58 @@ def test_greedy_output_is_the_target_alone(drafter, policy):
     stats = Stats()
     assert greedy(model, DRAFTERS[drafter](), POLICIES[policy](4), stats) == alone
     assert stats.accepted_tokens > 0
+
+
+class ConfidentPrefixK(FixedK):
+    """K fixed, but only the draft's prefix up to its first token of confidence below THRESHOLD is
+    verified: a cut that depends on the draft tokens drawn, as the cost model's does."""
+
+    THRESHOLD = 0.3
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
+        self.kept: list[int] = []
+
+    def keep(self, confidence: torch.Tensor) -> int:
+        low = (confidence < self.THRESHOLD).nonzero()
+        self.kept.append(int(low[0]) if len(low) else len(confidence))
+        return self.kept[-1]
+
+
+class DrawnTokenConfidence:
+    """Broken on purpose: reports as confidence the probability of the token drawn, which is known only
+    after the draw, so a cut on it verifies some draws more often than others."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def begin(self, prompt_ids, params):
+        self.inner.begin(prompt_ids, params)
+
+    def propose(self, k, generator):
+        draft = self.inner.propose(k, generator)
+        drawn = draft.probs.gather(1, draft.tokens[:, None])[:, 0]  # [k]
+        return Draft(draft.tokens, draft.probs, drawn)
+
+    def observe(self, accepted, next_token):
+        self.inner.observe(accepted, next_token)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_verifying_a_confident_prefix_keeps_the_target_distribution(models, monkeypatch, broken):
+    """Chi-square at ALPHA: the draft model's drafts verified up to their first unconfident token pass;
+    the same cut on the drawn token's own probability is rejected."""
+    target_model, draft_model = models
+    params = lossless.PARAMS["t1"]
+
+    def drafter():
+        inner = lossless.make_drafter("draft-model", draft_model)
+        return DrawnTokenConfidence(inner) if broken else inner
+
+    policy = ConfidentPrefixK(lossless.K)
+    check_it_drafts(target_model, drafter(), policy, params)
+    assert set(policy.kept) == {0, 1, 2}  # empty, partial and whole drafts all occur
+    monkeypatch.setattr(lossless, "FixedK", ConfidentPrefixK)
+    observed = lossless.sampled_counts(target_model, drafter(), params, seed=99)
+    p = lossless.chi_square_p(observed, lossless.exact_distribution(target_model, params))
+    assert (p < lossless.ALPHA) if broken else (p > lossless.ALPHA), f"broken={broken}: p = {p:.2e}"

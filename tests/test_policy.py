@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from specsample.policy import CostModelK, FixedK, HeuristicK, parse_k
 from specsample.stats import Step
@@ -154,3 +155,41 @@ def test_cost_model_tries_again_after_one_slow_draft():
     policy.observe(Step(1, 1, 2, 0.1, 0.0105))
     ks = run_cost_model(policy, 400, acceptance=lambda i: 1.0, cost=lambda n: 0.01 + 0.0005 * n)
     assert ks[0] == 0 and ks[-1] >= 4
+
+
+def measured_cost_model(cost=lambda n: 0.010 + 0.0005 * n) -> CostModelK:
+    """A cost model that has timed verification at n = 1..9 (five steps each), nothing accepted yet."""
+    policy = CostModelK(k_max=8)
+    for n in range(1, 10):
+        for _ in range(5):
+            policy.observe(step(n - 1, 0, verify_seconds=cost(n)))
+    return policy
+
+
+@pytest.mark.parametrize(
+    ("confidence", "kept"),
+    [([0.9, 0.8, 0.5, 0.1, 0.1, 0.1], 3), ([0.01, 0.9, 0.9], 0), ([0.99] * 8, 8), ([], 0)],
+)
+def test_cost_model_verifies_the_prefix_the_confidences_make_worth_it(confidence, kept):
+    # One more position costs 5% of a pass: a token is worth verifying while the chance that it and
+    # every token before it are accepted stays above about that.
+    assert measured_cost_model().keep(torch.tensor(confidence)) == kept
+
+
+def test_cost_model_calibrates_a_drafter_that_is_more_right_than_it_says():
+    """Confidence 0.3 on every token, yet every token accepted (an int8 copy of the target): after some
+    steps the whole draft is verified."""
+    cost = lambda n: 0.010 + 0.002 * n  # noqa: E731
+    policy = measured_cost_model(cost)
+    confidence = torch.full((4,), 0.3)
+    first = policy.keep(confidence)
+    for _ in range(30):
+        kept = policy.keep(confidence)
+        policy.observe(step(kept, kept, verify_seconds=cost(kept + 1)))
+    assert first < 4 and policy.keep(confidence) == 4
+    assert policy.estimates()["calibrated_confidence"][3] > 0.9
+
+
+def test_fixed_and_heuristic_k_verify_every_drafted_token():
+    for policy in (FixedK(4), HeuristicK()):
+        assert policy.keep(torch.tensor([0.01, 0.01, 0.01])) == 3

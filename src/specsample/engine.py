@@ -48,6 +48,8 @@ def decode(
         t_draft = perf_counter()
         k = min(policy.choose(), max_new_tokens - produced - 1)
         draft = drafter.propose(k, generator) if k > 0 else Draft.empty()
+        if draft.confidence is not None:
+            draft = draft.prefix(policy.keep(draft.confidence))
         t_verify = perf_counter()
         verdict = verify(target, pending, draft, params, generator)
         t_other = perf_counter()

@@ -6,8 +6,13 @@ from typing import Protocol
 
 import numpy as np
 from scipy.optimize import isotonic_regression
+from torch import Tensor
 
 from specsample.stats import Step
+
+
+CONFIDENCE_BINS = 10  # a drafter's confidence is calibrated per tenth of its range
+CALIBRATION_PRIOR = 4.0  # the drafter's own figure counts as this many observations
 
 
 class KPolicy(Protocol):
@@ -17,6 +22,10 @@ class KPolicy(Protocol):
 
     def choose(self) -> int:
         """K for the next step (0: decode one token without drafting)."""
+        ...
+
+    def keep(self, confidence: Tensor) -> int:
+        """How many tokens of a draft to verify, given the drafter's confidence in each [k]."""
         ...
 
     def observe(self, step: Step) -> None:
@@ -42,6 +51,9 @@ class FixedK:
     def choose(self) -> int:
         return self.k
 
+    def keep(self, confidence: Tensor) -> int:
+        return len(confidence)
+
     def observe(self, step: Step) -> None:
         pass
 
@@ -65,6 +77,9 @@ class HeuristicK:
 
     def choose(self) -> int:
         return self.k
+
+    def keep(self, confidence: Tensor) -> int:
+        return len(confidence)
 
     def observe(self, step: Step) -> None:
         if step.drafted == 0:
@@ -95,6 +110,14 @@ class CostModelK:
     may waste many target passes' worth of time (a draft model's K forwards). So
     K grows at most to twice the largest K asked so far (1, 2, 4, ...): each
     guess is tested on a draft at most twice as long as the evidence behind it.
+
+    A drafter that reports its confidence in each draft token gets its draft
+    verified token by token while each adds to the expected tokens per second of
+    the verification pass (`keep`). Confidences are calibrated online: the
+    acceptance measured per tenth of the confidence range, starting from the
+    drafter's own figure worth `CALIBRATION_PRIOR` observations, since a drafter
+    close to the target (its own int8 copy) is accepted far more often than its
+    own probabilities say.
     """
 
     def __init__(
@@ -122,6 +145,10 @@ class CostModelK:
         self.draft_seconds = 0.0  # decayed totals over steps that drafted
         self.drafted_tokens = 0.0
         self.largest_k = 0  # the largest K asked so far
+        # [tenth of the confidence range] verified draft tokens there, and of them accepted
+        self.confidence_reached = np.zeros(CONFIDENCE_BINS)
+        self.confidence_accepted = np.zeros(CONFIDENCE_BINS)
+        self.kept_confidence: np.ndarray | None = None  # [n] of the draft prefix now being verified
         self.k = k_max
         self.begin()
 
@@ -138,7 +165,29 @@ class CostModelK:
         self.k = int(self.rates[: limit + 1].argmax())
         return self.k
 
+    def keep(self, confidence: Tensor) -> int:
+        """Verify token after token while each adds to the expected tokens per second of verification
+        (the drafting is spent already); token i counts with the product of the calibrated confidences
+        through it. A stopping rule: whether token i is kept depends on confidences up to i only,
+        which are known before token i is drawn, so the choice cannot favour some draws over others."""
+        raw = confidence.double().numpy()
+        through = np.cumprod(self.calibrated(raw))  # [k] P(the first i + 1 tokens are accepted)
+        seconds = self.target_seconds(np.arange(1.0, len(raw) + 2))  # [k + 1] f(1 + n) for n kept
+        n, tokens = 0, 1.0
+        while n < len(raw) and (tokens + through[n]) / seconds[n + 1] > tokens / seconds[n]:
+            tokens += through[n]
+            n += 1
+        self.kept_confidence = raw[:n]
+        return n
+
+    def calibrated(self, confidence: np.ndarray) -> np.ndarray:
+        """The acceptance rate measured at these confidences [k], shrunk toward them."""
+        bins = confidence_bins(confidence)
+        reached, accepted = self.confidence_reached[bins], self.confidence_accepted[bins]
+        return (accepted + CALIBRATION_PRIOR * confidence) / (reached + CALIBRATION_PRIOR)
+
     def observe(self, step: Step) -> None:
+        self.observe_confidence(step)
         n = step.drafted + 1
         old = self.verify_seconds.get(n, step.verify_seconds)
         self.verify_seconds[n] = old + self.smoothing * (step.verify_seconds - old)
@@ -159,6 +208,16 @@ class CostModelK:
         self.drafted_ge += asked & (self.positions <= step.drafted)
         self.accepted_reached += asked & (self.positions <= step.accepted + 1)
         self.accepted_ge += asked & (self.positions <= step.accepted)
+
+    def observe_confidence(self, step: Step) -> None:
+        """Count the verified tokens of a kept draft prefix (those up to the first rejection) by confidence."""
+        kept, self.kept_confidence = self.kept_confidence, None
+        if kept is None or len(kept) != step.drafted:
+            return
+        verified = min(step.accepted + 1, step.drafted)
+        bins = confidence_bins(kept[:verified])
+        np.add.at(self.confidence_reached, bins, 1.0)
+        np.add.at(self.confidence_accepted, bins, np.arange(verified) < step.accepted)
 
     def counts(self) -> tuple[np.ndarray, ...]:
         return self.drafted_reached, self.drafted_ge, self.accepted_reached, self.accepted_ge
@@ -210,7 +269,14 @@ class CostModelK:
             "target_ms": {n: 1e3 * float(f) for n, f in zip(*self.cost_curve())} if self.verify_seconds else {},
             "draft_ms_per_token": 1e3 * self.seconds_per_draft_token,
             "p_accepted_through": np.diff(self.tokens_per_step).tolist(),  # [i - 1]: P(first i accepted | K >= i)
+            # [tenth of the confidence range] acceptance rate measured there (drafters that report confidence)
+            "calibrated_confidence": self.calibrated((np.arange(CONFIDENCE_BINS) + 0.5) / CONFIDENCE_BINS).tolist(),
         }
+
+
+def confidence_bins(confidence: np.ndarray) -> np.ndarray:
+    """The tenth of [0, 1] each confidence falls in, 1.0 in the last."""
+    return np.clip((confidence * CONFIDENCE_BINS).astype(int), 0, CONFIDENCE_BINS - 1)
 
 
 AUTO_POLICIES = {"auto": CostModelK, "auto:cost": CostModelK, "auto:heuristic": HeuristicK}

@@ -55,6 +55,18 @@ def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     return probs
 
 
+def draft_confidence(logits: Tensor, probs: Tensor, params: SamplingParams) -> float:
+    """A drafter's confidence in its next token: the peak of its distribution, its guess that the
+    target keeps what it draws.
+
+    The peak of the sampling distribution `probs` [vocab]; at temperature 0, where that is
+    a point mass, of the softmax of the raw `logits` [vocab]. It is known before the token
+    is drawn: a choice of which draft tokens to verify made on the drawn token's own
+    probability would favour some tokens over others and bias the output.
+    """
+    return float((logits.float().softmax(-1) if params.greedy else probs).max())
+
+
 def _top_p(probs: Tensor, top_p: float) -> Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p."""
     sorted_probs, order = probs.sort(-1, descending=True)

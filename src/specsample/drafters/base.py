@@ -21,10 +21,22 @@ from specsample.sampling import SamplingParams
 class Draft:
     tokens: Tensor  # [k] int64, k may be 0
     probs: Tensor | None  # [k, vocab] draft_probs, or None for a point mass on each token
+    # [k] the drafter's estimate that token i is accepted when the tokens before it are, or None;
+    # known before token i is drawn. The K policy may verify a prefix of the draft chosen on it,
+    # token by token (a stopping rule: whether token i is verified depends on tokens before it only,
+    # so verification stays exact).
+    confidence: Tensor | None = None
 
     @staticmethod
     def empty() -> "Draft":
         return Draft(torch.empty(0, dtype=torch.long), None)
+
+    def prefix(self, n: int) -> "Draft":
+        """The first n tokens of the draft."""
+        def cut(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[:n]
+
+        return Draft(self.tokens[:n], cut(self.probs), cut(self.confidence))
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from specsample.drafters.base import Draft
 from specsample.models.target import Target
-from specsample.sampling import SamplingParams, probs_from_logits, sample
+from specsample.sampling import SamplingParams, draft_confidence, probs_from_logits, sample
 
 
 class DraftModelDrafter:
@@ -29,15 +29,16 @@ class DraftModelDrafter:
 
     def propose(self, k: int, generator: torch.Generator) -> Draft:
         feed = self.context[self.model.length :]  # uncached tail, at least the last token
-        tokens, probs = [], []
+        tokens, probs, confidence = [], [], []
         for _ in range(k):
             logits = self.model.score(torch.tensor(feed))[-1]  # [vocab]
             step_probs = probs_from_logits(logits, self.params)
             feed = [sample(step_probs, generator)]
             tokens.append(feed[0])
             probs.append(step_probs)
+            confidence.append(draft_confidence(logits, step_probs, self.params))
         self.draft = tokens
-        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs))
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs), torch.tensor(confidence))
 
     def observe(self, accepted: int, next_token: int) -> None:
         valid = len(self.context) + accepted  # cached context plus accepted draft tokens

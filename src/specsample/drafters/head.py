@@ -7,6 +7,8 @@ times on its own predictions; each draft token comes from the target's LM head
 restricted to the N tokens the target produces most often (FR-Spec), so a
 draft step costs one small block plus an [hidden, N] matmul. Tokens outside
 the subset get draft probability 0, which rejection sampling handles exactly.
+Each draft token carries the head's own probability of it as its confidence;
+`--k auto` verifies only the prefix of the draft those make worth its cost.
 
 Drafting runs the trained weights on the fast backend's decoder code
 (`fast_head`: packed small-row kernels, a preallocated cache rolled back by
@@ -35,7 +37,7 @@ from torch import Tensor, nn
 from specsample.drafters.base import Draft
 from specsample.models import LoadedModel, Target, kernels
 from specsample.models.llama import Layer, Linear, LlamaTarget, rope_tables
-from specsample.sampling import SamplingParams, probs_from_logits, sample
+from specsample.sampling import SamplingParams, draft_confidence, probs_from_logits, sample
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "data" / "heads"
 CONFIG_FILE, WEIGHTS_FILE = "head.json", "head.safetensors"
@@ -259,13 +261,13 @@ class HeadDrafter:
     def propose(self, k: int, generator: torch.Generator) -> Draft:
         if self.feature is None:
             return Draft.empty()
-        feature, logits, tokens, probs = self.feature, self.logits, [], []
+        feature, logits, tokens, probs, confidence = self.feature, self.logits, [], [], []
         for i in range(k):
-            if self.params.greedy:
-                token = int(self.token_ids[logits.argmax()])
-            else:
-                subset_probs = probs_from_logits(logits, self.params)  # [n]
-                token = int(self.token_ids[sample(subset_probs, generator)])
+            subset_probs = probs_from_logits(logits, self.params)  # [n], a point mass when greedy
+            index = int(subset_probs.argmax()) if self.params.greedy else sample(subset_probs, generator)
+            confidence.append(draft_confidence(logits, subset_probs, self.params))
+            token = int(self.token_ids[index])
+            if not self.params.greedy:
                 probs.append(torch.zeros(self.vocab_size).index_copy_(0, self.token_ids, subset_probs))
             tokens.append(token)
             if i + 1 < k:
@@ -273,7 +275,7 @@ class HeadDrafter:
                 feature = self.decoder.hidden_states()
         self.decoder.rollback(self.decoder.length - (k - 1))  # drop the positions computed from predicted features
         self.draft = tokens
-        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None, torch.tensor(confidence))
 
     @torch.inference_mode()
     def observe(self, accepted: int, next_token: int) -> None:
