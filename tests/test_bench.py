@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 import specsample.engine as engine
 from specsample.bench import harness, report
 from specsample.check import accept_all_greedy
+from specsample.drafters import REGISTRY
 from specsample.models import load_model, make_target
 
 from test_cli import cli
@@ -109,3 +111,11 @@ def test_mismatches_are_counted_when_verification_is_broken(monkeypatch, prompts
 def test_report_of_a_directory_without_results_is_a_clear_error(capsys, tmp_path):
     code, _, err = cli(capsys, "bench", "report", str(tmp_path))
     assert code == 2 and "no results.json" in err
+
+
+@pytest.mark.parametrize("toml", sorted((Path(__file__).parent.parent / "benchmarks").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_benchmark_configs_parse(toml):
+    defaults, configs = harness.read_configs([str(toml)], {})
+    names = [c.name for c in harness.with_baselines(defaults, configs, transformers=False)]
+    assert len(configs) >= 1 and names[0] == harness.REFERENCE
+    assert all(c.drafter in REGISTRY for c in configs)
