@@ -17,7 +17,7 @@ from specsample.policy import FixedK
 from specsample.sampling import SamplingParams
 from specsample.stats import Stats
 from specsample.train_draft import (
-    Objective, Sequence, TrainOptions, load_sequences, read_prompts, teacher_forced_features, train,
+    Objective, Sequence, TrainOptions, load_sequences, read_prompts, split, teacher_forced_features, train,
 )
 from test_lossless import ALPHA, VOCAB, chi_square_p, exact_distribution, sampled_counts
 
@@ -201,6 +201,20 @@ def test_read_prompts_splits_spec_bench_by_question_id(tmp_path):
     path.write_text("".join(json.dumps({"question_id": i, "turns": [f"q{i}", "again"]}) + "\n" for i in range(1, 7)))
     assert read_prompts([path], "even") == ["q2", "q4", "q6"]
     assert read_prompts([path], "odd") == ["q1", "q3", "q5"]
+
+
+def test_held_out_split_keeps_every_answer_to_a_prompt_on_one_side():
+    """Answers to one prompt share much of their text: split by sequence, the held-out figures would
+    reward a head for memorising the other answers."""
+    sequences = [
+        Sequence(torch.tensor([prompt, prompt + 1, 100 + answer]), torch.zeros(3, 4), prompt_length=2)
+        for prompt in range(0, 40, 2) for answer in range(4)
+    ]
+    train_set, eval_set = split(sequences, holdout=0.25, seed=0)
+    prompts = [{int(s.tokens[0]) for s in part} for part in (train_set, eval_set)]
+    assert len(train_set) + len(eval_set) == len(sequences)
+    assert not prompts[0] & prompts[1]
+    assert len(prompts[1]) == 5 and len(eval_set) == 20
 
 
 def test_saved_head_round_trips(tmp_path):

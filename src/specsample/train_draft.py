@@ -189,10 +189,23 @@ def frequent_tokens(sequences: list[Sequence], n: int, vocab_size: int) -> Tenso
 
 
 def split(sequences: list[Sequence], holdout: float, seed: int) -> tuple[list[Sequence], list[Sequence]]:
-    order = list(range(len(sequences)))
-    random.Random(seed).shuffle(order)
-    n_eval = max(1, round(holdout * len(sequences))) if len(sequences) > 1 else 0
-    return [sequences[i] for i in order[n_eval:]], [sequences[i] for i in order[:n_eval]]
+    """Train and held-out sequences, split by prompt: every answer to a prompt (the greedy one and the
+    sampled ones) falls on the same side, or the held-out figures would reward memorising answers."""
+    by_prompt: dict[tuple[int, ...], list[Sequence]] = {}
+    for s in sequences:
+        by_prompt.setdefault(tuple(s.tokens[: s.prompt_length].tolist()), []).append(s)
+    groups = list(by_prompt.values())
+    random.Random(seed).shuffle(groups)
+    n_eval = max(1, round(holdout * len(groups))) if len(groups) > 1 else 0
+    return [s for g in groups[n_eval:] for s in g], [s for g in groups[:n_eval] for s in g]
+
+
+def distinct_prompts(sequences: list[Sequence]) -> list[Tensor]:
+    """The prompts of these sequences, each once, in order of first appearance."""
+    seen: dict[tuple[int, ...], Tensor] = {}
+    for s in sequences:
+        seen.setdefault(tuple(s.tokens[: s.prompt_length].tolist()), s.tokens[: s.prompt_length])
+    return list(seen.values())
 
 
 class Batcher:
@@ -385,12 +398,13 @@ def engine_acceptance(model: LoadedModel, head_dir: Path, eval_set: list[Sequenc
     target = make_target(model)
     drafter = HeadDrafter.load(model, target, head_dir)
     stats = Stats()
-    for s in eval_set[:prompts]:
+    held_out = distinct_prompts(eval_set)[:prompts]
+    for prompt in held_out:
         steps = decode(
-            target, drafter, FixedK(EVAL_K), s.tokens[: s.prompt_length], SamplingParams(temperature=0),
+            target, drafter, FixedK(EVAL_K), prompt, SamplingParams(temperature=0),
             max_new_tokens=64, eos_token_ids=model.eos_token_ids, generator=make_generator(0), stats=stats,
         )
         for _ in steps:
             pass
-    return {"prompts": min(prompts, len(eval_set)), "k": EVAL_K, "temperature": 0,
+    return {"prompts": len(held_out), "k": EVAL_K, "temperature": 0,
             "mean_accepted_length": round(stats.mean_accepted_length, 3), "acceptance_rate": round(stats.acceptance_rate, 3)}
