@@ -79,6 +79,13 @@ def test_bad_arguments_give_one_line_and_exit_2(capsys, tiny_dir, args, message)
     assert "Traceback" not in err
 
 
+def test_train_draft_needs_prompts_of_some_kind(capsys, tiny_dir, tmp_path):
+    code, _, err = cli(capsys, "train-draft", "--out", str(tmp_path), "--model", str(tiny_dir))
+    assert code == 2 and err.strip() == "specsample: error: give --prompts, --self-prompts or both"
+    code, _, err = cli(capsys, "train-draft", "--out", str(tmp_path), "--self-prompts", "2", "--extra-data", str(tmp_path))
+    assert code == 2 and "no data shards in" in err and len(err.strip().splitlines()) == 1
+
+
 def test_draft_with_another_vocabulary_is_refused(capsys, tiny_dir, other_vocab_dir):
     code, _, err = cli(capsys, "generate", "w1 w2", "--model", str(tiny_dir), "--drafter", str(other_vocab_dir))
     assert code == 2

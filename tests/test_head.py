@@ -18,6 +18,7 @@ from specsample.sampling import SamplingParams
 from specsample.stats import Stats
 from specsample.train_draft import (
     Objective, Sequence, TrainOptions, load_sequences, read_prompts, split, teacher_forced_features, train,
+    write_prompts,
 )
 from test_lossless import ALPHA, VOCAB, chi_square_p, exact_distribution, sampled_counts
 
@@ -201,6 +202,27 @@ def test_read_prompts_splits_spec_bench_by_question_id(tmp_path):
     path.write_text("".join(json.dumps({"question_id": i, "turns": [f"q{i}", "again"]}) + "\n" for i in range(1, 7)))
     assert read_prompts([path], "even") == ["q2", "q4", "q6"]
     assert read_prompts([path], "odd") == ["q1", "q3", "q5"]
+
+
+TINY_CHAT = "{% for m in messages %}w2 {{ m['content'] }} w1 {% endfor %}{% if add_generation_prompt %}w3 {% endif %}"
+
+
+def test_the_target_writes_distinct_prompts_and_a_resumed_run_keeps_them(tiny_dir, tmp_path):
+    loaded = load_model(tiny_dir)
+    loaded.tokenizer.chat_template = TINY_CHAT
+    path = tmp_path / "self_prompts.jsonl"
+    torch.manual_seed(0)
+    first = write_prompts(loaded, path, TrainOptions(self_prompts=6, generate_batch=32, self_prompt_tokens=64))
+    assert len(first) == len(set(first)) == 6 and all(first)
+    assert all(p.split()[0] != "w2" for p in first)  # the template's opening is not part of a prompt
+    more = write_prompts(loaded, path, TrainOptions(self_prompts=9, generate_batch=32, self_prompt_tokens=64))
+    assert more[:6] == first and len(set(more)) == 9
+    assert [json.loads(line)["prompt"] for line in path.read_text().splitlines()] == more
+
+
+def test_a_target_without_a_chat_template_cannot_write_prompts(tiny_dir, tmp_path):
+    with pytest.raises(ValueError, match="no chat template"):
+        write_prompts(load_model(tiny_dir), tmp_path / "p.jsonl", TrainOptions(self_prompts=2))
 
 
 def test_held_out_split_keeps_every_answer_to_a_prompt_on_one_side():

@@ -110,7 +110,7 @@ def serve(
 @app.command("train-draft")
 def train_draft(
     out: Annotated[str, typer.Option(help="Directory for the head (head.safetensors, head.json), data shards and checkpoints.")],
-    prompts: Annotated[list[str], typer.Option(help="Prompts file: .jsonl (prompt or turns) or text, one a line (repeatable).")],
+    prompts: Annotated[Optional[list[str]], typer.Option(help="Prompts file: .jsonl (prompt or turns) or text, one a line (repeatable).")] = None,
     model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2-135M-Instruct).")] = None,
     question_ids: Annotated[str, typer.Option(help="Keep only jsonl rows with even or odd question_id (all: keep every row).")] = "all",
     steps: Annotated[int, typer.Option(help="Training steps.")] = 2000,
@@ -118,6 +118,8 @@ def train_draft(
     seq_len: Annotated[int, typer.Option(help="Positions per training window.")] = 256,
     generate_batch: Annotated[int, typer.Option(help="Prompts per batched generate call.")] = 16,
     sampled_answers: Annotated[int, typer.Option(help="Extra answers per prompt sampled at temperature 1 (more data).")] = 0,
+    self_prompts: Annotated[int, typer.Option(help="Prompts the target writes itself from its chat template (Magpie), added to --prompts.")] = 0,
+    extra_data: Annotated[Optional[list[str]], typer.Option(help="The OUT directory of an earlier run: train on its data shards too (repeatable).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Longest answer the target generates per prompt.")] = 160,
     data_minutes: Annotated[float, typer.Option(help="Stop generating data after this many minutes and train on it (0: no limit).")] = 0.0,
     vocab_subset: Annotated[int, typer.Option(help="Tokens the head can propose, most frequent first (0: all).")] = 8192,
@@ -132,17 +134,20 @@ def train_draft(
     from pathlib import Path
 
     from specsample.models import load_model
-    from specsample.train_draft import TrainOptions, read_prompts, train
+    from specsample.train_draft import TrainOptions, data_shards, read_prompts, train
 
     options = TrainOptions(
-        generate_batch=generate_batch, sampled_answers=sampled_answers, batch_size=batch_size, max_new_tokens=max_new_tokens, data_minutes=data_minutes,
-        vocab_subset=vocab_subset,
-        layers=layers, steps=steps, seq_len=seq_len, lr=lr, unroll=unroll, eval_every=eval_every, seed=seed,
+        generate_batch=generate_batch, sampled_answers=sampled_answers, self_prompts=self_prompts, batch_size=batch_size,
+        max_new_tokens=max_new_tokens, data_minutes=data_minutes, vocab_subset=vocab_subset, layers=layers,
+        steps=steps, seq_len=seq_len, lr=lr, unroll=unroll, eval_every=eval_every, seed=seed,
     )
-    texts = read_prompts([Path(p) for p in prompts], question_ids)
+    if not prompts and not self_prompts:
+        raise ValueError("give --prompts, --self-prompts or both")
+    texts = read_prompts([Path(p) for p in prompts], question_ids) if prompts else []
+    extra = [shard for d in extra_data or () for shard in data_shards(Path(d))]
     quiet_transformers()
     loaded = load_model(model, trust_remote_code=trust_remote_code)
-    report = train(loaded, texts, Path(out), options, log=lambda line: print(line, file=sys.stderr))
+    report = train(loaded, texts, Path(out), options, log=lambda line: print(line, file=sys.stderr), extra_shards=extra)
     print(json.dumps({k: v for k, v in report.items() if k != "history"}))
 
 

@@ -24,6 +24,16 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[Mes
     return tokenizer.encode(text, add_special_tokens=True)
 
 
+def user_turn_opening(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Token ids of a chat up to where the user's first message begins (any default system turn
+    included): sampling from there, an instruction-tuned model writes a user's request (Magpie)."""
+    if not tokenizer.chat_template:
+        raise ValueError("the model has no chat template, so it cannot be asked to write prompts")
+    marker = "\x00MESSAGE\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    return tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
+
+
 class IncrementalDecoder:
     """Turns tokens, pushed one at a time, into text deltas that never split a character."""
 

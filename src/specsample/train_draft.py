@@ -1,5 +1,8 @@
 """Self-distillation of a draft head on the CPU: generate, extract features, train, evaluate.
 
+0. Optionally the target writes prompts of its own (Magpie): sampled from where
+   a user's message begins in its chat template. They add the variety of
+   requests that more answers to the same prompts do not.
 1. The target answers the training prompts with batched greedy `generate`
    (much faster per token than one sequence at a time).
 2. One teacher-forced forward pass over each prompt + answer gives the target's
@@ -34,7 +37,7 @@ from tqdm import tqdm
 
 from specsample.drafters.head import DraftHead, HeadConfig, HeadDrafter, save_head
 from specsample.models import LoadedModel, make_target
-from specsample.text import encode_prompt
+from specsample.text import encode_prompt, user_turn_opening
 
 EVAL_K = 4
 
@@ -43,6 +46,8 @@ EVAL_K = 4
 class TrainOptions:
     generate_batch: int = 16  # prompts per generate call
     sampled_answers: int = 0  # answers per prompt sampled at temperature 1, after the greedy one
+    self_prompts: int = 0  # prompts the target writes itself, added to the given ones
+    self_prompt_tokens: int = 48  # longest self-written prompt; longer ones are dropped
     batch_size: int = 16  # windows per training step
     max_new_tokens: int = 160
     max_prompt_tokens: int = 384  # longer prompts keep their last tokens
@@ -61,9 +66,11 @@ class TrainOptions:
 
     def __post_init__(self) -> None:
         for name in ("generate_batch", "batch_size", "max_new_tokens", "max_prompt_tokens", "layers", "steps",
-                     "seq_len", "unroll", "eval_every"):
+                     "seq_len", "unroll", "eval_every", "self_prompt_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.self_prompts < 0:
+            raise ValueError(f"self_prompts must be >= 0, got {self.self_prompts}")
         if self.sampled_answers < 0:
             raise ValueError(f"sampled_answers must be >= 0, got {self.sampled_answers}")
         if self.data_minutes < 0:
@@ -95,6 +102,40 @@ def read_prompts(paths: list[Path], question_ids: str = "all") -> list[str]:
             prompts.append(row["prompt"] if "prompt" in row else row["turns"][0])
     if not prompts:
         raise ValueError("no training prompts found")
+    return prompts
+
+
+@torch.inference_mode()
+def write_prompts(model: LoadedModel, path: Path, options: TrainOptions) -> list[str]:
+    """`options.self_prompts` distinct prompts written by the target, sampled at temperature 1 after
+    its chat template's opening of a user turn; only those it ends (EOS) within `self_prompt_tokens`.
+    Kept in `path` (one JSON line each) as they come, so a resumed run writes only the rest."""
+    prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines()] if path.is_file() else []
+    opening = torch.tensor([user_turn_opening(model.tokenizer)] * options.generate_batch)
+    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
+    bar = tqdm(desc="writing prompts", unit="prompt", initial=len(prompts), total=options.self_prompts)
+    tries = 0
+    while len(prompts) < options.self_prompts:
+        tries += 1
+        if tries > 4 * options.self_prompts / options.generate_batch + 4:
+            raise ValueError(f"the model ended only {len(prompts)} of {options.self_prompts} prompts within "
+                             f"{options.self_prompt_tokens} tokens: give it prompts with --prompts instead")
+        out = model.model.generate(
+            input_ids=opening, attention_mask=torch.ones_like(opening), max_new_tokens=options.self_prompt_tokens,
+            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad, eos_token_id=sorted(model.eos_token_ids) or None,
+        )
+        new = []
+        for row in out[:, opening.shape[1] :].tolist():
+            end = next((i for i, t in enumerate(row) if t in model.eos_token_ids), None)
+            text = model.tokenizer.decode(row[:end], skip_special_tokens=True).strip() if end is not None else ""
+            if text and text not in prompts and text not in new:
+                new.append(text)
+        new = new[: options.self_prompts - len(prompts)]
+        with path.open("a") as f:
+            f.writelines(json.dumps({"prompt": text}) + "\n" for text in new)
+        prompts += new
+        bar.update(len(new))
+    bar.close()
     return prompts
 
 
@@ -166,6 +207,14 @@ class Sequence:
     tokens: Tensor  # [n]
     features: Tensor  # [n, hidden] float16
     prompt_length: int
+
+
+def data_shards(run_dir: Path) -> list[Path]:
+    """The data shards an earlier `train` run left in `run_dir`."""
+    shards = sorted((run_dir / "data").glob("shard-*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no data shards in {run_dir / 'data'}")
+    return shards
 
 
 def load_sequences(shards: list[Path]) -> list[Sequence]:
@@ -305,12 +354,16 @@ def train(
     out_dir: Path,
     options: TrainOptions,
     log: Callable[[str], None] = print,
+    extra_shards: list[Path] = (),
 ) -> dict:
-    """Generate data, train the head, save it to `out_dir`; returns the final report."""
+    """Generate data, train the head, save it to `out_dir`; returns the final report.
+    `extra_shards`: data of earlier runs to train on as well."""
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(options.seed)
     start = perf_counter()
-    sequences = load_sequences(generate_shards(model, prompts, out_dir / "data", options))
+    if options.self_prompts:
+        prompts = prompts + write_prompts(model, out_dir / "self_prompts.jsonl", options)
+    sequences = load_sequences(generate_shards(model, prompts, out_dir / "data", options) + list(extra_shards))
     data_seconds = perf_counter() - start
     train_set, eval_set = split(sequences, options.holdout, options.seed)
     hf = model.model
