@@ -128,12 +128,3 @@ def test_earlier_requests_are_drafted_from_until_evicted():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="max_match"):
         SuffixDrafter(depth=4, max_match=4)
-
-
-def test_each_draft_token_carries_its_frequency_after_the_path_as_confidence():
-    drafter = SuffixDrafter(depth=6, max_match=3, min_probability=0.0)
-    # "1 2" occurs 3 times, followed by 3 once and 4 once (4 the most recent); "1 2 4" once, by 5
-    drafter.begin(torch.tensor([1, 2, 3, 1, 2, 4, 5, 9, 1, 2]), SamplingParams(temperature=0))
-    draft = drafter.propose(2, torch.Generator())
-    assert draft.tokens.tolist() == [4, 5]
-    assert draft.confidence.tolist() == pytest.approx([1 / 3, 1.0])

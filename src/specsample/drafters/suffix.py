@@ -15,19 +15,15 @@ per token, independent of the amount of text. Memory is bounded by keeping at
 most `history_tokens` tokens of earlier requests; the oldest requests are
 evicted by subtracting their counts.
 
-The proposal is a point mass (no probabilities), verified exactly at any
-temperature. Each token's frequency after the path before it is its confidence,
-on which `--k auto` verifies only the draft's likely prefix.
+The proposal is a point mass (no probabilities), verified exactly at any temperature.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-import torch
 from torch import Tensor
 
-from specsample.drafters.base import Draft
 from specsample.drafters.ngram import LookupDrafter
 from specsample.sampling import SamplingParams
 
@@ -83,11 +79,9 @@ class SuffixTree:
                 extended.append(child)
             active = extended
 
-    def continuation(self, node: Node, limit: int, min_probability: float) -> tuple[list[int], list[float]]:
-        """Walk the most frequent (then most recent) children while the path's probability holds:
-        the tokens and each one's frequency after the path before it."""
+    def continuation(self, node: Node, limit: int, min_probability: float) -> list[int]:
+        """Walk the most frequent (then most recent) children while the path's probability holds."""
         out: list[int] = []
-        frequencies: list[float] = []
         probability = 1.0
         while len(out) < limit and node.children:
             token, child = max(node.children.items(), key=lambda item: (item[1].count, item[1].last))
@@ -95,9 +89,8 @@ class SuffixTree:
             if probability < min_probability:
                 break
             out.append(token)
-            frequencies.append(child.count / node.count)
             node = child
-        return out, frequencies
+        return out
 
 
 class SuffixDrafter(LookupDrafter):
@@ -125,22 +118,14 @@ class SuffixDrafter(LookupDrafter):
         self.tokens, self.active, self.draft = [], [], []
         self.extend(prompt_ids.tolist())
 
-    def propose(self, k: int, generator: torch.Generator) -> Draft:
-        """The continuation, each token's frequency after the text before it as its confidence."""
-        self.draft, frequencies = self.walk(k)
-        return Draft(torch.tensor(self.draft, dtype=torch.long), None, torch.tensor(frequencies, dtype=torch.float64))
-
     def lookup(self, k: int) -> list[int]:
-        return self.walk(k)[0]
-
-    def walk(self, k: int) -> tuple[list[int], list[float]]:
         """The most frequent continuation of the longest suffix that occurred before with one."""
         for match in range(min(self.max_match, len(self.active)), 0, -1):
             node = self.active[match - 1]
             if node.children:
                 limit = min(k, max(1, int(self.growth * match)))
                 return self.tree.continuation(node, limit, self.min_probability)
-        return [], []
+        return []
 
     def extend(self, new: list[int]) -> None:
         for token in new:
