@@ -145,6 +145,20 @@ def test_a_sampler_keeps_one_auto_policy_across_requests(tiny_dir):
     assert sum(policy.verify_count.values()) == sum(steps)  # every step of both requests
 
 
+def test_the_policy_estimates_reach_the_stats_when_a_stop_string_ends_the_request(tiny_dir):
+    """The estimates are taken once, as a request ends, however it ends."""
+    from specsample.api import SpecSampler
+
+    sampler = SpecSampler.load(str(tiny_dir), "ngram")
+    options = dict(max_new_tokens=12, temperature=0, k="auto", chat=False)
+    full = sampler.generate("w5 w9 w7 w3", **options)
+    stopped = sampler.generate("w5 w9 w7 w3", stop=[full.text.split()[4]], **options)
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) < len(full.token_ids)
+    for completion in (full, stopped):
+        assert completion.stats.policy["policy"] == "cost-model"
+        assert completion.stats.policy["target_ms"]
+
+
 def test_cost_model_tries_again_after_one_slow_draft():
     """A first draft slowed by the machine (10 target passes for one token) sends K to 0; the measurement
     fades while K = 0, and a drafter that is in fact free and always right is drafting again."""
@@ -155,6 +169,19 @@ def test_cost_model_tries_again_after_one_slow_draft():
     policy.observe(Step(1, 1, 2, 0.1, 0.0105))
     ks = run_cost_model(policy, 400, acceptance=lambda i: 1.0, cost=lambda n: 0.01 + 0.0005 * n)
     assert ks[0] == 0 and ks[-1] >= 4
+
+
+def test_cost_model_stops_trying_a_drafter_that_costs_a_target_pass_per_token():
+    """Self-speculation whose draft token costs what a target pass does (layerskip on a small target)
+    never pays, however often it is accepted. Once two drafts have shown that, the measured cost fades
+    only toward the cheapest draft seen, so the policy does not keep paying to try it again."""
+    f1 = 0.010
+    ks = run_cost_model(
+        CostModelK(k_max=8), 2000, acceptance=lambda i: 0.85 if i == 1 else 0.0,
+        cost=lambda n: f1 + 0.001 * (n - 1), draft_cost_per_token=f1,
+    )
+    assert sum(k > 0 for k in ks) <= 3
+    assert ks[-1] == 0
 
 
 def measured_cost_model(cost=lambda n: 0.010 + 0.0005 * n) -> CostModelK:

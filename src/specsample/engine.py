@@ -44,27 +44,29 @@ def decode(
     stats.prompt_tokens = prompt_ids.shape[0]
     stats.prefill_seconds = perf_counter() - start
     pending, produced = int(prompt_ids[-1]), 0
-    while produced < max_new_tokens:
-        t_draft = perf_counter()
-        k = min(policy.choose(), max_new_tokens - produced - 1)
-        draft = drafter.propose(k, generator) if k > 0 else Draft.empty()
-        if draft.confidence is not None:
-            draft = draft.prefix(policy.keep(draft.confidence))
-        t_verify = perf_counter()
-        verdict = verify(target, pending, draft, params, generator)
-        t_other = perf_counter()
-        drafter.observe(verdict.accepted, verdict.next_token)
-        new = cut_at_eos(draft.tokens[: verdict.accepted].tolist() + [verdict.next_token], eos_token_ids)
-        step = Step(len(draft), verdict.accepted, len(new), t_verify - t_draft, t_other - t_verify)
-        stats.record(step)
-        policy.observe(step)
+    try:
+        while produced < max_new_tokens:
+            t_draft = perf_counter()
+            k = min(policy.choose(), max_new_tokens - produced - 1)
+            draft = drafter.propose(k, generator) if k > 0 else Draft.empty()
+            if draft.confidence is not None:
+                draft = draft.prefix(policy.keep(draft.confidence))
+            t_verify = perf_counter()
+            verdict = verify(target, pending, draft, params, generator)
+            t_other = perf_counter()
+            drafter.observe(verdict.accepted, verdict.next_token)
+            new = cut_at_eos(draft.tokens[: verdict.accepted].tolist() + [verdict.next_token], eos_token_ids)
+            step = Step(len(draft), verdict.accepted, len(new), t_verify - t_draft, t_other - t_verify)
+            stats.record(step)
+            policy.observe(step)
+            stats.decode_seconds += perf_counter() - t_draft
+            produced += len(new)
+            yield new
+            if new[-1] in eos_token_ids:
+                return
+            pending = verdict.next_token
+    finally:  # also when the consumer stops early: the policy's estimates, once per request
         stats.policy = policy.estimates()
-        stats.decode_seconds += perf_counter() - t_draft
-        produced += len(new)
-        yield new
-        if new[-1] in eos_token_ids:
-            return
-        pending = verdict.next_token
 
 
 def verify(target: Target, pending: int, draft: Draft, params: SamplingParams, generator: torch.Generator) -> Verdict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import numpy as np
@@ -13,6 +14,7 @@ from specsample.stats import Step
 
 CONFIDENCE_BINS = 10  # a drafter's confidence is calibrated per tenth of its range
 CALIBRATION_PRIOR = 4.0  # the drafter's own figure counts as this many observations
+COST_EVIDENCE_STEPS = 2  # drafting steps before the drafter's cheapest one bounds the optimism about its cost
 
 
 class KPolicy(Protocol):
@@ -144,6 +146,8 @@ class CostModelK:
         self.verify_count: dict[int, int] = {}  # n positions scored -> steps measured
         self.draft_seconds = 0.0  # decayed totals over steps that drafted
         self.drafted_tokens = 0.0
+        self.cheapest_draft_token = math.inf  # the lowest seconds per draft token of any step so far
+        self.drafting_steps = 0  # steps that drafted a token, ever
         self.largest_k = 0  # the largest K asked so far
         # [tenth of the confidence range] verified draft tokens there, and of them accepted
         self.confidence_reached = np.zeros(CONFIDENCE_BINS)
@@ -195,12 +199,16 @@ class CostModelK:
         for counts in self.counts():
             counts *= self.decay if self.k else self.idle_decay
         if self.k == 0:
-            # The drafter's cost is forgotten too, toward the optimistic prior: one noisy early
-            # measurement must not keep K at 0 for good.
+            # The drafter's cost is forgotten too, toward its cheapest step: one slow early
+            # measurement must not keep K at 0 for good, but a drafter that never drafted a token
+            # for less than a target pass costs must not be tried again and again.
             self.draft_seconds *= self.idle_decay
             self.drafted_tokens *= self.idle_decay
             return
         self.largest_k = max(self.largest_k, self.k)
+        if step.drafted:
+            self.cheapest_draft_token = min(self.cheapest_draft_token, step.draft_seconds / step.drafted)
+            self.drafting_steps += 1
         self.draft_seconds = self.decay * self.draft_seconds + step.draft_seconds
         self.drafted_tokens = self.decay * self.drafted_tokens + step.drafted
         asked = self.positions <= self.k
@@ -226,8 +234,11 @@ class CostModelK:
         """Expected tokens per step, draft length and tokens per second for K = 0..k_max."""
         self.tokens_per_step = 1 + self.cumulative(self.accepted_ge, self.accepted_reached, self.prior_acceptance)  # [K]
         self.draft_length = self.cumulative(self.drafted_ge, self.drafted_reached, 1.0)  # [K]
-        # prior_weight pseudo-tokens drafted for free stand for what has not been measured.
-        self.seconds_per_draft_token = self.draft_seconds / (self.drafted_tokens + self.prior_weight)
+        # prior_weight pseudo-tokens stand for what has not been measured: free until the drafter
+        # has drafted in COST_EVIDENCE_STEPS steps, then at the cheapest cost per token seen.
+        floor = self.cheapest_draft_token if self.drafting_steps >= COST_EVIDENCE_STEPS else 0.0
+        prior_seconds = self.prior_weight * floor
+        self.seconds_per_draft_token = (self.draft_seconds + prior_seconds) / (self.drafted_tokens + self.prior_weight)
         seconds = self.seconds_per_draft_token * self.draft_length + self.target_seconds(1 + self.draft_length)
         self.rates = self.tokens_per_step / seconds  # [K]
 
