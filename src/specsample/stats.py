@@ -35,7 +35,7 @@ class Stats:
     generated_tokens: int = 0
     drafted_at: list[int] = field(default_factory=list)  # drafts reaching position i
     accepted_at: list[int] = field(default_factory=list)  # of them, accepted at position i
-    policy: dict = field(default_factory=dict)  # the K policy's latest estimates
+    policy: dict = field(default_factory=dict)  # the K policy's estimates as the request ended
 
     def record(self, step: Step) -> None:
         self.steps += 1
