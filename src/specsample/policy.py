@@ -200,8 +200,8 @@ class CostModelK:
             counts *= self.decay if self.k else self.idle_decay
         if self.k == 0:
             # The drafter's cost is forgotten too, toward its cheapest step: one slow early
-            # measurement must not keep K at 0 for good, but a drafter that never drafted a token
-            # for less than a target pass costs must not be tried again and again.
+            # measurement must not keep K at 0 for good, but a drafter whose every draft token cost
+            # as much as a target pass must not be tried again and again.
             self.draft_seconds *= self.idle_decay
             self.drafted_tokens *= self.idle_decay
             return
