@@ -5,8 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.optimize import isotonic_regression
 
-from specsample.policy import CostModelK, FixedK, HeuristicK, parse_k
+from specsample.policy import CostModelK, FixedK, HeuristicK, nondecreasing, parse_k
 from specsample.stats import Step
 
 
@@ -220,3 +223,11 @@ def test_cost_model_calibrates_a_drafter_that_is_more_right_than_it_says():
 def test_fixed_and_heuristic_k_verify_every_drafted_token():
     for policy in (FixedK(4), HeuristicK()):
         assert policy.keep(torch.tensor([0.01, 0.01, 0.01])) == 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(1, 10)), min_size=1, max_size=17))
+def test_the_nondecreasing_fit_is_scipys_isotonic_regression(points):
+    values, weights = zip(*points)
+    expected = isotonic_regression(values, weights=np.array(weights, dtype=float)).x
+    assert nondecreasing(values, weights) == pytest.approx(expected, rel=1e-9, abs=1e-12)

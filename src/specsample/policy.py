@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
-from scipy.optimize import isotonic_regression
 from torch import Tensor
 
 from specsample.stats import Step
@@ -136,12 +136,11 @@ class CostModelK:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
         self.k_max, self.decay, self.idle_decay, self.smoothing = k_max, decay, idle_decay, smoothing
         self.prior_acceptance, self.prior_weight, self.carry = prior_acceptance, prior_weight, carry
-        self.positions = np.arange(1, k_max + 1)  # draft positions i
-        # [position i] decayed counts of the steps that asked for >= i tokens and
-        self.drafted_reached = np.zeros(k_max)  # drafted >= i - 1,
-        self.drafted_ge = np.zeros(k_max)  # of them, drafted >= i;
-        self.accepted_reached = np.zeros(k_max)  # accepted >= i - 1,
-        self.accepted_ge = np.zeros(k_max)  # of them, accepted >= i
+        # [position i - 1] decayed counts of the steps that asked for >= i tokens and
+        self.drafted_reached = [0.0] * k_max  # drafted >= i - 1,
+        self.drafted_ge = [0.0] * k_max  # of them, drafted >= i;
+        self.accepted_reached = [0.0] * k_max  # accepted >= i - 1,
+        self.accepted_ge = [0.0] * k_max  # of them, accepted >= i
         self.verify_seconds: dict[int, float] = {}  # n positions scored -> moving average of seconds
         self.verify_count: dict[int, int] = {}  # n positions scored -> steps measured
         self.draft_seconds = 0.0  # decayed totals over steps that drafted
@@ -158,15 +157,14 @@ class CostModelK:
 
     def begin(self) -> None:
         """A new prompt may suit the drafter more or less: earlier evidence counts `carry` times."""
-        for counts in self.counts():
-            counts *= self.carry
+        self.scale_counts(self.carry)
         self.predict()
 
     def choose(self) -> int:
         self.predict()
         # Plain decoding is measured first: every other cost is judged against f(1).
         limit = max(1, 2 * self.largest_k) if 1 in self.verify_seconds else 0
-        self.k = int(self.rates[: limit + 1].argmax())
+        self.k = max(range(min(limit, self.k_max) + 1), key=self.rates.__getitem__)
         return self.k
 
     def keep(self, confidence: Tensor) -> int:
@@ -196,8 +194,7 @@ class CostModelK:
         old = self.verify_seconds.get(n, step.verify_seconds)
         self.verify_seconds[n] = old + self.smoothing * (step.verify_seconds - old)
         self.verify_count[n] = self.verify_count.get(n, 0) + 1
-        for counts in self.counts():
-            counts *= self.decay if self.k else self.idle_decay
+        self.scale_counts(self.decay if self.k else self.idle_decay)
         if self.k == 0:
             # The drafter's cost is forgotten too, toward its cheapest step: one slow early
             # measurement must not keep K at 0 for good, but a drafter whose every draft token cost
@@ -211,11 +208,11 @@ class CostModelK:
             self.drafting_steps += 1
         self.draft_seconds = self.decay * self.draft_seconds + step.draft_seconds
         self.drafted_tokens = self.decay * self.drafted_tokens + step.drafted
-        asked = self.positions <= self.k
-        self.drafted_reached += asked & (self.positions <= step.drafted + 1)
-        self.drafted_ge += asked & (self.positions <= step.drafted)
-        self.accepted_reached += asked & (self.positions <= step.accepted + 1)
-        self.accepted_ge += asked & (self.positions <= step.accepted)
+        for i in range(self.k):  # position i + 1, asked for
+            self.drafted_reached[i] += i <= step.drafted
+            self.drafted_ge[i] += i < step.drafted
+            self.accepted_reached[i] += i <= step.accepted
+            self.accepted_ge[i] += i < step.accepted
 
     def observe_confidence(self, step: Step) -> None:
         """Count the verified tokens of a kept draft prefix (those up to the first rejection) by confidence."""
@@ -227,22 +224,30 @@ class CostModelK:
         np.add.at(self.confidence_reached, bins, 1.0)
         np.add.at(self.confidence_accepted, bins, np.arange(verified) < step.accepted)
 
-    def counts(self) -> tuple[np.ndarray, ...]:
-        return self.drafted_reached, self.drafted_ge, self.accepted_reached, self.accepted_ge
+    def scale_counts(self, factor: float) -> None:
+        """Forget: every decayed count times `factor`."""
+        for counts in (self.drafted_reached, self.drafted_ge, self.accepted_reached, self.accepted_ge):
+            counts[:] = [c * factor for c in counts]
 
     def predict(self) -> None:
-        """Expected tokens per step, draft length and tokens per second for K = 0..k_max."""
-        self.tokens_per_step = 1 + self.cumulative(self.accepted_ge, self.accepted_reached, self.prior_acceptance)  # [K]
+        """Expected tokens per step, draft length and tokens per second for K = 0..k_max.
+
+        It runs at every step, right after a target pass has evicted it from the CPU's caches:
+        plain Python over k_max + 1 entries costs a fraction of the numpy and scipy calls it replaced."""
+        accepted = self.cumulative(self.accepted_ge, self.accepted_reached, self.prior_acceptance)
+        self.tokens_per_step = [1 + a for a in accepted]  # [K]
         self.draft_length = self.cumulative(self.drafted_ge, self.drafted_reached, 1.0)  # [K]
         # prior_weight pseudo-tokens stand for what has not been measured: free until the drafter
         # has drafted in COST_EVIDENCE_STEPS steps, then at the cheapest cost per token seen.
         floor = self.cheapest_draft_token if self.drafting_steps >= COST_EVIDENCE_STEPS else 0.0
         prior_seconds = self.prior_weight * floor
         self.seconds_per_draft_token = (self.draft_seconds + prior_seconds) / (self.drafted_tokens + self.prior_weight)
-        seconds = self.seconds_per_draft_token * self.draft_length + self.target_seconds(1 + self.draft_length)
-        self.rates = self.tokens_per_step / seconds  # [K]
+        verify = self.target_seconds([1 + d for d in self.draft_length])
+        self.rates = [  # [K] expected tokens per second
+            t / (self.seconds_per_draft_token * d + f) for t, d, f in zip(self.tokens_per_step, self.draft_length, verify)
+        ]
 
-    def cumulative(self, counts: np.ndarray, reached: np.ndarray, prior: float) -> np.ndarray:
+    def cumulative(self, counts: list[float], reached: list[float], prior: float) -> list[float]:
         """[sum_{i<=K} P(count >= i)] for K = 0..k_max, P(count >= i) as the product over
         j <= i of P(count >= j | count >= j - 1).
 
@@ -250,39 +255,57 @@ class CostModelK:
         has not been seen; as the evidence decays (slowly while K = 0) the estimate
         returns to it, so drafting is tried again now and then."""
         pseudo = self.prior_weight
-        p = ((counts + pseudo * prior) / (reached + pseudo)).cumprod()
-        return np.concatenate([[0.0], p.cumsum()])
+        total, through, sums = 0.0, 1.0, [0.0]
+        for c, r in zip(counts, reached):
+            through *= (c + pseudo * prior) / (r + pseudo)
+            total += through
+            sums.append(total)
+        return sums
 
-    def target_seconds(self, n: np.ndarray) -> np.ndarray:
+    def target_seconds(self, n: Sequence[float]) -> np.ndarray:
         """f(n) at (fractional) n: the measured seconds, interpolated; 1.0 before any measurement."""
         if not self.verify_seconds:
-            return np.ones_like(n)
+            return np.ones(len(n))
         measured, curve = self.cost_curve()
         return np.interp(n, measured, curve)
 
-    def cost_curve(self) -> tuple[list[int], np.ndarray]:
+    def cost_curve(self) -> tuple[list[int], list[float]]:
         """The measured n and f(n) there: a longer pass never costs less than a shorter one, so the
         moving averages are fitted by a nondecreasing curve, each weighted by its number of
         measurements (up to 10), so that one noisy step at a rarely used n moves little."""
         measured = sorted(self.verify_seconds)
-        seconds = np.array([self.verify_seconds[m] for m in measured])
-        weights = np.array([min(self.verify_count[m], 10) for m in measured], dtype=float)
-        return measured, isotonic_regression(seconds, weights=weights).x
+        seconds = [self.verify_seconds[m] for m in measured]
+        weights = [min(self.verify_count[m], 10) for m in measured]
+        return measured, nondecreasing(seconds, weights)
 
     def estimates(self) -> dict:
         k = self.k
         return {
             "policy": "cost-model",
             "k": k,
-            "expected_tokens_per_step": float(self.tokens_per_step[k]),
-            "expected_draft_length": float(self.draft_length[k]),
-            "expected_tokens_per_second": float(self.rates[k]),
+            "expected_tokens_per_step": self.tokens_per_step[k],
+            "expected_draft_length": self.draft_length[k],
+            "expected_tokens_per_second": self.rates[k],
             "target_ms": {n: 1e3 * float(f) for n, f in zip(*self.cost_curve())} if self.verify_seconds else {},
             "draft_ms_per_token": 1e3 * self.seconds_per_draft_token,
             "p_accepted_through": np.diff(self.tokens_per_step).tolist(),  # [i - 1]: P(first i accepted | K >= i)
             # [tenth of the confidence range] acceptance rate measured there (drafters that report confidence)
             "calibrated_confidence": self.calibrated((np.arange(CONFIDENCE_BINS) + 0.5) / CONFIDENCE_BINS).tolist(),
         }
+
+
+def nondecreasing(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The weighted least-squares nondecreasing fit of `values` (isotonic regression, pool adjacent
+    violators): what scipy.optimize.isotonic_regression computes, without its per-call overhead
+    on a curve of a few entries fitted at every step."""
+    blocks: list[tuple[float, float, int]] = []  # (mean, weight, entries) of pooled runs
+    for block in zip(values, weights, [1] * len(values)):
+        while blocks and blocks[-1][0] > block[0]:
+            (mean, weight, entries), (last_mean, last_weight, last_entries) = block, blocks.pop()
+            pooled = last_weight + weight
+            block = ((last_mean * last_weight + mean * weight) / pooled, pooled, last_entries + entries)
+        blocks.append(block)
+    return [mean for mean, _, entries in blocks for _ in range(entries)]
 
 
 def confidence_bins(confidence: np.ndarray) -> np.ndarray:
