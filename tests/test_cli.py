@@ -81,7 +81,7 @@ def test_bad_arguments_give_one_line_and_exit_2(capsys, tiny_dir, args, message)
 
 def test_train_draft_needs_prompts_of_some_kind(capsys, tiny_dir, tmp_path):
     code, _, err = cli(capsys, "train-draft", "--out", str(tmp_path), "--model", str(tiny_dir))
-    assert code == 2 and err.strip() == "specsample: error: give --prompts, --self-prompts or both"
+    assert code == 2 and err.strip() == "specsample: error: give --prompts, --self-prompts, --extra-data or several of them"
     code, _, err = cli(capsys, "train-draft", "--out", str(tmp_path), "--self-prompts", "2", "--extra-data", str(tmp_path))
     assert code == 2 and "no data shards in" in err and len(err.strip().splitlines()) == 1
 

@@ -17,7 +17,7 @@ from specsample.policy import FixedK
 from specsample.sampling import SamplingParams
 from specsample.stats import Stats
 from specsample.train_draft import (
-    Objective, Sequence, TrainOptions, load_sequences, read_prompts, split, teacher_forced_features, train,
+    Objective, Sequence, TrainOptions, data_shards, load_sequences, read_prompts, split, teacher_forced_features, train,
     write_prompts,
 )
 from test_lossless import ALPHA, VOCAB, chi_square_p, exact_distribution, sampled_counts
@@ -115,7 +115,7 @@ def test_drafting_runs_the_trained_head_exactly():
     embed, lm_head = hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach()
     features, tokens = torch.randn(9, hf.config.hidden_size), torch.randint(0, 64, (9,))
     with torch.no_grad():
-        expected = head(features[None], embed[tokens][None])[0]  # [9, hidden]
+        expected = head(features[None], embed[tokens][None])[0][0]  # [9, hidden]
     drafter = HeadDrafter(make_target(loaded), head, embed, lm_head, token_ids)
     drafter.step(features[:4], tokens[:4])
     drafter.step(torch.randn(3, hf.config.hidden_size), tokens[4:7])  # positions later rolled back
@@ -123,6 +123,28 @@ def test_drafting_runs_the_trained_head_exactly():
     steps = [drafter.step(features[i : i + 1], tokens[i : i + 1]) for i in range(4, 9)]
     torch.testing.assert_close(drafter.decoder.hidden_states(), expected[-1:], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(steps[-1], expected[-1:] @ lm_head[token_ids].t(), rtol=1e-4, atol=1e-4)
+
+
+def test_each_training_pass_predicts_what_drafting_does():
+    """Pass d of the training forward at position m + d - 1 is draft step d from anchor m: the head's
+    cache holds positions up to m computed from the target's features, then its own predictions."""
+    loaded = tiny_loaded(tiny_llama(64, seed=3))
+    head, token_ids = tiny_head(loaded, 48)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf = loaded.model
+    embed, lm_head = hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach()
+    features, tokens = torch.randn(10, hf.config.hidden_size), torch.randint(0, 64, (10,))  # tokens[i] follows i
+    anchor, depth = 5, 4
+    with torch.no_grad():
+        passes = head(features[None], embed[tokens][None], depth)  # depth x [1, 10, hidden]
+    drafter = HeadDrafter(make_target(loaded), head, embed, lm_head, token_ids)
+    drafter.step(features[: anchor + 1], tokens[: anchor + 1])
+    for d in range(1, depth + 1):
+        predicted = drafter.decoder.hidden_states()[-1:]  # [1, hidden]
+        torch.testing.assert_close(predicted[0], passes[d - 1][0, anchor + d - 1], rtol=1e-4, atol=1e-4)
+        drafter.step(predicted, tokens[anchor + d : anchor + d + 1])
 
 
 def random_sequences(loaded: LoadedModel, n: int, length: int, seed: int) -> list[Sequence]:
@@ -171,6 +193,13 @@ def test_train_writes_a_head_and_a_report(trained_dir):
     report = json.loads((trained_dir / "report.json").read_text())
     assert [h["step"] for h in report["history"]] == [3, 6]
     assert report["engine"]["mean_accepted_length"] >= 1.0
+
+
+def test_a_head_trains_on_an_earlier_runs_data_alone(trained_dir, tiny_dir, tmp_path):
+    options = TrainOptions(batch_size=4, vocab_subset=40, steps=2, seq_len=16, eval_every=2)
+    report = train(load_model(tiny_dir), [], tmp_path, options, log=lambda _: None, extra_shards=data_shards(trained_dir))
+    assert report["sequences"] == 56 and (tmp_path / "head.json").is_file()
+    assert not list((tmp_path / "data").glob("*.safetensors"))  # nothing generated again
 
 
 def test_sampled_answers_add_a_round_of_other_answers(trained_dir):

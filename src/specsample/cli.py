@@ -119,7 +119,7 @@ def train_draft(
     generate_batch: Annotated[int, typer.Option(help="Prompts per batched generate call.")] = 16,
     sampled_answers: Annotated[int, typer.Option(help="Extra answers per prompt sampled at temperature 1 (more data).")] = 0,
     self_prompts: Annotated[int, typer.Option(help="Prompts the target writes itself from its chat template (Magpie), added to --prompts.")] = 0,
-    extra_data: Annotated[Optional[list[str]], typer.Option(help="The OUT directory of an earlier run: train on its data shards too (repeatable).")] = None,
+    extra_data: Annotated[Optional[list[str]], typer.Option(help="The OUT directory of an earlier run: train on its data shards too, or only on them (repeatable).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Longest answer the target generates per prompt.")] = 160,
     data_minutes: Annotated[float, typer.Option(help="Stop generating data after this many minutes and train on it (0: no limit).")] = 0.0,
     vocab_subset: Annotated[int, typer.Option(help="Tokens the head can propose, most frequent first (0: all).")] = 8192,
@@ -141,8 +141,8 @@ def train_draft(
         max_new_tokens=max_new_tokens, data_minutes=data_minutes, vocab_subset=vocab_subset, layers=layers,
         steps=steps, seq_len=seq_len, lr=lr, unroll=unroll, eval_every=eval_every, seed=seed,
     )
-    if not prompts and not self_prompts:
-        raise ValueError("give --prompts, --self-prompts or both")
+    if not prompts and not self_prompts and not extra_data:
+        raise ValueError("give --prompts, --self-prompts, --extra-data or several of them")
     texts = read_prompts([Path(p) for p in prompts], question_ids) if prompts else []
     extra = [shard for d in extra_data or () for shard in data_shards(Path(d))]
     quiet_transformers()

@@ -11,8 +11,9 @@
 3. The head learns to predict the next feature from (feature, next token), as
    EAGLE does: a regression loss on the feature plus a distillation loss between
    the target's and the head's distributions over the head's token subset. With
-   `unroll` > 1 it also trains on its own predicted features (HASS), as it will
-   see them when drafting several tokens.
+   `unroll` > 1 it also trains on its own predicted features, each pass attending
+   to exactly what drafting step d attends to (the target's features up to the
+   anchor, its own predictions after it: HASS, EAGLE-3's training-time test).
 4. A held-out split of the sequences estimates the greedy mean accepted length at
    K = 4 during training; at the end the head drafts for the real engine on
    held-out prompts and the measured figures are reported.
@@ -296,17 +297,9 @@ class Objective:
         self.lm_head_rows = lm_head_rows  # [n, hidden], the target's LM head restricted to the subset
 
     def passes(self, tokens: Tensor, features: Tensor, depth: int) -> list[Tensor]:
-        """Predicted features [b, t, hidden] of `depth` passes; pass j reads pass j - 1's predictions.
-
-        Position i of a pass reads (feature i, token i + 1) and predicts feature i + 1.
-        """
-        inputs, embeds = features[:, :-1], self.embed[tokens[:, 1:]]  # [b, t, hidden] each
-        outputs = []
-        for _ in range(depth):
-            predicted = self.head(inputs, embeds)  # [b, t, hidden]
-            outputs.append(predicted)
-            inputs = torch.cat([inputs[:, :1], predicted[:, :-1]], 1)
-        return outputs
+        """Predicted features [b, t, hidden] of `depth` passes (`DraftHead.forward`): pass d at
+        position i is draft step d from anchor i - d + 1, predicting feature i + 1."""
+        return self.head(features[:, :-1], self.embed[tokens[:, 1:]], depth)
 
     def loss(self, tokens: Tensor, features: Tensor, mask: Tensor, options: TrainOptions) -> tuple[Tensor, dict]:
         truth = features[:, 1:]  # [b, t, hidden]

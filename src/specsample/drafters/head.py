@@ -104,19 +104,29 @@ class Block(nn.Module):
         self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attention(rms_norm(x, self.attn_norm, self.c.eps), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, earlier: list[tuple[Tensor, Tensor]], mask: Tensor | None) -> Tensor:
+        """x [b, t, hidden] of one pass; `earlier` and `mask` as for `attention`."""
+        x = x + self.attention(rms_norm(x, self.attn_norm, self.c.eps), cos, sin, earlier, mask)
         gate, up = self.gate_up(rms_norm(x, self.mlp_norm, self.c.eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
-    def attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """Causal attention over x [b, t, hidden]."""
+    def attention(
+        self, x: Tensor, cos: Tensor, sin: Tensor, earlier: list[tuple[Tensor, Tensor]], mask: Tensor | None
+    ) -> Tensor:
+        """Attention of x [b, t, hidden] over the keys and values of the earlier passes and its own,
+        which it appends to `earlier`; causal when `mask` is None (the first pass), else `mask`
+        [t, passes * t] says which of them each position sees."""
         c, (b, t, _) = self.c, x.shape
         q, k, v = self.qkv(x).split([c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim], -1)
         q = rotate(q.view(b, t, c.heads, c.head_dim), cos, sin).transpose(1, 2)  # [b, heads, t, dim]
         k = rotate(k.view(b, t, c.kv_heads, c.head_dim), cos, sin).transpose(1, 2)  # [b, kv_heads, t, dim]
         v = v.view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        earlier.append((k, v))
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            keys, values = (torch.cat(kv, 2) for kv in zip(*earlier))  # [b, kv_heads, passes * t, dim]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.o(out.transpose(1, 2).reshape(b, t, c.heads * c.head_dim))
 
 
@@ -132,13 +142,28 @@ class DraftHead(nn.Module):
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, features: Tensor, embeds: Tensor) -> Tensor:
-        """Training and evaluation over whole windows; drafting runs `fast_head` instead."""
-        cos, sin = self.rotary(features.shape[1])
-        x = self.fc(torch.cat([features, embeds], -1))
-        for block in self.blocks:
-            x = block(x, cos, sin)
-        return rms_norm(x, self.norm, self.config.eps)
+    def forward(self, features: Tensor, embeds: Tensor, depth: int = 1) -> list[Tensor]:
+        """Training and evaluation over whole windows (drafting runs `fast_head` instead): the features
+        [b, t, hidden] predicted by `depth` passes, pass d reading pass d - 1's predictions.
+
+        Position i of pass 1 reads (feature i, embedding i + 1) and predicts feature i + 1. Pass d
+        stands for draft step d from anchor i - d + 1: position i reads pass d - 1's prediction at
+        i - 1 and sees what drafting sees (EAGLE-3's training-time test, HASS): the keys of pass 1,
+        computed from the target's features, up to the anchor, then those of passes 2..d on the
+        diagonal, one position each, computed from the head's own predictions.
+        """
+        t = features.shape[1]
+        cos, sin = self.rotary(t)
+        earlier: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.blocks]  # per block, (keys, values) per pass
+        inputs, outputs = features, []
+        for d in range(1, depth + 1):
+            x = self.fc(torch.cat([inputs, embeds], -1))
+            mask = draft_step_mask(t, d) if d > 1 else None
+            for block, kv in zip(self.blocks, earlier):
+                x = block(x, cos, sin, kv, mask)
+            outputs.append(rms_norm(x, self.norm, self.config.eps))
+            inputs = torch.cat([inputs[:, :1], outputs[-1][:, :-1]], 1)
+        return outputs
 
     def rotary(self, length: int) -> tuple[Tensor, Tensor]:
         """cos, sin [length, 1, dim] of positions 0..length - 1."""
@@ -159,6 +184,15 @@ class DraftHead(nn.Module):
             block.gate_up.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
             block.down.weight.copy_(mlp.down_proj.weight)
         self.norm.copy_(model.model.norm.weight)
+
+
+def draft_step_mask(t: int, depth: int) -> Tensor:
+    """[t, depth * t] which keys position i of pass `depth` sees: pass 1's up to the anchor i - depth + 1,
+    and pass j's (j = 2..depth) at position i - depth + j only."""
+    i = torch.arange(t)[:, None]
+    key = torch.arange(t)[None, :]
+    blocks = [key <= i - depth + 1] + [key == i - depth + j for j in range(2, depth + 1)]
+    return torch.cat(blocks, 1)
 
 
 def save_head(directory: Path, head: DraftHead, token_ids: Tensor) -> None:
