@@ -232,8 +232,8 @@ class CostModelK:
     def predict(self) -> None:
         """Expected tokens per step, draft length and tokens per second for K = 0..k_max.
 
-        It runs at every step, right after a target pass has evicted it from the CPU's caches:
-        plain Python over k_max + 1 entries costs a fraction of the numpy and scipy calls it replaced."""
+        Plain Python over k_max + 1 entries: it runs at every step, just after a target pass has
+        evicted it from the CPU's caches, where numpy's per-call overhead would cost more than the sums."""
         accepted = self.cumulative(self.accepted_ge, self.accepted_reached, self.prior_acceptance)
         self.tokens_per_step = [1 + a for a in accepted]  # [K]
         self.draft_length = self.cumulative(self.drafted_ge, self.drafted_reached, 1.0)  # [K]
@@ -299,12 +299,13 @@ def nondecreasing(values: Sequence[float], weights: Sequence[float]) -> list[flo
     violators): what scipy.optimize.isotonic_regression computes, without its per-call overhead
     on a curve of a few entries fitted at every step."""
     blocks: list[tuple[float, float, int]] = []  # (mean, weight, entries) of pooled runs
-    for block in zip(values, weights, [1] * len(values)):
-        while blocks and blocks[-1][0] > block[0]:
-            (mean, weight, entries), (last_mean, last_weight, last_entries) = block, blocks.pop()
-            pooled = last_weight + weight
-            block = ((last_mean * last_weight + mean * weight) / pooled, pooled, last_entries + entries)
-        blocks.append(block)
+    for mean, weight in zip(values, weights):
+        entries = 1
+        while blocks and blocks[-1][0] > mean:
+            last_mean, last_weight, last_entries = blocks.pop()
+            mean = (last_mean * last_weight + mean * weight) / (last_weight + weight)
+            weight, entries = weight + last_weight, entries + last_entries
+        blocks.append((mean, weight, entries))
     return [mean for mean, _, entries in blocks for _ in range(entries)]
 
 
