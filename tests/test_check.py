@@ -63,7 +63,8 @@ def test_check_rejects_bad_arguments(capsys, tiny_dir):
     assert code == 2 and "samples" in err
 
 
-def test_prefix_cache_gives_the_same_logits_as_a_fresh_prefill(tiny_dir):
+@pytest.mark.parametrize("layers", [(), (1,)])
+def test_prefix_cache_gives_the_same_logits_as_a_fresh_prefill(tiny_dir, layers):
     from specsample.check import PrefixCache
     from specsample.models import load_model, make_target
 
@@ -71,9 +72,13 @@ def test_prefix_cache_gives_the_same_logits_as_a_fresh_prefill(tiny_dir):
     cached, fresh = PrefixCache(make_target(loaded)), make_target(loaded)
     prefix, tail = torch.tensor([5, 9, 7, 3]), torch.tensor([12, 30])
     cached.prefill(prefix)
+    cached.record_layers(layers)  # a head reading layer outputs, built after the first prefill
+    fresh.record_layers(layers)
+    cached.prefill(prefix)
     cached.score(torch.tensor([40, 41, 42]))
     cached.prefill(prefix)  # answered by rolling back
     assert cached.reused and cached.length == len(prefix)
     fresh.prefill(prefix)
-    assert torch.equal(cached.hidden_states(), fresh.hidden_states())  # what drafters reading features see
+    for asked in {(), layers}:  # what drafters reading features see
+        assert torch.equal(cached.hidden_states(asked), fresh.hidden_states(asked))
     assert torch.allclose(cached.score(tail), fresh.score(tail))

@@ -86,6 +86,13 @@ def test_train_draft_needs_prompts_of_some_kind(capsys, tiny_dir, tmp_path):
     assert code == 2 and "no data shards in" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(("value", "message"), [("2,x", "--feature-layers must be comma-separated"),
+                                                ("1,1", "feature_layers must be distinct layer numbers")])
+def test_train_draft_refuses_bad_feature_layers(capsys, tiny_dir, tmp_path, value, message):
+    code, _, err = cli(capsys, "train-draft", "--out", str(tmp_path), "--extra-data", str(tmp_path), "--feature-layers", value)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
 def test_draft_with_another_vocabulary_is_refused(capsys, tiny_dir, other_vocab_dir):
     code, _, err = cli(capsys, "generate", "w1 w2", "--model", str(tiny_dir), "--drafter", str(other_vocab_dir))
     assert code == 2

@@ -32,9 +32,9 @@ def tiny_loaded(model) -> LoadedModel:
     return LoadedModel(model, None, "tiny", frozenset(), 0.0)
 
 
-def tiny_head(loaded: LoadedModel, subset: int) -> tuple[DraftHead, torch.Tensor]:
+def tiny_head(loaded: LoadedModel, subset: int, feature_layers: tuple[int, ...] = ()) -> tuple[DraftHead, torch.Tensor]:
     torch.manual_seed(0)
-    head = DraftHead(HeadConfig.for_target(loaded, vocab_subset=subset))
+    head = DraftHead(HeadConfig.for_target(loaded, vocab_subset=subset, feature_layers=feature_layers))
     head.init_from_target(loaded.model)
     return head.eval(), torch.arange(subset)
 
@@ -92,15 +92,33 @@ def test_head_reports_the_peak_of_its_distribution_as_confidence():
     assert ((draft.confidence > 0) & (draft.confidence <= 1)).all()
 
 
-def test_both_backends_give_the_head_the_same_features():
+@pytest.mark.parametrize("layers", [(), (1,)])
+def test_the_head_drafts_from_the_features_it_was_trained_on(layers):
+    """Both backends, after a prefill and after a score, give the head what `teacher_forced_features`
+    stored for training: the recorded layers' normalised outputs, then the final state."""
     loaded = tiny_loaded(tiny_llama(64, seed=3))
-    tokens = torch.tensor([5, 9, 2, 33, 7])
-    features = []
+    tokens = [5, 9, 2, 33, 7, 40, 11]
+    _, final, layer_features = teacher_forced_features(loaded, [tokens], layers)
+    stored = torch.cat(([layer_features] if layers else []) + [final], -1).float()  # [7, (layers + 1) * hidden]
     for backend in ("fast", "transformers"):
         target = make_target(loaded, backend)
-        target.prefill(tokens)
-        features.append(target.hidden_states())
-    torch.testing.assert_close(features[0], features[1], rtol=1e-4, atol=1e-4)
+        target.record_layers(layers)
+        target.prefill(torch.tensor(tokens[:4]))
+        target.score(torch.tensor(tokens[4:]))
+        assert target.hidden_states(layers).shape == stored[4:].shape
+        torch.testing.assert_close(target.hidden_states(layers), stored[4:], rtol=0, atol=2e-3)  # float16 storage
+        target.prefill(torch.tensor(tokens))
+        torch.testing.assert_close(target.hidden_states(layers), stored, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("backend", ["fast", "transformers"])
+def test_a_target_records_only_its_own_layers(backend):
+    target = make_target(tiny_loaded(tiny_llama(64, seed=3)), backend)
+    with pytest.raises(ValueError, match=r"layers \[7\] are not all among"):
+        target.record_layers([7])
+    target.prefill(torch.tensor([5, 9, 2]))
+    with pytest.raises(ValueError, match="were not recorded"):
+        target.hidden_states((1,))
 
 
 def test_drafting_runs_the_trained_head_exactly():
@@ -125,39 +143,44 @@ def test_drafting_runs_the_trained_head_exactly():
     torch.testing.assert_close(steps[-1], expected[-1:] @ lm_head[token_ids].t(), rtol=1e-4, atol=1e-4)
 
 
-def test_each_training_pass_predicts_what_drafting_does():
+@pytest.mark.parametrize("layers", [(), (1,)])
+def test_each_training_pass_predicts_what_drafting_does(layers):
     """Pass d of the training forward at position m + d - 1 is draft step d from anchor m: the head's
-    cache holds positions up to m computed from the target's features, then its own predictions."""
+    cache holds positions up to m computed from the target's features (fused from several layers
+    with `feature_layers`), then its own predictions."""
     loaded = tiny_loaded(tiny_llama(64, seed=3))
-    head, token_ids = tiny_head(loaded, 48)
+    head, token_ids = tiny_head(loaded, 48, layers)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.05 * torch.randn_like(p))
     hf = loaded.model
     embed, lm_head = hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach()
-    features, tokens = torch.randn(10, hf.config.hidden_size), torch.randint(0, 64, (10,))  # tokens[i] follows i
+    features = torch.randn(10, (len(layers) + 1) * hf.config.hidden_size)
+    tokens = torch.randint(0, 64, (10,))  # tokens[i] follows i
     anchor, depth = 5, 4
     with torch.no_grad():
         passes = head(features[None], embed[tokens][None], depth)  # depth x [1, 10, hidden]
     drafter = HeadDrafter(make_target(loaded), head, embed, lm_head, token_ids)
-    drafter.step(features[: anchor + 1], tokens[: anchor + 1])
+    drafter.advance(features[: anchor + 1], tokens[: anchor + 1])
     for d in range(1, depth + 1):
         predicted = drafter.decoder.hidden_states()[-1:]  # [1, hidden]
         torch.testing.assert_close(predicted[0], passes[d - 1][0, anchor + d - 1], rtol=1e-4, atol=1e-4)
         drafter.step(predicted, tokens[anchor + d : anchor + d + 1])
 
 
-def random_sequences(loaded: LoadedModel, n: int, length: int, seed: int) -> list[Sequence]:
+def random_sequences(loaded: LoadedModel, n: int, length: int, seed: int, layers: tuple[int, ...] = ()) -> list[Sequence]:
     generator = torch.Generator().manual_seed(seed)
     rows = torch.randint(2, 64, (n, length), generator=generator).tolist()
-    tokens, features = teacher_forced_features(loaded, rows)
+    tokens, final, layer_features = teacher_forced_features(loaded, rows, layers)
+    features = torch.cat(([layer_features] if layers else []) + [final], -1)
     return [Sequence(t, f, 0) for t, f in zip(tokens.split(length), features.split(length))]
 
 
-def test_training_lowers_the_loss():
+@pytest.mark.parametrize("layers", [(), (1,)])
+def test_training_lowers_the_loss(layers):
     loaded = tiny_loaded(tiny_llama(64, seed=3))
-    sequences = random_sequences(loaded, 8, 24, seed=0)
-    head, token_ids = tiny_head(loaded, 64)
+    sequences = random_sequences(loaded, 8, 24, seed=0, layers=layers)
+    head, token_ids = tiny_head(loaded, 64, layers)
     hf = loaded.model
     objective = Objective(head.train(), hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach())
     tokens = torch.stack([s.tokens for s in sequences])
@@ -200,6 +223,34 @@ def test_a_head_trains_on_an_earlier_runs_data_alone(trained_dir, tiny_dir, tmp_
     report = train(load_model(tiny_dir), [], tmp_path, options, log=lambda _: None, extra_shards=data_shards(trained_dir))
     assert report["sequences"] == 56 and (tmp_path / "head.json").is_file()
     assert not list((tmp_path / "data").glob("*.safetensors"))  # nothing generated again
+
+
+def test_a_head_reading_a_middle_layer_trains_on_data_that_lacks_it(trained_dir, tiny_dir, tmp_path):
+    """The earlier run's shards get the layer's outputs in copies (the originals stay as they were),
+    and the head drafts with them: greedy output is the target's."""
+    originals = data_shards(trained_dir)
+    before = [shard.read_bytes() for shard in originals]
+    options = TrainOptions(batch_size=4, vocab_subset=40, steps=2, seq_len=16, eval_every=2, feature_layers=(1,))
+    loaded = load_model(tiny_dir)
+    report = train(loaded, [], tmp_path, options, log=lambda _: None, extra_shards=originals)
+    assert report["sequences"] == 56 and len(list((tmp_path / "data").glob("*.safetensors"))) == len(originals)
+    assert [shard.read_bytes() for shard in originals] == before
+    assert json.loads((tmp_path / "head.json").read_text())["feature_layers"] == [1]
+    prompt = load_sequences(originals[:1])[0].tokens[:6]
+    outputs = []
+    for spec in ("none", f"head:{tmp_path}"):
+        target = make_target(loaded)
+        steps = decode(target, make_drafter(spec, loaded, target), FixedK(3), prompt, SamplingParams(temperature=0),
+                       max_new_tokens=20, eos_token_ids=frozenset(), generator=torch.Generator().manual_seed(0),
+                       stats=Stats())
+        outputs.append([t for step in steps for t in step])
+    assert outputs[0] == outputs[1]
+
+
+def test_feature_layers_must_lie_below_the_final_one(trained_dir, tiny_dir, tmp_path):
+    options = TrainOptions(steps=1, feature_layers=(2,))  # the tiny target has 2 layers: the final state is read anyway
+    with pytest.raises(ValueError, match="below the target's 2 decoder layers"):
+        train(load_model(tiny_dir), [], tmp_path, options, log=lambda _: None, extra_shards=data_shards(trained_dir))
 
 
 def test_sampled_answers_add_a_round_of_other_answers(trained_dir):

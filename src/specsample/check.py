@@ -23,7 +23,7 @@ self-test that the check rejects it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -38,6 +38,7 @@ import specsample.engine as engine
 from specsample.api import SpecSampler
 from specsample.drafters import make_drafter
 from specsample.models import Target, load_model, make_target
+from specsample.models.target import stacked_states
 from specsample.policy import KPolicy
 from specsample.sampling import SamplingParams, probs_from_logits, sample
 from specsample.stats import Stats
@@ -65,7 +66,8 @@ class PrefixCache:
         self.vocab_size = target.vocab_size
         self.max_length = target.max_length
         self.prefix = torch.empty(0, dtype=torch.long)
-        self.prefix_hidden: Tensor | None = None
+        self.recorded: tuple[int, ...] = ()
+        self.prefix_hidden: Tensor | None = None  # [n, (len(recorded) + 1) * hidden]
         self.reused = False  # the last call was a prefill answered from the cache
 
     @property
@@ -79,7 +81,7 @@ class PrefixCache:
             return
         self.target.prefill(token_ids)
         self.prefix = token_ids.clone()
-        hidden = self.target.hidden_states()
+        hidden = self.target.hidden_states(self.recorded)
         self.prefix_hidden = None if hidden is None else hidden.clone()
 
     def score(self, token_ids: Tensor) -> Tensor:
@@ -89,8 +91,16 @@ class PrefixCache:
     def rollback(self, length: int) -> None:
         self.target.rollback(length)
 
-    def hidden_states(self) -> Tensor | None:
-        return self.prefix_hidden if self.reused else self.target.hidden_states()
+    def record_layers(self, layers: Iterable[int]) -> None:
+        self.target.record_layers(layers)
+        self.recorded = tuple(sorted(set(self.recorded) | set(layers)))
+        self.prefix = torch.empty(0, dtype=torch.long)  # the kept prefix lacks the new layers
+
+    def hidden_states(self, layers: Sequence[int] = ()) -> Tensor | None:
+        if not self.reused or self.prefix_hidden is None:
+            return self.target.hidden_states(layers)
+        *recorded, final = self.prefix_hidden.chunk(len(self.recorded) + 1, -1)
+        return stacked_states(dict(zip(self.recorded, recorded)), final, layers)
 
     def __getattr__(self, name: str):
         """A backend's extras (layerskip runs the target's `forward` over a subset of its `layers`)."""

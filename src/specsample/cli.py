@@ -125,6 +125,7 @@ def train_draft(
     vocab_subset: Annotated[int, typer.Option(help="Tokens the head can propose, most frequent first (0: all).")] = 8192,
     layers: Annotated[int, typer.Option(help="Decoder blocks in the head.")] = 1,
     unroll: Annotated[int, typer.Option(help="Training passes on the head's own predicted features.")] = 2,
+    feature_layers: Annotated[str, typer.Option(help="Comma-separated decoder layers (1-based) whose outputs the head reads besides the final state, e.g. 2,15,27 (EAGLE-3); empty: the final state only.")] = "",
     lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 1e-3,
     eval_every: Annotated[int, typer.Option(help="Steps between held-out evaluations and checkpoints.")] = 200,
     seed: Annotated[int, typer.Option(help="Seed of the split, the windows and the initialisation.")] = 0,
@@ -140,6 +141,7 @@ def train_draft(
         generate_batch=generate_batch, sampled_answers=sampled_answers, self_prompts=self_prompts, batch_size=batch_size,
         max_new_tokens=max_new_tokens, data_minutes=data_minutes, vocab_subset=vocab_subset, layers=layers,
         steps=steps, seq_len=seq_len, lr=lr, unroll=unroll, eval_every=eval_every, seed=seed,
+        feature_layers=layer_numbers(feature_layers),
     )
     if not prompts and not self_prompts and not extra_data:
         raise ValueError("give --prompts, --self-prompts, --extra-data or several of them")
@@ -149,6 +151,14 @@ def train_draft(
     loaded = load_model(model, trust_remote_code=trust_remote_code)
     report = train(loaded, texts, Path(out), options, log=lambda line: print(line, file=sys.stderr), extra_shards=extra)
     print(json.dumps({k: v for k, v in report.items() if k != "history"}))
+
+
+def layer_numbers(text: str) -> tuple[int, ...]:
+    """`--feature-layers` "2,15,27" as (2, 15, 27); "" as ()."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--feature-layers must be comma-separated layer numbers such as 2,15,27, got {text!r}") from None
 
 
 @app.command()

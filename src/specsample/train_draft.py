@@ -6,8 +6,11 @@
 1. The target answers the training prompts with batched greedy `generate`
    (much faster per token than one sequence at a time).
 2. One teacher-forced forward pass over each prompt + answer gives the target's
-   final normed hidden states (the features); they are stored in float16 shards,
-   so an interrupted run resumes where it stopped.
+   final normed hidden states (the features), and with `feature_layers` the
+   outputs of those decoder layers too (EAGLE-3 fuses low, middle and high
+   layers: the final state is shaped for the next token only, earlier layers
+   say more about the context); they are stored in float16 shards, so an
+   interrupted run resumes where it stopped.
 3. The head learns to predict the next feature from (feature, next token), as
    EAGLE does: a regression loss on the feature plus a distillation loss between
    the target's and the head's distributions over the head's token subset. With
@@ -32,12 +35,14 @@ from time import perf_counter
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
 
 from specsample.drafters.head import DraftHead, HeadConfig, HeadDrafter, save_head
 from specsample.models import LoadedModel, make_target
+from specsample.models.target import normalized
 from specsample.text import encode_prompt, user_turn_opening
 
 EVAL_K = 4
@@ -55,6 +60,7 @@ class TrainOptions:
     data_minutes: float = 0.0  # stop generating after this long and train on what there is (0: no limit)
     vocab_subset: int = 8192  # 0: the full LM head
     layers: int = 1
+    feature_layers: tuple[int, ...] = ()  # decoder layers (1-based) whose outputs the head reads as well
     steps: int = 2000
     seq_len: int = 256  # positions per training window
     lr: float = 1e-3
@@ -78,6 +84,8 @@ class TrainOptions:
             raise ValueError(f"data_minutes must be >= 0 (0: no limit), got {self.data_minutes}")
         if self.vocab_subset < 0:
             raise ValueError(f"vocab_subset must be >= 0 (0: the full LM head), got {self.vocab_subset}")
+        if len(set(self.feature_layers)) != len(self.feature_layers) or any(i < 1 for i in self.feature_layers):
+            raise ValueError(f"feature_layers must be distinct layer numbers >= 1, got {list(self.feature_layers)}")
         if not 0 <= self.holdout < 1:
             raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
 
@@ -161,13 +169,45 @@ def generate_shards(model: LoadedModel, prompts: list[str], data_dir: Path, opti
             break  # out of time: train on the shards made so far (a later run resumes generating)
         answers = generate_batch(model, batch, options.max_new_tokens, sampled=round_ > 0)
         sequences = [prompt + answer for prompt, answer in zip(batch, answers)]
-        tokens, features = teacher_forced_features(model, sequences)
-        lengths = torch.tensor([len(s) for s in sequences])
         prompt_lengths = torch.tensor([len(p) for p in batch])
-        tmp = shard.with_suffix(".tmp")
-        save_file({"tokens": tokens, "features": features, "lengths": lengths, "prompt_lengths": prompt_lengths}, tmp)
-        tmp.rename(shard)
+        write_shard(model, shard, sequences, prompt_lengths, options.feature_layers)
     return [shard for _, _, shard in jobs if shard.exists()]
+
+
+def write_shard(model: LoadedModel, shard: Path, sequences: list[list[int]], prompt_lengths: Tensor,
+                layers: tuple[int, ...]) -> None:
+    """Store the sequences' tokens and teacher-forced features in `shard` (written whole or not at all)."""
+    tokens, features, layer_features = teacher_forced_features(model, sequences, layers)
+    data = {"tokens": tokens, "features": features, "lengths": torch.tensor([len(s) for s in sequences]),
+            "prompt_lengths": prompt_lengths}
+    if layers:
+        data |= {"layer_features": layer_features, "layers": torch.tensor(layers)}
+    tmp = shard.with_suffix(".tmp")
+    save_file(data, tmp)
+    tmp.rename(shard)
+
+
+def with_layer_features(model: LoadedModel, shards: list[Path], layers: tuple[int, ...], data_dir: Path) -> list[Path]:
+    """The shards of an earlier run, each replaced by a copy in `data_dir` with the outputs of `layers`
+    added (one teacher-forced pass, resumable) where it lacks them."""
+    out = []
+    for shard in tqdm(shards, desc="adding layer features", unit="shard"):
+        if set(layers) <= set(stored_layers(shard)):
+            out.append(shard)
+            continue
+        copy = data_dir / f"{shard.parent.parent.name}-{shard.name}"
+        if not copy.exists():
+            data = load_file(shard)
+            sequences = [t.tolist() for t in data["tokens"].split(data["lengths"].tolist())]
+            write_shard(model, copy, sequences, data["prompt_lengths"], layers)
+        out.append(copy)
+    return out
+
+
+def stored_layers(shard: Path) -> list[int]:
+    """The decoder layers whose outputs a shard holds."""
+    with safe_open(shard, "pt") as f:
+        return f.get_tensor("layers").tolist() if "layers" in f.keys() else []
 
 
 @torch.inference_mode()
@@ -190,23 +230,31 @@ def generate_batch(model: LoadedModel, prompts: list[list[int]], max_new_tokens:
 
 
 @torch.inference_mode()
-def teacher_forced_features(model: LoadedModel, sequences: list[list[int]]) -> tuple[Tensor, Tensor]:
-    """Concatenated tokens [total] and final normed hidden states [total, hidden] (float16).
+def teacher_forced_features(
+    model: LoadedModel, sequences: list[list[int]], layers: tuple[int, ...] = ()
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Concatenated tokens [total], final normed hidden states [total, hidden] and the RMS-normalised
+    outputs of decoder `layers` [total, len(layers) * hidden] (None without layers), all float16.
 
     Right padding, so no position of a sequence sees a pad token.
     """
     width = max(map(len, sequences))
     input_ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
     attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
-    hidden = model.model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [b, width, h]
-    features = torch.cat([hidden[i, : len(s)] for i, s in enumerate(sequences)]).half()
-    return torch.tensor([t for s in sequences for t in s]), features
+    out = model.model.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=bool(layers))
+
+    def packed(states: Tensor) -> Tensor:  # [b, width, h] -> [total, h] float16
+        return torch.cat([states[i, : len(s)] for i, s in enumerate(sequences)]).half()
+
+    tapped = [normalized(out.hidden_states[i]) for i in layers]  # hidden_states[i]: the output of layer i
+    layer_features = packed(torch.cat(tapped, -1)) if layers else None
+    return torch.tensor([t for s in sequences for t in s]), packed(out.last_hidden_state), layer_features
 
 
 @dataclass
 class Sequence:
     tokens: Tensor  # [n]
-    features: Tensor  # [n, hidden] float16
+    features: Tensor  # [n, (len(feature_layers) + 1) * hidden] float16: the layers' outputs, then the final state
     prompt_length: int
 
 
@@ -218,12 +266,18 @@ def data_shards(run_dir: Path) -> list[Path]:
     return shards
 
 
-def load_sequences(shards: list[Path]) -> list[Sequence]:
+def load_sequences(shards: list[Path], layers: tuple[int, ...] = ()) -> list[Sequence]:
+    """The sequences of these shards, with the outputs of `layers` (which every shard must hold)."""
     out = []
     for shard in shards:
         data = load_file(shard)
-        tokens, features = data["tokens"].split(data["lengths"].tolist()), data["features"].split(data["lengths"].tolist())
-        out += [Sequence(t, f, int(p)) for t, f, p in zip(tokens, features, data["prompt_lengths"])]
+        lengths = data["lengths"].tolist()
+        features = data["features"]
+        if layers:
+            stored, hidden = data["layers"].tolist(), features.shape[-1]
+            columns = [data["layer_features"][:, stored.index(i) * hidden : (stored.index(i) + 1) * hidden] for i in layers]
+            features = torch.cat(columns + [features], -1)
+        out += [Sequence(t, f, int(p)) for t, f, p in zip(data["tokens"].split(lengths), features.split(lengths), data["prompt_lengths"])]
     return out
 
 
@@ -302,7 +356,7 @@ class Objective:
         return self.head(features[:, :-1], self.embed[tokens[:, 1:]], depth)
 
     def loss(self, tokens: Tensor, features: Tensor, mask: Tensor, options: TrainOptions) -> tuple[Tensor, dict]:
-        truth = features[:, 1:]  # [b, t, hidden]
+        truth = features[:, 1:, -self.head.config.hidden_size :]  # [b, t, hidden], the final states
         target_logp = (truth @ self.lm_head_rows.t()).log_softmax(-1)  # [b, t, n]
         total, parts = torch.zeros(()), {}
         for j, predicted in enumerate(self.passes(tokens, features, options.unroll)):
@@ -326,7 +380,7 @@ class Objective:
             if len(s.tokens) < k + 2:
                 continue
             features, tokens = s.features.float()[None], s.tokens[None]
-            target_tokens = (features[0, 1:] @ self.lm_head_rows.t()).argmax(-1)  # [t]
+            target_tokens = (features[0, 1:, -self.head.config.hidden_size :] @ self.lm_head_rows.t()).argmax(-1)  # [t]
             right = torch.stack([
                 (p[0] @ self.lm_head_rows.t()).argmax(-1) == target_tokens for p in self.passes(tokens, features, k)
             ])  # [k, t]
@@ -351,19 +405,27 @@ def train(
 ) -> dict:
     """Generate data, train the head, save it to `out_dir`; returns the final report.
     `extra_shards`: data of earlier runs to train on as well."""
+    layer_count = model.model.config.num_hidden_layers
+    if any(i >= layer_count for i in options.feature_layers):
+        raise ValueError(f"feature layers must lie below the target's {layer_count} decoder layers, got "
+                         f"{list(options.feature_layers)}: the final state is always read")
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(options.seed)
     start = perf_counter()
     if options.self_prompts:
         prompts = prompts + write_prompts(model, out_dir / "self_prompts.jsonl", options)
-    sequences = load_sequences(generate_shards(model, prompts, out_dir / "data", options) + list(extra_shards))
+    shards = generate_shards(model, prompts, out_dir / "data", options)
+    if options.feature_layers:
+        extra_shards = with_layer_features(model, list(extra_shards), options.feature_layers, out_dir / "data")
+    sequences = load_sequences(shards + list(extra_shards), options.feature_layers)
     data_seconds = perf_counter() - start
     train_set, eval_set = split(sequences, options.holdout, options.seed)
     hf = model.model
     embed = hf.get_input_embeddings().weight.detach()
     lm_head = hf.get_output_embeddings().weight.detach()
     token_ids = frequent_tokens(train_set, options.vocab_subset, lm_head.shape[0])
-    config = HeadConfig.for_target(model, layers=options.layers, vocab_subset=len(token_ids))
+    config = HeadConfig.for_target(model, layers=options.layers, vocab_subset=len(token_ids),
+                                   feature_layers=options.feature_layers)
     head = DraftHead(config)
     head.init_from_target(hf)
     objective = Objective(head, embed, lm_head[token_ids])

@@ -2,7 +2,10 @@
 
 The head reads (feature of position i, embedding of token i + 1), where a
 feature is the target's final normed hidden state, the input of its LM head,
-and predicts the feature of position i + 1. Drafting K tokens runs it K - 1
+and predicts the feature of position i + 1. A head with `feature_layers` reads
+the outputs of those decoder layers as well, fused by one linear map (EAGLE-3):
+the final state is shaped to predict token i + 1 alone, earlier layers keep more
+of the context that the token after it depends on. Drafting K tokens runs it K - 1
 times on its own predictions; each draft token comes from the target's LM head
 restricted to the N tokens the target produces most often (FR-Spec), so a
 draft step costs one small block plus an [hidden, N] matmul. Tokens outside
@@ -57,9 +60,15 @@ class HeadConfig:
     intermediate_size: int
     rope_theta: float = 10000.0
     eps: float = 1e-5
+    feature_layers: tuple[int, ...] = ()  # the target's decoder layers (1-based) read besides its final state
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(self.feature_layers))  # a list when read from JSON
 
     @classmethod
-    def for_target(cls, model: LoadedModel, layers: int = 1, vocab_subset: int = 0) -> HeadConfig:
+    def for_target(
+        cls, model: LoadedModel, layers: int = 1, vocab_subset: int = 0, feature_layers: tuple[int, ...] = ()
+    ) -> HeadConfig:
         """A head shaped like one of the target's decoder layers."""
         config = model.model.config
         heads = config.num_attention_heads
@@ -70,6 +79,7 @@ class HeadConfig:
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             intermediate_size=config.intermediate_size, eps=getattr(config, "rms_norm_eps", 1e-5),
+            feature_layers=tuple(feature_layers),
         )
 
 
@@ -136,6 +146,10 @@ class DraftHead(nn.Module):
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
         self.config = config
+        if config.feature_layers:
+            self.fuse = nn.Linear((len(config.feature_layers) + 1) * config.hidden_size, config.hidden_size, bias=False)
+            with torch.no_grad():  # start by passing the final state through: the head without fusion
+                self.fuse.weight.zero_()[:, -config.hidden_size :].copy_(torch.eye(config.hidden_size))
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
@@ -144,7 +158,8 @@ class DraftHead(nn.Module):
 
     def forward(self, features: Tensor, embeds: Tensor, depth: int = 1) -> list[Tensor]:
         """Training and evaluation over whole windows (drafting runs `fast_head` instead): the features
-        [b, t, hidden] predicted by `depth` passes, pass d reading pass d - 1's predictions.
+        [b, t, hidden] predicted by `depth` passes, pass d reading pass d - 1's predictions. `features`
+        [b, t, (len(feature_layers) + 1) * hidden] are the target's: its layers' outputs, then its final state.
 
         Position i of pass 1 reads (feature i, embedding i + 1) and predicts feature i + 1. Pass d
         stands for draft step d from anchor i - d + 1: position i reads pass d - 1's prediction at
@@ -155,7 +170,8 @@ class DraftHead(nn.Module):
         t = features.shape[1]
         cos, sin = self.rotary(t)
         earlier: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.blocks]  # per block, (keys, values) per pass
-        inputs, outputs = features, []
+        inputs = self.fuse(features) if self.config.feature_layers else features  # [b, t, hidden]
+        outputs = []
         for d in range(1, depth + 1):
             x = self.fc(torch.cat([inputs, embeds], -1))
             mask = draft_step_mask(t, d) if d > 1 else None
@@ -234,10 +250,11 @@ def shipped_head_dir(model: LoadedModel) -> Path:
     )
 
 
-def fast_head(head: DraftHead, lm_head_rows: Tensor, max_length: int) -> tuple[Linear, LlamaTarget]:
+def fast_head(head: DraftHead, lm_head_rows: Tensor, max_length: int) -> tuple[Linear | None, Linear, LlamaTarget]:
     """The trained head in the fast backend's layout, for drafting one or a few rows at a time.
 
-    Returns the input projection and a `LlamaTarget` made of the head's blocks whose
+    Returns the fusion of the target's layers (None without `feature_layers`), the
+    input projection and a `LlamaTarget` made of the head's blocks whose
     LM head is the target's restricted to the subset (`lm_head_rows` [n, hidden]):
     `forward_embeddings(fc(feature ++ embedding))` then gives the subset logits
     [t, n] and leaves the predicted features in `hidden_states()`, with the head's
@@ -259,7 +276,7 @@ def fast_head(head: DraftHead, lm_head_rows: Tensor, max_length: int) -> tuple[L
         layers, None, head.norm.detach().clone(), linear(lm_head_rows.detach()), cos, sin,
         heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, eps=c.eps,
     )
-    return linear(head.fc), decoder
+    return (linear(head.fuse) if c.feature_layers else None), linear(head.fc), decoder
 
 
 class HeadDrafter:
@@ -267,7 +284,9 @@ class HeadDrafter:
 
     def __init__(self, target: Target, head: DraftHead, embed: Tensor, lm_head: Tensor, token_ids: Tensor) -> None:
         self.target = target
-        self.fc, self.decoder = fast_head(head, lm_head[token_ids], target.max_length)
+        self.fuse, self.fc, self.decoder = fast_head(head, lm_head[token_ids], target.max_length)
+        self.feature_layers = head.config.feature_layers
+        target.record_layers(self.feature_layers)
         self.embed = embed  # [vocab, hidden], the target's input embeddings
         self.token_ids = token_ids  # [n]
         self.vocab_size = target.vocab_size
@@ -287,7 +306,7 @@ class HeadDrafter:
         """Run the head over the prompt, reading the features the target's prefill left."""
         self.params, self.draft, self.feature, self.logits = params, [], None, None
         self.decoder.rollback(0)
-        features = self.target.hidden_states()  # [n - 1, hidden] of prompt_ids[:-1]
+        features = self.target.hidden_states(self.feature_layers)  # [n - 1, (layers + 1) * hidden] of prompt_ids[:-1]
         if features is not None and features.shape[0] == prompt_ids.shape[0] - 1 > 0:
             self.advance(features, prompt_ids[1:])
 
@@ -314,13 +333,14 @@ class HeadDrafter:
     @torch.inference_mode()
     def observe(self, accepted: int, next_token: int) -> None:
         """Recompute the accepted positions from the target's true features."""
-        features = self.target.hidden_states()[: accepted + 1]  # pending token and accepted draft tokens
+        features = self.target.hidden_states(self.feature_layers)[: accepted + 1]  # pending and accepted tokens
         self.advance(features, torch.tensor(self.draft[:accepted] + [next_token]))
         self.draft = []
 
     def advance(self, features: Tensor, next_tokens: Tensor) -> None:
-        """Append positions (features [t, hidden], next_tokens [t]); keep the last predicted feature and its logits."""
-        self.step(features, next_tokens, logits=False)
+        """Append positions (the target's features [t, (layers + 1) * hidden], next_tokens [t]); keep the
+        last predicted feature and its logits."""
+        self.step(self.fuse(features.float()) if self.fuse else features, next_tokens, logits=False)
         self.feature = self.decoder.hidden_states()[-1:]  # [1, hidden]
         self.logits = self.decoder.lm_head(self.feature)[0]  # [n]
 

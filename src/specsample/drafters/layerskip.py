@@ -21,7 +21,7 @@ head's share of the weights and verification costing one target pass.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -73,8 +73,11 @@ class KeptLayers:
     def rollback(self, length: int) -> None:
         self.target.rollback(length)
 
-    def hidden_states(self) -> Tensor | None:
-        return self.target.hidden_states()
+    def record_layers(self, layers: Iterable[int]) -> None:
+        self.target.record_layers(layers)
+
+    def hidden_states(self, layers: Sequence[int] = ()) -> Tensor | None:
+        return self.target.hidden_states(layers)
 
 
 @dataclass(frozen=True)

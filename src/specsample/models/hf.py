@@ -6,9 +6,13 @@ the cache, which slices views of the key/value tensors rather than copying.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
+
+from specsample.models.target import normalized, stacked_states
 
 
 class TransformersTarget:
@@ -18,6 +22,8 @@ class TransformersTarget:
         self.max_length = max_length or int(getattr(model.config, "max_position_embeddings", 4096))
         self.cache = DynamicCache(config=model.config)
         self.last_hidden: Tensor | None = None
+        self.record: frozenset[int] = frozenset()  # decoder layers (1-based) whose outputs are kept
+        self.recorded: dict[int, Tensor] = {}
 
     @property
     def length(self) -> int:
@@ -26,7 +32,7 @@ class TransformersTarget:
     @torch.inference_mode()
     def prefill(self, token_ids: Tensor) -> None:
         self.cache = DynamicCache(config=self.model.config)
-        self.last_hidden = None
+        self.last_hidden, self.recorded = None, {}
         if token_ids.shape[0]:
             self._forward(token_ids, logits_to_keep=1)
 
@@ -38,8 +44,14 @@ class TransformersTarget:
         if length < self.length:
             self.cache.crop(length - self.length)  # a negative count removes that many positions
 
-    def hidden_states(self) -> Tensor | None:
-        return self.last_hidden
+    def record_layers(self, layers: Iterable[int]) -> None:
+        layers = frozenset(layers)
+        if not layers <= set(range(1, self.model.config.num_hidden_layers)):
+            raise ValueError(f"layers {sorted(layers)} are not all among this target's 1..{self.model.config.num_hidden_layers - 1}")
+        self.record |= layers
+
+    def hidden_states(self, layers: Sequence[int] = ()) -> Tensor | None:
+        return stacked_states(self.recorded, self.last_hidden, layers)
 
     def _forward(self, token_ids: Tensor, logits_to_keep: int) -> Tensor:
         out = self.model(
@@ -50,4 +62,5 @@ class TransformersTarget:
             logits_to_keep=logits_to_keep,
         )
         self.last_hidden = out.hidden_states[-1][0]
+        self.recorded = {i: normalized(out.hidden_states[i][0]) for i in self.record}  # [i]: layer i's output
         return out.logits

@@ -27,7 +27,7 @@ logits match it to rounding (other dtypes run on torch ops, approximately).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specsample.models import kernels
+from specsample.models.target import normalized, stacked_states
 
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
 # Rope types whose frequencies do not depend on the sequence length, so one
@@ -216,6 +217,8 @@ class LlamaTarget:
         self._kernel_layers = [self._kernel_args(i) for i in range(len(layers))] if self.kernels else []
         self._length = 0
         self._hidden: Tensor | None = None
+        self._record: frozenset[int] = frozenset()  # decoder layers (1-based) whose outputs are kept
+        self._recorded: dict[int, Tensor] = {}  # their outputs [n, hidden] of the last call
 
     @classmethod
     def from_hf(
@@ -266,10 +269,14 @@ class LlamaTarget:
         """Reset the cache and fill it with `token_ids` [n]; computes no logits."""
         self._length = 0
         hidden = [torch.empty(0, self.hidden_size, dtype=self.dtype)]
+        recorded = {i: [torch.empty(0, self.hidden_size)] for i in self._record}
         for chunk in token_ids.reshape(-1).split(PREFILL_CHUNK):
             self.forward(chunk, logits=False)
             hidden.append(self._hidden)
+            for i, parts in recorded.items():
+                parts.append(self._recorded[i])
         self._hidden = torch.cat(hidden)
+        self._recorded = {i: torch.cat(parts) for i, parts in recorded.items()}
 
     def score(self, token_ids: Tensor) -> Tensor:
         """Append `token_ids` [n]; return their logits [n, vocab] in float32."""
@@ -310,9 +317,17 @@ class LlamaTarget:
             return self.k_cache[..., :length], self.v_cache[:, :, :length]
         return self.k_cache[:, :, :length], self.v_cache[:, :, :length]
 
-    def hidden_states(self) -> Tensor | None:
-        """Final normed hidden states [n, hidden] of the last prefill or score call."""
-        return self._hidden
+    def record_layers(self, layers: Iterable[int]) -> None:
+        """Also keep the `normalized` outputs of these decoder layers (1-based) of every later call."""
+        layers = frozenset(layers)
+        if not layers <= set(range(1, len(self.layers) + 1)):
+            raise ValueError(f"layers {sorted(layers)} are not all among this target's 1..{len(self.layers)}")
+        self._record |= layers
+
+    def hidden_states(self, layers: Sequence[int] = ()) -> Tensor | None:
+        """Hidden states [n, (len(layers) + 1) * hidden] of the last prefill or score call: the
+        recorded outputs of `layers`, then the final normed state."""
+        return stacked_states(self._recorded, self._hidden, layers)
 
     @torch.inference_mode()
     def forward(
@@ -333,21 +348,29 @@ class LlamaTarget:
             raise ValueError(f"{start + n} positions exceed max_length {self.max_length}")
         if n:
             layer_ids = range(len(self.layers)) if layers is None else layers
+            self._recorded = {}
             if self.kernels:
                 scratch = torch.empty(n * self._scratch_per_token, dtype=torch.float32)
                 for i in layer_ids:
                     kernels.layer(self._kernel_layers[i], x, start, scratch)
+                    self._keep(i, x)
             else:
                 mask = self._mask(start, n)
                 cos = self.cos[start : start + n, None]  # [n, 1, dim]
                 sin = self.sin[start : start + n, None]
                 for i in layer_ids:
                     x = self._layer(i, x, start, mask, cos, sin)
+                    self._keep(i, x)
         self._length = start + n
         self._hidden = _rms_norm(x, self.norm, self.eps)  # [n, hidden]
         if not logits:
             return None
         return self.lm_head(self._hidden).float()  # [n, vocab]
+
+    def _keep(self, i: int, x: Tensor) -> None:
+        """Record layer i's (0-based) output x [n, hidden] if it was asked for."""
+        if i + 1 in self._record:
+            self._recorded[i + 1] = normalized(x)
 
     def _kernel_args(self, i: int) -> kernels.LayerArgs:
         """Pointers to layer i's packed weights and cache, for `kernels.layer`."""

@@ -8,8 +8,11 @@ positions by moving the cache length back; it never copies tensors.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -35,6 +38,27 @@ class Target(Protocol):
         """Keep only the first `length` cached positions."""
         ...
 
-    def hidden_states(self) -> Tensor | None:
-        """Final (normed) hidden states [n, hidden] of the last prefill or score call."""
+    def record_layers(self, layers: Iterable[int]) -> None:
+        """From now on also keep the outputs of these decoder layers (1-based), for `hidden_states`."""
         ...
+
+    def hidden_states(self, layers: Sequence[int] = ()) -> Tensor | None:
+        """Hidden states [n, (len(layers) + 1) * hidden] of the last prefill or score call: the
+        `normalized` outputs of the recorded decoder `layers`, then the final (normed) state."""
+        ...
+
+
+def normalized(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x [..., hidden] scaled to unit RMS, in float32: a middle layer's output as a draft head reads
+    it (the residual stream's scale grows through the layers, and a few dimensions reach 10^4)."""
+    return F.rms_norm(x.float(), x.shape[-1:], eps=eps)
+
+
+def stacked_states(recorded: Mapping[int, Tensor], final: Tensor | None, layers: Sequence[int]) -> Tensor | None:
+    """`Target.hidden_states(layers)` from the recorded layer outputs [n, hidden] and the final state."""
+    if final is None or not layers:
+        return final
+    missing = [i for i in layers if i not in recorded]
+    if missing:
+        raise ValueError(f"the outputs of layers {missing} were not recorded: call record_layers({list(layers)}) first")
+    return torch.cat([recorded[i] for i in layers] + [final.float()], -1)
