@@ -10,6 +10,11 @@ the same category of the same run. Two speedups are reported:
   prefill excluded); engine configurations only.
 Mean accepted length = generated tokens / verification steps; acceptance rate
 = accepted draft tokens / drafted tokens.
+
+Each speedup comes with a 95% confidence interval from a paired bootstrap over
+the answers (an answer and plain decoding's answer to the same turn are
+resampled together), so that a category's ratio can be told from the run's
+noise: the A/A control's intervals show what noise alone gives.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
+import numpy as np
+from scipy.stats import bootstrap
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -30,22 +37,46 @@ TABLE_FILE = "table.md"
 PLOT_FILE = "plot.png"
 OVERALL = "overall"
 SCHEMA = 1
+CONFIDENCE = 0.95
+RESAMPLES = 2000
 
 
 def summarize(records: Sequence[dict], configs: Sequence[str], reference: str = REFERENCE) -> list[dict]:
     """One row per configuration and category (and overall), with speedups against `reference`."""
     categories = list(dict.fromkeys(r["category"] for r in records))
+    in_category = {category: [r for r in records if r["category"] == category] for category in categories}
+    in_category[OVERALL] = list(records)
     rows = []
     for config in configs:
-        ours = [r for r in records if r["config"] == config]
-        rows += [pool(config, category, [r for r in ours if r["category"] == category]) for category in categories]
-        rows.append(pool(config, OVERALL, ours))
+        for category, chosen in in_category.items():
+            row = pool(config, category, [r for r in chosen if r["config"] == config])
+            row["speedup_interval"] = speedup_interval(chosen, config, reference) if config != reference else None
+            rows.append(row)
     base = {row["category"]: row for row in rows if row["config"] == reference}
     for row in rows:
         ref = base.get(row["category"])
         row["speedup"] = ratio(row["tokens_per_second"], ref and ref["tokens_per_second"])
         row["decode_speedup"] = ratio(row["decode_tokens_per_second"], ref and ref["decode_tokens_per_second"])
     return rows
+
+
+def speedup_interval(records: Sequence[dict], config: str, reference: str = REFERENCE) -> list[float] | None:
+    """The CONFIDENCE interval of `config`'s end-to-end speedup over `reference` on these records:
+    percentile bootstrap (fixed seed) over the turns both answered, each turn's pair of answers kept
+    together; None with fewer than two such turns."""
+    answers = {(r["question_id"], r["turn"], r["config"]): r for r in records}
+    turns = [(q, t) for q, t, c in answers if c == config and (q, t, reference) in answers]
+    if len(turns) < 2:
+        return None
+    columns = [np.array([answers[(*turn, c)][key] for turn in turns], dtype=float)
+               for c in (config, reference) for key in ("generated_tokens", "wall_seconds")]
+
+    def speedup(tokens, seconds, ref_tokens, ref_seconds, axis=-1):
+        return (tokens.sum(axis) / seconds.sum(axis)) / (ref_tokens.sum(axis) / ref_seconds.sum(axis))
+
+    result = bootstrap(columns, speedup, paired=True, vectorized=True, n_resamples=RESAMPLES,
+                       confidence_level=CONFIDENCE, method="percentile", rng=np.random.default_rng(0))
+    return [float(result.confidence_interval.low), float(result.confidence_interval.high)]
 
 
 def pool(config: str, category: str, records: Sequence[dict]) -> dict:
@@ -78,7 +109,10 @@ def ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
-def fmt(value: float | None, digits: int = 2) -> str:
+def fmt(value: float | list[float] | None, digits: int = 2) -> str:
+    """A figure, an interval [low, high] as "low-high", or n/a."""
+    if isinstance(value, list):
+        return "-".join(fmt(v, digits) for v in value)
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
@@ -97,6 +131,9 @@ def markdown(results: dict) -> str:
     return "\n\n".join([
         "\n".join(overall),
         "Speedup (end to end) per category\n\n" + per_category(cell, configs, categories, "speedup"),
+        f"{CONFIDENCE:.0%} confidence interval of each speedup (paired bootstrap over the answers)\n\n"
+        + per_category(cell, [n for n in configs if cell[n, OVERALL]["speedup_interval"]], categories,
+                       "speedup_interval"),
         "Mean accepted length per category\n\n" + per_category(
             cell, [n for n in configs if cell[n, OVERALL]["mean_accepted_length"] is not None], categories,
             "mean_accepted_length"),
