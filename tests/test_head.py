@@ -194,7 +194,7 @@ def test_training_lowers_the_loss(layers):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert losses[-1] < 0.7 * losses[0], losses
 
 
