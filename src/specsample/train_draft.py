@@ -260,7 +260,7 @@ class Sequence:
 
 def data_shards(run_dir: Path) -> list[Path]:
     """The data shards an earlier `train` run left in `run_dir`."""
-    shards = sorted((run_dir / "data").glob("shard-*.safetensors"))
+    shards = sorted((run_dir / "data").glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"no data shards in {run_dir / 'data'}")
     return shards
