@@ -114,8 +114,9 @@ def test_the_head_drafts_from_the_features_it_was_trained_on(layers):
 @pytest.mark.parametrize("backend", ["fast", "transformers"])
 def test_a_target_records_only_its_own_layers(backend):
     target = make_target(tiny_loaded(tiny_llama(64, seed=3)), backend)
-    with pytest.raises(ValueError, match=r"layers \[7\] are not all among"):
-        target.record_layers([7])
+    for layers in ([7], [2]):  # the tiny target has 2 layers: the second one's output is the final state
+        with pytest.raises(ValueError, match=rf"layers \[{layers[0]}\] are not all among this target's 1..1"):
+            target.record_layers(layers)
     target.prefill(torch.tensor([5, 9, 2]))
     with pytest.raises(ValueError, match="were not recorded"):
         target.hidden_states((1,))
@@ -247,9 +248,11 @@ def test_a_head_reading_a_middle_layer_trains_on_data_that_lacks_it(trained_dir,
     assert outputs[0] == outputs[1]
 
 
-def test_feature_layers_must_lie_below_the_final_one(trained_dir, tiny_dir, tmp_path):
+def test_feature_layers_must_lie_below_the_final_one_and_be_in_the_data(trained_dir, tiny_dir, tmp_path):
+    with pytest.raises(ValueError, match="holds no outputs of layers \\[1\\]: train on its run directory"):
+        load_sequences(data_shards(trained_dir), (1,))
     options = TrainOptions(steps=1, feature_layers=(2,))  # the tiny target has 2 layers: the final state is read anyway
-    with pytest.raises(ValueError, match="below the target's 2 decoder layers"):
+    with pytest.raises(ValueError, match=r"layers \[2\] are not all among this target's 1..1"):
         train(load_model(tiny_dir), [], tmp_path, options, log=lambda _: None, extra_shards=data_shards(trained_dir))
 
 

@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from specsample.drafters.head import DraftHead, HeadConfig, HeadDrafter, save_head
 from specsample.models import LoadedModel, make_target
-from specsample.models.target import normalized
+from specsample.models.target import normalized, recordable
 from specsample.text import encode_prompt, user_turn_opening
 
 EVAL_K = 4
@@ -274,7 +274,10 @@ def load_sequences(shards: list[Path], layers: tuple[int, ...] = ()) -> list[Seq
         lengths = data["lengths"].tolist()
         features = data["features"]
         if layers:
-            stored, hidden = data["layers"].tolist(), features.shape[-1]
+            stored, hidden = data["layers"].tolist() if "layers" in data else [], features.shape[-1]
+            if missing := sorted(set(layers) - set(stored)):
+                raise ValueError(f"{shard} holds no outputs of layers {missing}: train on its run directory "
+                                 f"with --extra-data, which adds them, into a new --out directory")
             columns = [data["layer_features"][:, stored.index(i) * hidden : (stored.index(i) + 1) * hidden] for i in layers]
             features = torch.cat(columns + [features], -1)
         out += [Sequence(t, f, int(p)) for t, f, p in zip(data["tokens"].split(lengths), features.split(lengths), data["prompt_lengths"])]
@@ -405,10 +408,7 @@ def train(
 ) -> dict:
     """Generate data, train the head, save it to `out_dir`; returns the final report.
     `extra_shards`: data of earlier runs to train on as well."""
-    layer_count = model.model.config.num_hidden_layers
-    if any(i >= layer_count for i in options.feature_layers):
-        raise ValueError(f"feature layers must lie below the target's {layer_count} decoder layers, got "
-                         f"{list(options.feature_layers)}: the final state is always read")
+    recordable(options.feature_layers, model.model.config.num_hidden_layers)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(options.seed)
     start = perf_counter()

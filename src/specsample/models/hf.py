@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from specsample.models.target import normalized, stacked_states
+from specsample.models.target import normalized, recordable, stacked_states
 
 
 class TransformersTarget:
@@ -45,10 +45,7 @@ class TransformersTarget:
             self.cache.crop(length - self.length)  # a negative count removes that many positions
 
     def record_layers(self, layers: Iterable[int]) -> None:
-        layers = frozenset(layers)
-        if not layers <= set(range(1, self.model.config.num_hidden_layers)):
-            raise ValueError(f"layers {sorted(layers)} are not all among this target's 1..{self.model.config.num_hidden_layers - 1}")
-        self.record |= layers
+        self.record |= recordable(layers, self.model.config.num_hidden_layers)
 
     def hidden_states(self, layers: Sequence[int] = ()) -> Tensor | None:
         return stacked_states(self.recorded, self.last_hidden, layers)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specsample.models import kernels
-from specsample.models.target import normalized, stacked_states
+from specsample.models.target import normalized, recordable, stacked_states
 
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
 # Rope types whose frequencies do not depend on the sequence length, so one
@@ -319,10 +319,7 @@ class LlamaTarget:
 
     def record_layers(self, layers: Iterable[int]) -> None:
         """Also keep the `normalized` outputs of these decoder layers (1-based) of every later call."""
-        layers = frozenset(layers)
-        if not layers <= set(range(1, len(self.layers) + 1)):
-            raise ValueError(f"layers {sorted(layers)} are not all among this target's 1..{len(self.layers)}")
-        self._record |= layers
+        self._record |= recordable(layers, len(self.layers))
 
     def hidden_states(self, layers: Sequence[int] = ()) -> Tensor | None:
         """Hidden states [n, (len(layers) + 1) * hidden] of the last prefill or score call: the

@@ -54,6 +54,15 @@ def normalized(x: Tensor, eps: float = 1e-6) -> Tensor:
     return F.rms_norm(x.float(), x.shape[-1:], eps=eps)
 
 
+def recordable(layers: Iterable[int], n_layers: int) -> frozenset[int]:
+    """`layers` as a set, checked to be decoder layers a target can record: 1..n_layers - 1 (the
+    last layer's output is the final state, always kept)."""
+    layers = frozenset(layers)
+    if not layers <= set(range(1, n_layers)):
+        raise ValueError(f"layers {sorted(layers)} are not all among this target's 1..{n_layers - 1}")
+    return layers
+
+
 def stacked_states(recorded: Mapping[int, Tensor], final: Tensor | None, layers: Sequence[int]) -> Tensor | None:
     """`Target.hidden_states(layers)` from the recorded layer outputs [n, hidden] and the final state."""
     if final is None or not layers:
