@@ -408,7 +408,7 @@ def train(
 ) -> dict:
     """Generate data, train the head, save it to `out_dir`; returns the final report.
     `extra_shards`: data of earlier runs to train on as well."""
-    recordable(options.feature_layers, model.model.config.num_hidden_layers)
+    recordable(options.feature_layers, model.model.config.num_hidden_layers)  # refuses layers before any work
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(options.seed)
     start = perf_counter()

@@ -340,7 +340,7 @@ class HeadDrafter:
     def advance(self, features: Tensor, next_tokens: Tensor) -> None:
         """Append positions (the target's features [t, (layers + 1) * hidden], next_tokens [t]); keep the
         last predicted feature and its logits."""
-        self.step(self.fuse(features.float()) if self.fuse else features, next_tokens, logits=False)
+        self.step(self.fuse(features) if self.fuse else features, next_tokens, logits=False)
         self.feature = self.decoder.hidden_states()[-1:]  # [1, hidden]
         self.logits = self.decoder.lm_head(self.feature)[0]  # [n]
 
