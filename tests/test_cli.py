@@ -66,6 +66,8 @@ BAD = [
     (["--max-new-tokens", "0"], "max_new_tokens"),
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--drafter", "no-such-drafter"], "unknown drafter"),
+    (["--drafter", "suffix+no-such-drafter"], "unknown drafter 'no-such-drafter'"),
+    (["--drafter", "quantized+suffix", "--max-new-tokens", "8"], "must be a lookup drafter"),
     (["--max-new-tokens", "lots"], "max-new-tokens"),
 ]
 

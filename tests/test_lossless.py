@@ -69,8 +69,8 @@ class PointMassDrafter:
     def propose(self, k, generator):
         return Draft(self.inner.propose(k, generator).tokens, None)
 
-    def observe(self, accepted, next_token):
-        self.inner.observe(accepted, next_token)
+    def observe(self, tokens):
+        self.inner.observe(tokens)
 
 
 def as_target(model):

@@ -120,8 +120,8 @@ class DrawnTokenConfidence:
         drawn = draft.probs.gather(1, draft.tokens[:, None])[:, 0]  # [k]
         return Draft(draft.tokens, draft.probs, drawn)
 
-    def observe(self, accepted, next_token):
-        self.inner.observe(accepted, next_token)
+    def observe(self, tokens):
+        self.inner.observe(tokens)
 
 
 @pytest.mark.parametrize("broken", [False, True])

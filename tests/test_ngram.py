@@ -37,7 +37,7 @@ def test_lookup_matches_brute_force(prompt, output, k, max_n, shorter):
     drafter = NgramDrafter(max_n, min_n)
     drafter.begin(torch.tensor(prompt), SamplingParams())
     for token in output:
-        drafter.observe(0, token)
+        drafter.observe([token])
     expected = brute_lookup(prompt + output, k, max_n, min_n)
     assert drafter.propose(k, torch.Generator()).tokens.tolist() == expected
 
@@ -46,7 +46,7 @@ def test_accepted_draft_tokens_join_the_context():
     drafter = NgramDrafter(max_n=2)
     drafter.begin(torch.tensor([5, 6, 7, 8, 5, 6]), SamplingParams())
     assert drafter.propose(2, torch.Generator()).tokens.tolist() == [7, 8]
-    drafter.observe(1, 9)  # context 5 6 7 8 5 6 7 9
+    drafter.observe([7, 9])  # context 5 6 7 8 5 6 7 9
     assert drafter.propose(2, torch.Generator()).tokens.tolist() == []
 
 

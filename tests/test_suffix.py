@@ -98,7 +98,7 @@ def test_drafter_proposes_what_brute_force_finds(requests, depth, k, growth, min
     for prompt, output in requests:
         drafter.begin(torch.tensor(prompt), SamplingParams())
         for token in output:
-            drafter.observe(0, token)
+            drafter.observe([token])
         sequences.append(prompt + output)
         clocks.append(list(range(clock + 1, clock + 1 + len(sequences[-1]))))
         clock += len(sequences[-1])

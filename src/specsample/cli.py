@@ -14,7 +14,10 @@ from typer.exceptions import Abort, Exit, TyperException
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None)
 
-DRAFTER_HELP = "none, ngram, suffix, layerskip, quantized, head, head:DIR, or the path of a draft model."
+DRAFTER_HELP = (
+    "none, ngram, suffix, layerskip, quantized, head, head:DIR, the path of a draft model, "
+    "or A+B: A's draft where it finds one, else B's (suffix+head)."
+)
 K_HELP = "Speculation length K, or 'auto' (cost model) or 'auto:heuristic'."
 
 

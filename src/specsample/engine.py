@@ -54,8 +54,9 @@ def decode(
             t_verify = perf_counter()
             verdict = verify(target, pending, draft, params, generator)
             t_other = perf_counter()
-            drafter.observe(verdict.accepted, verdict.next_token)
-            new = cut_at_eos(draft.tokens[: verdict.accepted].tolist() + [verdict.next_token], eos_token_ids)
+            emitted = draft.tokens[: verdict.accepted].tolist() + [verdict.next_token]
+            drafter.observe(emitted)
+            new = cut_at_eos(emitted, eos_token_ids)
             step = Step(len(draft), verdict.accepted, len(new), t_verify - t_draft, t_other - t_verify)
             stats.record(step)
             policy.observe(step)

@@ -1,7 +1,8 @@
 """Drafters: one Protocol, many implementations, chosen by name on the command line.
 
 `make_drafter` turns the user's `--drafter` value into a Drafter: a registered
-name, or the path of a draft model. The engine itself never asks which drafter
+name, `NAME:PATH`, `A+B` (A's draft when it finds one, else B's), or the path of
+a draft model. The engine itself never asks which drafter
 it holds.
 """
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from specsample.drafters.base import Draft, Drafter
 from specsample.drafters.draft_model import DraftModelDrafter
+from specsample.drafters.fallback import FallbackDrafter
 from specsample.drafters.head import HeadDrafter, shipped_head_dir
 from specsample.drafters.layerskip import LayerSkipDrafter
 from specsample.drafters.ngram import NgramDrafter
@@ -39,9 +41,15 @@ PATH_REGISTRY: dict[str, Callable[[LoadedModel, Target, str], Drafter]] = {
 
 
 def make_drafter(spec: str, model: LoadedModel, target: Target, *, trust_remote_code: bool = False) -> Drafter:
-    """A drafter from a registered name or the path of a draft model directory or GGUF file."""
+    """A drafter from a registered name, `NAME:PATH`, `A+B`, or the path of a draft model directory or GGUF file."""
     if spec in REGISTRY:
         return REGISTRY[spec](model, target)
+    first, plus, second = spec.partition("+")
+    if plus and not Path(spec).expanduser().exists():
+        return FallbackDrafter(
+            make_drafter(first, model, target, trust_remote_code=trust_remote_code),
+            make_drafter(second, model, target, trust_remote_code=trust_remote_code),
+        )
     name, sep, path = spec.partition(":")
     if sep and name in PATH_REGISTRY:
         return PATH_REGISTRY[name](model, target, path)
@@ -64,4 +72,4 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
-__all__ = ["Draft", "Drafter", "DraftModelDrafter", "NgramDrafter", "NoDrafter", "REGISTRY", "SuffixDrafter", "make_drafter"]
+__all__ = ["Draft", "Drafter", "DraftModelDrafter", "FallbackDrafter", "NgramDrafter", "NoDrafter", "REGISTRY", "SuffixDrafter", "make_drafter"]

@@ -1,9 +1,11 @@
 """The Drafter protocol: anything that proposes draft tokens for the target to verify.
 
 The engine never asks which drafter it holds. A drafter is told the prompt
-(`begin`), asked for up to k tokens (`propose`), then told how many of them the
-target accepted and which token came next (`observe`), so that it keeps its own
-state (a KV cache, an index) in step with the text.
+(`begin`), asked for up to k tokens (`propose`), then told which tokens the text
+grew by (`observe`: the accepted draft tokens, then the recovered or bonus
+token), so that it keeps its own state (a KV cache, an index) in step with the
+text. The tokens need not be its own draft's: a drafter that was not asked to
+propose in a step (see `drafters.fallback`) still observes what the step emitted.
 """
 
 from __future__ import annotations
@@ -52,6 +54,6 @@ class Drafter(Protocol):
         """Propose up to k tokens continuing the context."""
         ...
 
-    def observe(self, accepted: int, next_token: int) -> None:
-        """The first `accepted` draft tokens were kept, followed by `next_token`."""
+    def observe(self, tokens: list[int]) -> None:
+        """The text grew by `tokens`: the accepted draft tokens, then the recovered or bonus token."""
         ...

@@ -40,7 +40,20 @@ class DraftModelDrafter:
         self.draft = tokens
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs), torch.tensor(confidence))
 
-    def observe(self, accepted: int, next_token: int) -> None:
-        valid = len(self.context) + accepted  # cached context plus accepted draft tokens
-        self.context += self.draft[:accepted] + [next_token]
+    def observe(self, tokens: list[int]) -> None:
+        """Keep the cached positions of the draft tokens that the text took up; the rest is fed again.
+        The last token, the new pending one, is left uncached as after the prompt."""
+        valid = len(self.context) + common_prefix(self.draft, tokens[:-1])  # cached context plus accepted draft tokens
+        self.context += tokens
+        self.draft = []
         self.model.rollback(min(self.model.length, valid))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of a and b."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -293,7 +293,6 @@ class HeadDrafter:
         self.params = SamplingParams()
         self.feature: Tensor | None = None  # [1, hidden] predicted feature of the pending token
         self.logits: Tensor | None = None  # [n] subset logits of the token after the pending one
-        self.draft: list[int] = []
 
     @classmethod
     def load(cls, model: LoadedModel, target: Target, directory: Path | str) -> HeadDrafter:
@@ -304,7 +303,7 @@ class HeadDrafter:
     @torch.inference_mode()
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         """Run the head over the prompt, reading the features the target's prefill left."""
-        self.params, self.draft, self.feature, self.logits = params, [], None, None
+        self.params, self.feature, self.logits = params, None, None
         self.decoder.rollback(0)
         features = self.target.hidden_states(self.feature_layers)  # [n - 1, (layers + 1) * hidden] of prompt_ids[:-1]
         if features is not None and features.shape[0] == prompt_ids.shape[0] - 1 > 0:
@@ -327,15 +326,13 @@ class HeadDrafter:
                 logits = self.step(feature, torch.tensor([token]))[0]
                 feature = self.decoder.hidden_states()
         self.decoder.rollback(self.decoder.length - (k - 1))  # drop the positions computed from predicted features
-        self.draft = tokens
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None, torch.tensor(confidence))
 
     @torch.inference_mode()
-    def observe(self, accepted: int, next_token: int) -> None:
+    def observe(self, tokens: list[int]) -> None:
         """Recompute the accepted positions from the target's true features."""
-        features = self.target.hidden_states(self.feature_layers)[: accepted + 1]  # pending and accepted tokens
-        self.advance(features, torch.tensor(self.draft[:accepted] + [next_token]))
-        self.draft = []
+        features = self.target.hidden_states(self.feature_layers)[: len(tokens)]  # pending and accepted tokens
+        self.advance(features, torch.tensor(tokens))
 
     def advance(self, features: Tensor, next_tokens: Tensor) -> None:
         """Append positions (the target's features [t, (layers + 1) * hidden], next_tokens [t]); keep the

@@ -128,6 +128,10 @@ class LayerSkipDrafter(DraftModelDrafter):
         self.model.rollback(start)
         return draft
 
+    def observe(self, tokens: list[int]) -> None:
+        """The cache is the target's, kept by the target: only the context grows."""
+        self.context += tokens
+
 
 def kept_layers(n_layers: int, skip: Sequence[int]) -> list[int]:
     return [i for i in range(n_layers) if i not in set(skip)]

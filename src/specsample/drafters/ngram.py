@@ -23,14 +23,11 @@ class LookupDrafter:
     """Shared by the drafters that look their proposal up in an index of the context:
     subclasses provide `lookup(k)` and `extend(tokens)`."""
 
-    draft: list[int]
-
     def propose(self, k: int, generator: torch.Generator) -> Draft:
-        self.draft = self.lookup(k)
-        return Draft(torch.tensor(self.draft, dtype=torch.long), None)
+        return Draft(torch.tensor(self.lookup(k), dtype=torch.long), None)
 
-    def observe(self, accepted: int, next_token: int) -> None:
-        self.extend(self.draft[:accepted] + [next_token])
+    def observe(self, tokens: list[int]) -> None:
+        self.extend(tokens)
 
     def lookup(self, k: int) -> list[int]:
         raise NotImplementedError
@@ -46,10 +43,9 @@ class NgramDrafter(LookupDrafter):
         self.max_n, self.min_n = max_n, min_n
         self.tokens: list[int] = []  # the context: prompt, then every emitted token
         self.follows: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
-        self.draft: list[int] = []
 
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
-        self.tokens, self.follows, self.draft = [], {}, []
+        self.tokens, self.follows = [], {}
         self.extend(prompt_ids.tolist())
 
     def lookup(self, k: int) -> list[int]:

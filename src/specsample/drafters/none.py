@@ -20,5 +20,5 @@ class NoDrafter:
     def propose(self, k: int, generator: torch.Generator) -> Draft:
         return Draft.empty()
 
-    def observe(self, accepted: int, next_token: int) -> None:
+    def observe(self, tokens: list[int]) -> None:
         pass

@@ -111,11 +111,10 @@ class SuffixDrafter(LookupDrafter):
         self.history_size = 0
         self.tokens: list[int] = []  # the current request: prompt, then every emitted token
         self.active: list[Node] = []
-        self.draft: list[int] = []
 
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         self.retire()
-        self.tokens, self.active, self.draft = [], [], []
+        self.tokens, self.active = [], []
         self.extend(prompt_ids.tolist())
 
     def lookup(self, k: int) -> list[int]:
