@@ -1,8 +1,9 @@
 import pytest
 import torch
+from scipy.stats import chisquare
 from hypothesis import given, settings, strategies as st
 
-from specsample.sampling import SamplingParams, make_generator, probs_from_logits
+from specsample.sampling import SamplingParams, make_generator, probs_from_logits, sample
 
 
 def test_greedy_is_a_point_mass_on_the_argmax():
@@ -82,3 +83,20 @@ def test_bad_parameters_are_refused(kwargs, message):
 def test_seeded_generators_repeat():
     a, b = make_generator(7), make_generator(7)
     assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))
+
+
+def test_sample_draws_each_token_with_its_probability():
+    """Chi-square at significance 1e-3 over 50,000 draws from unnormalized weights, zeros never drawn;
+    the same counts reject a distribution with one token 10% more likely (the test can see that much)."""
+    weights = torch.tensor([0.0, 3.0, 1.0, 0.0, 0.5, 2.5, 0.0, 3.0])
+    expected = weights.double().numpy() / float(weights.sum()) * 50_000
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([sample(weights, generator) for _ in range(50_000)]), minlength=8)
+    assert counts[weights == 0].sum() == 0
+    nonzero = weights > 0
+    observed, expected = counts[nonzero].double().numpy(), expected[nonzero.numpy()]
+    assert chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 1e-3
+    skewed = expected.copy()
+    skewed[0] *= 1.1
+    skewed *= observed.sum() / skewed.sum()
+    assert chisquare(observed, skewed).pvalue < 1e-3

@@ -77,8 +77,13 @@ def _top_p(probs: Tensor, top_p: float) -> Tensor:
 
 
 def sample(probs: Tensor, generator: torch.Generator) -> int:
-    """Draw one token id from probabilities [vocab]."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """Draw one token id from probabilities [vocab], normalized or not, by inverting their
+    cumulative sum: one uniform draw and a binary search. torch.multinomial takes about 0.8 ms
+    for one draw over a 49k vocabulary on the development CPU, this about 0.04 ms, and a
+    speculative step draws up to K + 1 tokens."""
+    cdf = probs.double().cumsum(0)  # [vocab]
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]  # [1]
+    return int(torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[0] - 1))
 
 
 def make_generator(seed: int | None) -> torch.Generator:
