@@ -25,6 +25,8 @@ MIN_TOKENS = 3  # the shortest draft of `first` that is verified instead of aski
 
 
 class FallbackDrafter:
+    """`first`'s draft where it has at least min(k, `min_tokens`) tokens, else `second`'s."""
+
     def __init__(self, first: Drafter, second: Drafter, min_tokens: int = MIN_TOKENS) -> None:
         if min_tokens < 1:
             raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
