@@ -231,16 +231,3 @@ def test_the_nondecreasing_fit_is_scipys_isotonic_regression(points):
     values, weights = zip(*points)
     expected = isotonic_regression(values, weights=np.array(weights, dtype=float)).x
     assert nondecreasing(values, weights) == pytest.approx(expected, rel=1e-9, abs=1e-12)
-
-
-def test_a_position_not_reached_lately_is_taken_as_likely_as_the_last_one_measured():
-    """A drafter fully accepted at K = 2 for a while: position 3, whose evidence has decayed away,
-    is estimated at position 2's rate (a fixed prior of 0.7 there would hold K at 2)."""
-    policy = CostModelK()
-    policy.begin()
-    policy.k = 2  # asked for 2 tokens at every step
-    for _ in range(200):
-        policy.observe(step(2, 2, draft_seconds=0.001))
-    policy.predict()
-    through = policy.estimates()["p_accepted_through"]
-    assert through[1] > 0.97 and through[2] > 0.97 * through[1]

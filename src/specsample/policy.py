@@ -251,18 +251,13 @@ class CostModelK:
         """[sum_{i<=K} P(count >= i)] for K = 0..k_max, P(count >= i) as the product over
         j <= i of P(count >= j | count >= j - 1).
 
-        `prior_weight` pseudo-steps stand for what has not been seen: at the first
-        position with conditional P = prior, at each later one with the estimate of
-        the position before it, so a position the policy has not reached lately is
-        taken to be as likely as the last one it measured (a fixed prior there would
-        hold K down for a drafter accepted far more often than the prior says). As
-        the evidence decays (slowly while K = 0) the estimates return to the prior,
-        so drafting is tried again now and then."""
+        `prior_weight` pseudo-steps with each conditional P = prior stand for what
+        has not been seen; as the evidence decays (slowly while K = 0) the estimate
+        returns to it, so drafting is tried again now and then."""
         pseudo = self.prior_weight
         total, through, sums = 0.0, 1.0, [0.0]
         for c, r in zip(counts, reached):
-            prior = (c + pseudo * prior) / (r + pseudo)  # P(count >= i | count >= i - 1)
-            through *= prior
+            through *= (c + pseudo * prior) / (r + pseudo)
             total += through
             sums.append(total)
         return sums
