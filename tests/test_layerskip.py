@@ -14,6 +14,7 @@ import torch
 
 import test_lossless as lossless
 from specsample.drafters import LayerSkipDrafter, make_drafter
+from specsample.drafters.layerskip import NO_SKIP, Candidate, best_candidate
 from specsample.engine import decode
 from specsample.models import TransformersTarget
 from specsample.models.loading import LoadedModel
@@ -51,19 +52,42 @@ def greedy_with(name: str, model, policy, stats: Stats) -> list[int]:
     """Greedy decoding through the engine with the registered drafter `name` on the fast backend."""
     loaded = LoadedModel(model, None, "tiny", frozenset(), 0.0)
     target = lossless.as_target(model)
+    return greedy_decode(target, make_drafter(name, loaded, target), policy, stats)
+
+
+def greedy_decode(target, drafter, policy, stats: Stats) -> list[int]:
+    """The engine's greedy tokens for GREEDY_PROMPT, 60 of them."""
     steps = decode(
-        target, make_drafter(name, loaded, target), policy, GREEDY_PROMPT, SamplingParams(temperature=0),
+        target, drafter, policy, GREEDY_PROMPT, SamplingParams(temperature=0),
         max_new_tokens=60, eos_token_ids=frozenset(), generator=torch.Generator().manual_seed(0), stats=stats,
     )
     return [t for step in steps for t in step]
 
 
+def with_a_dead_layer(model, layer: int):
+    """The model with one layer that adds nothing to the residual stream: skipping it changes no output."""
+    with torch.no_grad():
+        model.model.layers[layer].self_attn.o_proj.weight.zero_()
+        model.model.layers[layer].mlp.down_proj.weight.zero_()
+    return model
+
+
 @pytest.mark.parametrize("policy", [lambda: FixedK(3), drafting_cost_model])
 def test_greedy_output_is_transformers_generate(policy):
     model = tiny_llama(GREEDY_VOCAB, seed=3, layers=4)
+    target = lossless.as_target(model)
     stats = Stats()
-    assert greedy_with("layerskip", model, policy(), stats) == generate_greedy(model, GREEDY_PROMPT, 60)
+    tokens = greedy_decode(target, LayerSkipDrafter(target, model, skip=[1, 2]), policy(), stats)
+    assert tokens == generate_greedy(model, GREEDY_PROMPT, 60)
     assert stats.drafted_tokens > 0
+
+
+def test_calibration_skips_the_layer_that_does_nothing():
+    """A layer that changes no output is the one to skip: the calibrated drafter drafts without it."""
+    model = with_a_dead_layer(tiny_llama(GREEDY_VOCAB, seed=3, layers=4), 2)
+    stats = Stats()
+    assert greedy_with("layerskip", model, FixedK(3), stats) == generate_greedy(model, GREEDY_PROMPT, 60)
+    assert stats.drafted_tokens > 0 and stats.accepted_tokens == stats.drafted_tokens
 
 
 def test_calibration_leaves_the_cache_as_it_found_it():
@@ -77,8 +101,24 @@ def test_calibration_leaves_the_cache_as_it_found_it():
     drafter.begin(GREEDY_PROMPT, SamplingParams(temperature=0))
     assert target.length == GREEDY_PROMPT.shape[0] - 1
     assert torch.equal(target.score(GREEDY_PROMPT[-1:]), expected)
-    assert drafter.skip and all(0 < i < 5 for i in drafter.skip)  # first and last layers are kept
-    assert drafter.skip in {c.skip for c in drafter.candidates}
+    assert all(0 < i < 5 for i in drafter.skip)  # first and last layers are kept
+    assert drafter.skip in {c.skip for c in [NO_SKIP, *drafter.candidates]}
+
+
+def test_calibration_skips_nothing_unless_a_skip_set_beats_plain_decoding():
+    slow = [Candidate((3,), 0.6, 0.9, 0.95), Candidate((3, 4), 0.3, 0.8, 0.9)]
+    assert best_candidate(slow) == NO_SKIP
+    assert best_candidate([*slow, Candidate((2, 3, 4), 0.7, 0.5, 1.2)]).skip == (2, 3, 4)
+
+
+def test_a_drafter_that_skips_nothing_drafts_nothing():
+    """Skipping no layer would draft with the target itself: every step is a plain one, the output the same."""
+    model = tiny_llama(GREEDY_VOCAB, seed=3, layers=4)
+    target = lossless.as_target(model)
+    stats = Stats()
+    tokens = greedy_decode(target, LayerSkipDrafter(target, model, skip=[]), FixedK(3), stats)
+    assert tokens == generate_greedy(model, GREEDY_PROMPT, 60)
+    assert stats.drafted_tokens == 0 and stats.steps == 60
 
 
 def test_the_transformers_backend_is_refused():

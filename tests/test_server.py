@@ -289,7 +289,10 @@ def test_api_key_is_checked(small_server):
     assert httpx.get(f"{small_server}/health").status_code == 200
 
 
-@pytest.mark.parametrize("args, message", [(["--k", "many"], "k must be"), (["--max-queue", "0"], "max_queue")])
+@pytest.mark.parametrize("args, message", [
+    (["--k", "many"], "k must be"), (["--max-queue", "0"], "max_queue"),
+    (["--drafter", "quantized+suffix"], "must be a lookup drafter"),  # refused before serving, not per request
+])
 def test_serve_bad_arguments_give_one_line_and_exit_2(capsys, tiny_dir, args, message):
     with pytest.raises(SystemExit) as done:
         main(["serve", "--model", str(tiny_dir), *args])

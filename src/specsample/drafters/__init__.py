@@ -34,6 +34,9 @@ REGISTRY: dict[str, DrafterFactory] = {
     "quantized": quantized_drafter,
 }
 
+# Drafters that propose point masses, a function of the context alone: the only ones that may come first in A+B.
+LOOKUP_DRAFTERS = ("ngram", "suffix")
+
 # Drafters that load their weights from a directory: `--drafter NAME:PATH`.
 PATH_REGISTRY: dict[str, Callable[[LoadedModel, Target, str], Drafter]] = {
     "head": HeadDrafter.load,
@@ -46,6 +49,8 @@ def make_drafter(spec: str, model: LoadedModel, target: Target, *, trust_remote_
         return REGISTRY[spec](model, target)
     first, plus, second = spec.partition("+")
     if plus and not Path(spec).expanduser().exists():
+        if first not in LOOKUP_DRAFTERS:
+            raise ValueError(f"the first drafter of A+B must be a lookup drafter ({' or '.join(LOOKUP_DRAFTERS)}), got {first!r}")
         return FallbackDrafter(
             make_drafter(first, model, target, trust_remote_code=trust_remote_code),
             make_drafter(second, model, target, trust_remote_code=trust_remote_code),

@@ -16,7 +16,11 @@ probability (the overlap of draft_probs and target_probs, so the argmax
 agreement at temperature 0) is measured on the prompt's last positions,
 teacher-forced, against the target's full pass. The skip set with the best
 predicted speedup wins, a draft token costing the kept layers' and the LM
-head's share of the weights and verification costing one target pass.
+head's share of the weights and verification costing one target pass. Where
+none is predicted to beat plain decoding (a small target whose layers are not
+redundant enough: the bundled 135M model), the choice is to skip nothing, and
+a drafter that would be the target itself drafts nothing: every step is a
+plain one, with no draft passes to pay for.
 """
 
 from __future__ import annotations
@@ -88,9 +92,14 @@ class Candidate:
     predicted_speedup: float
 
 
+# Skipping nothing drafts with the target itself, which can only tie with plain decoding:
+# the drafter then drafts nothing.
+NO_SKIP = Candidate(skip=(), acceptance=1.0, draft_cost=1.0, predicted_speedup=1.0)
+
+
 class LayerSkipDrafter(DraftModelDrafter):
     """Drafts with the target's kept layers in the target's cache; calibrates `skip` on the first prompt
-    unless it is given."""
+    unless it is given. With nothing to skip it proposes nothing (plain decoding)."""
 
     def __init__(self, target: LayerSkippingTarget, model: nn.Module, skip: Sequence[int] | None = None) -> None:
         if not isinstance(target, LayerSkippingTarget):
@@ -117,12 +126,13 @@ class LayerSkipDrafter(DraftModelDrafter):
         self.params = params
         if self.skip is None and prompt_ids.shape[0] > 2:
             self.candidates = calibrate(self.target, self.hf_model, prompt_ids, params)
-            best = max(self.candidates, key=lambda c: c.predicted_speedup)
-            self.skip = best.skip
-            self.model.kept = kept_layers(len(self.target.layers), best.skip)
+            self.skip = best_candidate(self.candidates).skip
+            self.model.kept = kept_layers(len(self.target.layers), self.skip)
 
     def propose(self, k: int, generator: torch.Generator) -> Draft:
         """Draft through the kept layers, then give the target its cache back where it was."""
+        if not self.skip:
+            return Draft.empty()
         start = self.model.length
         draft = super().propose(k, generator)
         self.model.rollback(start)
@@ -131,6 +141,11 @@ class LayerSkipDrafter(DraftModelDrafter):
     def observe(self, tokens: list[int]) -> None:
         """The cache is the target's, kept by the target: only the context grows."""
         self.context += tokens
+
+
+def best_candidate(candidates: Sequence[Candidate]) -> Candidate:
+    """The measured skip set with the best predicted speedup, if it beats plain decoding; else NO_SKIP."""
+    return max([NO_SKIP, *candidates], key=lambda c: c.predicted_speedup)
 
 
 def kept_layers(n_layers: int, skip: Sequence[int]) -> list[int]:
