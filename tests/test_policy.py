@@ -123,6 +123,25 @@ def test_one_fast_step_at_a_rare_n_does_not_make_the_cost_curve_flat():
     assert f[0] > 0.009 and f[0] <= f[1] <= f[2]
 
 
+def test_the_cost_curve_follows_f1_from_a_long_context_to_a_short_one():
+    """Passes over a long prompt cost more (f(1) 20 ms), then a short prompt's cost less (12 ms), each extra
+    position 0.5 ms. On the short prompt nothing is accepted for a while (K = 0, plain steps measuring the new
+    f(1)), then every draft token is. The longer passes, unmeasured since the long prompt, must follow f(1)
+    down: at their stale 20 ms a 4 ms draft token would never seem to pay again, and K would stay 0."""
+    def cost(f1: float):
+        return lambda n: f1 + 0.0005 * (n - 1)
+
+    long, short = cost(0.020), cost(0.012)
+    policy = CostModelK(k_max=8)
+    run_cost_model(policy, 60, acceptance=lambda i: 1.0, cost=long, draft_cost_per_token=0.004)
+    policy.begin()
+    idle = run_cost_model(policy, 30, acceptance=lambda i: 0.0, cost=short, draft_cost_per_token=0.004)
+    ks = run_cost_model(policy, 300, acceptance=lambda i: 1.0, cost=short, draft_cost_per_token=0.004)
+    assert idle[-10:].count(0) >= 8
+    assert policy.target_seconds([2.0])[0] == pytest.approx(0.0125, rel=0.05)
+    assert min(ks[-10:]) >= 4  # drafting again (K = 0 throughout with the stale curve)
+
+
 def test_cost_model_grows_k_at_most_twofold():
     ks = run_cost_model(CostModelK(k_max=16), 7, acceptance=lambda i: 1.0, cost=lambda n: 0.01)
     assert ks == [0, 1, 2, 4, 8, 16, 16]  # plain first, to measure f(1)

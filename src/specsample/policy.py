@@ -102,11 +102,16 @@ class CostModelK:
     1 + d positions. P(accepted >= i) and P(drafted >= i), given K >= i, are
     products of per-position rates P(>= i | >= i - 1), counted with exponential
     forgetting (`decay` per drafting step, `idle_decay` per plain one, `carry`
-    at a new request) on top of a prior. The cost curve f(n) is a moving average of the measured
-    verify seconds per n, made nondecreasing, interpolated between measured n
-    and flat beyond them, so an unmeasured larger K looks cheap and gets
-    tried; f(1) is measured by a plain first step. K = 0, plain decoding, wins
-    when drafting does not pay.
+    at a new request) on top of a prior. The cost curve f(n) is f(1), a moving
+    average of the plain steps' seconds, times f(n)/f(1), a moving average per
+    n of each step's seconds over the f(1) of its time, made nondecreasing,
+    interpolated between measured n and flat beyond them, so an unmeasured
+    larger K looks cheap and gets tried; f(1) is measured by a plain first
+    step. A pass costs more over a longer context, and plain steps measure
+    f(1) again while K = 0: kept as ratios, the longer passes, last measured
+    over a longer context (a summary's prompt), follow f(1) down to a short
+    prompt's, instead of holding K at 0 with their stale cost. K = 0, plain
+    decoding, wins when drafting does not pay.
 
     Trying costs: before a drafter's cost and acceptance are known, a long draft
     may waste many target passes' worth of time (a draft model's K forwards). So
@@ -141,7 +146,8 @@ class CostModelK:
         self.drafted_ge = [0.0] * k_max  # of them, drafted >= i;
         self.accepted_reached = [0.0] * k_max  # accepted >= i - 1,
         self.accepted_ge = [0.0] * k_max  # of them, accepted >= i
-        self.verify_seconds: dict[int, float] = {}  # n positions scored -> moving average of seconds
+        self.f1: float | None = None  # moving average of a plain step's seconds
+        self.relative_cost: dict[int, float] = {}  # n positions scored -> moving average of f(n) / f(1)
         self.verify_count: dict[int, int] = {}  # n positions scored -> steps measured
         self.draft_seconds = 0.0  # decayed totals over steps that drafted
         self.drafted_tokens = 0.0
@@ -163,7 +169,7 @@ class CostModelK:
     def choose(self) -> int:
         self.predict()
         # Plain decoding is measured first: every other cost is judged against f(1).
-        limit = max(1, 2 * self.largest_k) if 1 in self.verify_seconds else 0
+        limit = max(1, 2 * self.largest_k) if self.f1 is not None else 0
         self.k = max(range(min(limit, self.k_max) + 1), key=self.rates.__getitem__)
         return self.k
 
@@ -190,10 +196,7 @@ class CostModelK:
 
     def observe(self, step: Step) -> None:
         self.observe_confidence(step)
-        n = step.drafted + 1
-        old = self.verify_seconds.get(n, step.verify_seconds)
-        self.verify_seconds[n] = old + self.smoothing * (step.verify_seconds - old)
-        self.verify_count[n] = self.verify_count.get(n, 0) + 1
+        self.observe_cost(step.drafted + 1, step.verify_seconds)
         self.scale_counts(self.decay if self.k else self.idle_decay)
         if self.k == 0:
             # The drafter's cost is forgotten too, toward its cheapest step: one slow early
@@ -213,6 +216,17 @@ class CostModelK:
             self.drafted_ge[i] += i < step.drafted
             self.accepted_reached[i] += i <= step.accepted
             self.accepted_ge[i] += i < step.accepted
+
+    def observe_cost(self, n: int, seconds: float) -> None:
+        """One pass over n positions took `seconds`: update f(1), or f(n)/f(1) against the f(1) of now."""
+        if n == 1:
+            self.f1 = seconds if self.f1 is None else self.f1 + self.smoothing * (seconds - self.f1)
+            self.relative_cost[1] = 1.0
+        else:
+            ratio = seconds / (self.f1 or seconds)
+            old = self.relative_cost.get(n, ratio)
+            self.relative_cost[n] = old + self.smoothing * (ratio - old)
+        self.verify_count[n] = self.verify_count.get(n, 0) + 1
 
     def observe_confidence(self, step: Step) -> None:
         """Count the verified tokens of a kept draft prefix (those up to the first rejection) by confidence."""
@@ -264,19 +278,20 @@ class CostModelK:
 
     def target_seconds(self, n: Sequence[float]) -> np.ndarray:
         """f(n) at (fractional) n: the measured seconds, interpolated; 1.0 before any measurement."""
-        if not self.verify_seconds:
+        if not self.relative_cost:
             return np.ones(len(n))
         measured, curve = self.cost_curve()
         return np.interp(n, measured, curve)
 
     def cost_curve(self) -> tuple[list[int], list[float]]:
         """The measured n and f(n) there: a longer pass never costs less than a shorter one, so the
-        moving averages are fitted by a nondecreasing curve, each weighted by its number of
-        measurements (up to 10), so that one noisy step at a rarely used n moves little."""
-        measured = sorted(self.verify_seconds)
-        seconds = [self.verify_seconds[m] for m in measured]
+        moving averages of f(n)/f(1) are fitted by a nondecreasing curve, each weighted by its number
+        of measurements (up to 10), so that one noisy step at a rarely used n moves little."""
+        measured = sorted(self.relative_cost)
+        ratios = [self.relative_cost[m] for m in measured]
         weights = [min(self.verify_count[m], 10) for m in measured]
-        return measured, nondecreasing(seconds, weights)
+        f1 = self.f1 or 1.0
+        return measured, [f1 * r for r in nondecreasing(ratios, weights)]
 
     def estimates(self) -> dict:
         k = self.k
@@ -286,7 +301,7 @@ class CostModelK:
             "expected_tokens_per_step": self.tokens_per_step[k],
             "expected_draft_length": self.draft_length[k],
             "expected_tokens_per_second": self.rates[k],
-            "target_ms": {n: 1e3 * float(f) for n, f in zip(*self.cost_curve())} if self.verify_seconds else {},
+            "target_ms": {n: 1e3 * float(f) for n, f in zip(*self.cost_curve())} if self.relative_cost else {},
             "draft_ms_per_token": 1e3 * self.seconds_per_draft_token,
             "p_accepted_through": np.diff(self.tokens_per_step).tolist(),  # [i - 1]: P(first i accepted | K >= i)
             # [tenth of the confidence range] acceptance rate measured there (drafters that report confidence)
