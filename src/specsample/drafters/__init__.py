@@ -13,7 +13,7 @@ from pathlib import Path
 
 from specsample.drafters.base import Draft, Drafter
 from specsample.drafters.draft_model import DraftModelDrafter
-from specsample.drafters.fallback import FallbackDrafter
+from specsample.drafters.fallback import LOOKUP_DRAFTERS, NOT_A_LOOKUP, FallbackDrafter
 from specsample.drafters.head import HeadDrafter, shipped_head_dir
 from specsample.drafters.layerskip import LayerSkipDrafter
 from specsample.drafters.ngram import NgramDrafter
@@ -34,9 +34,6 @@ REGISTRY: dict[str, DrafterFactory] = {
     "quantized": quantized_drafter,
 }
 
-# Drafters that propose point masses, a function of the context alone: the only ones that may come first in A+B.
-LOOKUP_DRAFTERS = ("ngram", "suffix")
-
 # Drafters that load their weights from a directory: `--drafter NAME:PATH`.
 PATH_REGISTRY: dict[str, Callable[[LoadedModel, Target, str], Drafter]] = {
     "head": HeadDrafter.load,
@@ -50,7 +47,7 @@ def make_drafter(spec: str, model: LoadedModel, target: Target, *, trust_remote_
     first, plus, second = spec.partition("+")
     if plus and not Path(spec).expanduser().exists():
         if first not in LOOKUP_DRAFTERS:
-            raise ValueError(f"the first drafter of A+B must be a lookup drafter ({' or '.join(LOOKUP_DRAFTERS)}), got {first!r}")
+            raise ValueError(f"{NOT_A_LOOKUP}, got {first!r}")
         return FallbackDrafter(
             make_drafter(first, model, target, trust_remote_code=trust_remote_code),
             make_drafter(second, model, target, trust_remote_code=trust_remote_code),

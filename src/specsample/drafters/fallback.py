@@ -22,6 +22,9 @@ from specsample.drafters.base import Draft, Drafter
 from specsample.sampling import SamplingParams
 
 MIN_TOKENS = 3  # the shortest draft of `first` that is verified instead of asking `second`
+# Drafters that propose point masses, a function of the context alone: the only ones that may come first.
+LOOKUP_DRAFTERS = ("ngram", "suffix")
+NOT_A_LOOKUP = f"the first drafter of A+B must be a lookup drafter ({' or '.join(LOOKUP_DRAFTERS)})"
 
 
 class FallbackDrafter:
@@ -41,7 +44,7 @@ class FallbackDrafter:
     def propose(self, k: int, generator: torch.Generator) -> Draft:
         draft = self.first.propose(k, generator)
         if draft.probs is not None:
-            raise ValueError("the first drafter of A+B must be a lookup drafter (ngram or suffix): it drafted probabilities")
+            raise ValueError(f"{NOT_A_LOOKUP}: it drafted probabilities")
         if len(draft) >= min(k, self.min_tokens):
             self.first_steps += 1
             return draft
