@@ -12,7 +12,7 @@ import test_lossless
 from specsample.drafters import NoDrafter, make_drafter
 from specsample.drafters.head import DraftHead, HeadConfig, HeadDrafter, save_head
 from specsample.engine import decode
-from specsample.models import LoadedModel, load_model, make_target
+from specsample.models import LoadedModel, kernels, load_model, make_target
 from specsample.policy import FixedK
 from specsample.sampling import SamplingParams
 from specsample.stats import Stats
@@ -86,10 +86,34 @@ def test_head_reports_the_peak_of_its_distribution_as_confidence():
     drafter = head_drafter(loaded, target, subset=48)
     target.prefill(torch.tensor([5, 9, 2, 33]))
     drafter.begin(torch.tensor([5, 9, 2, 33, 7]), SamplingParams(temperature=0))
+    drafter.catch_up()
     peak = float(drafter.logits.softmax(-1).max())
     draft = drafter.propose(3, torch.Generator().manual_seed(0))
     assert draft.confidence.shape == (3,) and float(draft.confidence[0]) == pytest.approx(peak)
     assert ((draft.confidence > 0) & (draft.confidence <= 1)).all()
+
+
+def test_a_head_that_skipped_steps_catches_up_to_the_draft_it_would_have_made():
+    """Steps that do not draft leave the head's work for the next draft, which then proposes what
+    a head that drafted at every step would (the same tokens and, to rounding, the same probabilities)."""
+    loaded = tiny_loaded(tiny_llama(64, seed=3))
+    params, generator = SamplingParams(temperature=0.8), torch.Generator()
+    target = make_target(loaded)
+    eager, lazy = head_drafter(loaded, target, subset=48), head_drafter(loaded, target, subset=48)
+    prompt = torch.tensor([5, 9, 2, 33, 7])
+    target.prefill(prompt[:-1])
+    eager.begin(prompt, params)
+    lazy.begin(prompt, params)
+    for pending, accepted in [(7, []), (12, [40, 3]), (8, [21])]:  # the tokens each step emits after `pending`
+        eager.propose(3, generator.manual_seed(0))
+        target.score(torch.tensor([pending, *accepted]))
+        eager.observe([pending, *accepted])
+        lazy.observe([pending, *accepted])
+    assert lazy.decoder.length < eager.decoder.length  # the lazy head has not run since the prompt
+    drafts = [d.propose(4, generator.manual_seed(1)) for d in (eager, lazy)]
+    assert lazy.decoder.length == eager.decoder.length
+    assert drafts[0].tokens.tolist() == drafts[1].tokens.tolist()
+    torch.testing.assert_close(drafts[0].probs, drafts[1].probs, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("layers", [(), (1,)])
@@ -135,13 +159,28 @@ def test_drafting_runs_the_trained_head_exactly():
     features, tokens = torch.randn(9, hf.config.hidden_size), torch.randint(0, 64, (9,))
     with torch.no_grad():
         expected = head(features[None], embed[tokens][None])[0][0]  # [9, hidden]
-    drafter = HeadDrafter(make_target(loaded), head, embed, lm_head, token_ids)
+    drafter = HeadDrafter(make_target(loaded), head, embed, lm_head, token_ids, int8=False)
     drafter.step(features[:4], tokens[:4])
     drafter.step(torch.randn(3, hf.config.hidden_size), tokens[4:7])  # positions later rolled back
     drafter.decoder.rollback(4)
     steps = [drafter.step(features[i : i + 1], tokens[i : i + 1]) for i in range(4, 9)]
     torch.testing.assert_close(drafter.decoder.hidden_states(), expected[-1:], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(steps[-1], expected[-1:] @ lm_head[token_ids].t(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="int8 drafting runs on the C++ kernels")
+def test_the_int8_head_drafts_close_to_the_float_one():
+    """Where the kernels run, the head drafts from int8 weights (a quarter of the bytes): its subset
+    logits stay within a tenth of their range of the float head's."""
+    loaded = tiny_loaded(tiny_llama(64, seed=3))
+    head, token_ids = tiny_head(loaded, 48)
+    hf = loaded.model
+    embed, lm_head = hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach()
+    features, tokens = torch.randn(9, hf.config.hidden_size), torch.randint(0, 64, (9,))
+    drafters = [HeadDrafter(make_target(loaded), head, embed, lm_head, token_ids, int8=q) for q in (False, True)]
+    assert drafters[1].decoder.lm_head.scales is not None and drafters[1].decoder.layers[0].down.scales is not None
+    exact, int8 = (d.step(features, tokens) for d in drafters)  # [9, 48]
+    torch.testing.assert_close(int8, exact, atol=0.1 * float(exact.abs().max()), rtol=0)
 
 
 @pytest.mark.parametrize("layers", [(), (1,)])
@@ -161,7 +200,7 @@ def test_each_training_pass_predicts_what_drafting_does(layers):
     anchor, depth = 5, 4
     with torch.no_grad():
         passes = head(features[None], embed[tokens][None], depth)  # depth x [1, 10, hidden]
-    drafter = HeadDrafter(make_target(loaded), head, embed, lm_head, token_ids)
+    drafter = HeadDrafter(make_target(loaded), head, embed, lm_head, token_ids, int8=False)
     drafter.advance(features[: anchor + 1], tokens[: anchor + 1])
     for d in range(1, depth + 1):
         predicted = drafter.decoder.hidden_states()[-1:]  # [1, hidden]

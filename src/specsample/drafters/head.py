@@ -15,10 +15,20 @@ Each draft token carries the head's own probability of it as its confidence;
 
 Drafting runs the trained weights on the fast backend's decoder code
 (`fast_head`: packed small-row kernels, a preallocated cache rolled back by
-length), so a draft step costs a small fraction of a target pass.
+length), so a draft step costs a small fraction of a target pass. Where the
+C++ kernels run, the head drafts from int8 copies of its weights and of its
+LM head rows (as the `quantized` drafter does), a quarter of the bytes per
+draft step: on the bundled model that halves the drafting time and moves the
+mean accepted length by less than 0.01 (BENCHMARKS.md). The draft
+probabilities are the int8 head's, so verification stays exact.
 
 After verification the head recomputes the accepted positions from the
-target's true features, so its cache never keeps its own guesses.
+target's true features, so its cache never keeps its own guesses. It does so
+lazily: `observe` only keeps the target's features of the new positions, and
+the next `propose` runs the head over all of them in one pass. A step that
+does not draft (K = 0 under `--k auto`, or a step `suffix` drafts in
+`suffix+head`) then costs the head nothing, and the work it does cost is timed
+as drafting, where a K policy sees it.
 
 A head is a directory: `head.safetensors` (float16 weights and the subset's
 token ids) and `head.json` (the config, naming the target it was trained for;
@@ -40,6 +50,7 @@ from torch import Tensor, nn
 from specsample.drafters.base import Draft
 from specsample.models import LoadedModel, Target, kernels
 from specsample.models.llama import Layer, Linear, LlamaTarget, rope_tables
+from specsample.models.quantize import quantize_layer, quantize_linear
 from specsample.sampling import SamplingParams, draft_confidence, probs_from_logits, sample
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "data" / "heads"
@@ -250,8 +261,11 @@ def shipped_head_dir(model: LoadedModel) -> Path:
     )
 
 
-def fast_head(head: DraftHead, lm_head_rows: Tensor, max_length: int) -> tuple[Linear | None, Linear, LlamaTarget]:
-    """The trained head in the fast backend's layout, for drafting one or a few rows at a time.
+def fast_head(
+    head: DraftHead, lm_head_rows: Tensor, max_length: int, int8: bool = True
+) -> tuple[Linear | None, Linear, LlamaTarget]:
+    """The trained head in the fast backend's layout, for drafting one or a few rows at a time;
+    with `int8`, the decoder's linear maps and LM head rows in int8 where the C++ kernels run.
 
     Returns the fusion of the target's layers (None without `feature_layers`), the
     input projection and a `LlamaTarget` made of the head's blocks whose
@@ -271,9 +285,12 @@ def fast_head(head: DraftHead, lm_head_rows: Tensor, max_length: int) -> tuple[L
               linear(block.gate_up), linear(block.down))
         for block in head.blocks
     ]
+    lm_head = linear(lm_head_rows.detach())
+    if int8 and packed:
+        layers, lm_head = [quantize_layer(layer) for layer in layers], quantize_linear(lm_head)
     cos, sin = rope_tables(head.inv_freq, 1.0, max_length, dtype)
     decoder = LlamaTarget(
-        layers, None, head.norm.detach().clone(), linear(lm_head_rows.detach()), cos, sin,
+        layers, None, head.norm.detach().clone(), lm_head, cos, sin,
         heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, eps=c.eps,
     )
     return (linear(head.fuse) if c.feature_layers else None), linear(head.fc), decoder
@@ -282,9 +299,11 @@ def fast_head(head: DraftHead, lm_head_rows: Tensor, max_length: int) -> tuple[L
 class HeadDrafter:
     """Drafts K tokens by running the head on its own predicted features."""
 
-    def __init__(self, target: Target, head: DraftHead, embed: Tensor, lm_head: Tensor, token_ids: Tensor) -> None:
+    def __init__(
+        self, target: Target, head: DraftHead, embed: Tensor, lm_head: Tensor, token_ids: Tensor, int8: bool = True
+    ) -> None:
         self.target = target
-        self.fuse, self.fc, self.decoder = fast_head(head, lm_head[token_ids], target.max_length)
+        self.fuse, self.fc, self.decoder = fast_head(head, lm_head[token_ids], target.max_length, int8)
         self.feature_layers = head.config.feature_layers
         target.record_layers(self.feature_layers)
         self.embed = embed  # [vocab, hidden], the target's input embeddings
@@ -293,6 +312,8 @@ class HeadDrafter:
         self.params = SamplingParams()
         self.feature: Tensor | None = None  # [1, hidden] predicted feature of the pending token
         self.logits: Tensor | None = None  # [n] subset logits of the token after the pending one
+        # (the target's features [t, (layers + 1) * hidden], next tokens [t]) not yet run through the head
+        self.unread: list[tuple[Tensor, Tensor]] = []
 
     @classmethod
     def load(cls, model: LoadedModel, target: Target, directory: Path | str) -> HeadDrafter:
@@ -302,15 +323,16 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
-        """Run the head over the prompt, reading the features the target's prefill left."""
-        self.params, self.feature, self.logits = params, None, None
+        """Keep the features the target's prefill left, for the head to read at the first draft."""
+        self.params, self.feature, self.logits, self.unread = params, None, None, []
         self.decoder.rollback(0)
         features = self.target.hidden_states(self.feature_layers)  # [n - 1, (layers + 1) * hidden] of prompt_ids[:-1]
         if features is not None and features.shape[0] == prompt_ids.shape[0] - 1 > 0:
-            self.advance(features, prompt_ids[1:])
+            self.unread.append((features, prompt_ids[1:]))
 
     @torch.inference_mode()
     def propose(self, k: int, generator: torch.Generator) -> Draft:
+        self.catch_up()
         if self.feature is None:
             return Draft.empty()
         feature, logits, tokens, probs, confidence = self.feature, self.logits, [], [], []
@@ -330,9 +352,16 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def observe(self, tokens: list[int]) -> None:
-        """Recompute the accepted positions from the target's true features."""
-        features = self.target.hidden_states(self.feature_layers)[: len(tokens)]  # pending and accepted tokens
-        self.advance(features, torch.tensor(tokens))
+        """Keep the target's true features of the pending and accepted tokens, for the next draft."""
+        features = self.target.hidden_states(self.feature_layers)[: len(tokens)]  # [len(tokens), ...]
+        self.unread.append((features, torch.tensor(tokens)))
+
+    def catch_up(self) -> None:
+        """Run the head over every position observed since it last ran, in one pass."""
+        if self.unread:
+            features, next_tokens = (torch.cat(parts) for parts in zip(*self.unread))
+            self.unread = []
+            self.advance(features, next_tokens)
 
     def advance(self, features: Tensor, next_tokens: Tensor) -> None:
         """Append positions (the target's features [t, (layers + 1) * hidden], next_tokens [t]); keep the
