@@ -10,7 +10,7 @@ import torch
 
 import test_lossless
 from specsample.drafters import NoDrafter, make_drafter
-from specsample.drafters.head import DraftHead, HeadConfig, HeadDrafter, save_head
+from specsample.drafters.head import CATCH_UP_BATCH, DraftHead, HeadConfig, HeadDrafter, save_head
 from specsample.engine import decode
 from specsample.models import LoadedModel, kernels, load_model, make_target
 from specsample.policy import FixedK
@@ -114,6 +114,24 @@ def test_a_head_that_skipped_steps_catches_up_to_the_draft_it_would_have_made():
     assert lazy.decoder.length == eager.decoder.length
     assert drafts[0].tokens.tolist() == drafts[1].tokens.tolist()
     torch.testing.assert_close(drafts[0].probs, drafts[1].probs, rtol=1e-4, atol=1e-5)
+
+
+def test_a_head_that_does_not_draft_runs_over_its_kept_positions_in_batches():
+    """The prompt is read at `begin`; plain steps are kept until CATCH_UP_BATCH positions wait, so a
+    draft after a long plain stretch pays for fewer than CATCH_UP_BATCH of them."""
+    loaded = tiny_loaded(tiny_llama(64, seed=3))
+    target = make_target(loaded)
+    drafter = head_drafter(loaded, target, subset=48)
+    prompt = torch.tensor([5, 9, 2, 33, 7])
+    target.prefill(prompt[:-1])
+    drafter.begin(prompt, SamplingParams())
+    assert drafter.decoder.length == len(prompt) - 1
+    for i in range(CATCH_UP_BATCH):
+        assert drafter.decoder.length == len(prompt) - 1  # the kept positions wait
+        target.score(torch.tensor([10 + i]))
+        drafter.observe([10 + i])
+    assert drafter.decoder.length == len(prompt) - 1 + CATCH_UP_BATCH
+    assert drafter.unread == []
 
 
 @pytest.mark.parametrize("layers", [(), (1,)])
