@@ -29,7 +29,7 @@ head runs over all kept positions in one pass at the next `propose`, or once
 `CATCH_UP_BATCH` of them are waiting. One position costs about as much as a
 handful (0.44 ms for 1, 1.5 ms for 16 on the bundled model), so steps that do
 not draft (K = 0 under `--k auto`, steps `suffix` drafts in `suffix+head`) cost
-the head about 0.1 ms each instead of 0.44, and a draft after a long plain
+the head about 0.3 ms each, keeping features included, and a draft after a long plain
 stretch pays for at most 15 positions, not for the whole stretch: a K policy
 that charged a probe for hundreds of positions would judge drafting far
 dearer than it is. `begin` runs the head over the prompt, with the prefill.
