@@ -7,9 +7,10 @@ from hypothesis import strategies as st
 
 import torch
 
-from specsample.bench.copy_bound import all_matches, any_copy, bounds, common_prefix, ngram_bound, replay
+from specsample.bench.copy_bound import all_matches, any_copy, bounds, ngram_bound, replay
 from specsample.drafters.ngram import NgramDrafter, copy_from
 from specsample.sampling import SamplingParams
+from specsample.tokens import common_prefix
 
 
 def test_an_answer_that_repeats_its_prompt_is_copied_k_tokens_a_step():

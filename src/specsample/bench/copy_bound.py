@@ -28,6 +28,7 @@ import torch
 
 from specsample.drafters.ngram import NgramDrafter, copy_from
 from specsample.sampling import SamplingParams
+from specsample.tokens import common_prefix
 
 # (context, truth: the next K tokens of the answer) -> candidate drafts. The truth only rules candidates
 # out that cannot match (a bound may look at it); its length is K, shorter at the answer's end.
@@ -42,13 +43,6 @@ class Bound:
     @property
     def mean_accepted_length(self) -> float:
         return self.tokens / self.steps if self.steps else 0.0
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < len(a) and n < len(b) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def replay(prompt: list[int], output: list[int], k: int, propose: Proposer) -> Bound:

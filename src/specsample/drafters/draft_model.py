@@ -13,6 +13,7 @@ from torch import Tensor
 from specsample.drafters.base import Draft
 from specsample.models.target import Target
 from specsample.sampling import SamplingParams, draft_confidence, probs_from_logits, sample
+from specsample.tokens import common_prefix
 
 
 class DraftModelDrafter:
@@ -47,13 +48,3 @@ class DraftModelDrafter:
         self.context += tokens
         self.draft = []
         self.model.rollback(min(self.model.length, valid))
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """The length of the longest common prefix of a and b."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
