@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import pytest
 
-from specsample.check import ALPHA, always_accept, certify, chi_square_p, load_sampler
+from specsample.verify.check import ALPHA, BROKEN, certify, chi_square_p, load_sampler
 from specsample.policy import FixedK
 from specsample.sampling import SamplingParams
 
@@ -37,16 +37,14 @@ def test_certificate_passes_the_sampler_and_rejects_always_accept(sampler, param
     good = certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=300, seed=1)
     assert good.stats.drafted_tokens > 0 and len(good.tests) >= 3
     assert not good.rejected, [(t.position, t.p_value) for t in good.tests]
-    with always_accept():
-        bad = certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=300, seed=1)
+    bad = certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=300, seed=1, verifier=BROKEN)
     assert bad.rejected, [(t.position, t.p_value) for t in bad.tests]
 
 
 def test_greedy_certificate(sampler):
     params = SamplingParams(0.0)
     assert not certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=50).rejected
-    with always_accept():
-        assert certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=50).rejected
+    assert certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=50, verifier=BROKEN).rejected
 
 
 def test_check_command_and_its_broken_self_test(capsys, tiny_dir, tiny_draft_dir):
@@ -65,20 +63,20 @@ def test_check_rejects_bad_arguments(capsys, tiny_dir):
 
 @pytest.mark.parametrize("layers", [(), (1,)])
 def test_prefix_cache_gives_the_same_logits_as_a_fresh_prefill(tiny_dir, layers):
-    from specsample.check import PrefixCache
+    from specsample.verify.check import PrefixCache
     from specsample.models import load_model, make_target
 
     loaded = load_model(tiny_dir)
     cached, fresh = PrefixCache(make_target(loaded)), make_target(loaded)
     prefix, tail = torch.tensor([5, 9, 7, 3]), torch.tensor([12, 30])
     cached.prefill(prefix)
-    cached.record_layers(layers)  # a head reading layer outputs, built after the first prefill
-    fresh.record_layers(layers)
+    cached.record_features(layers)  # a head reading layer outputs, built after the first prefill
+    fresh.record_features(layers)
     cached.prefill(prefix)
     cached.score(torch.tensor([40, 41, 42]))
     cached.prefill(prefix)  # answered by rolling back
-    assert cached.reused and cached.length == len(prefix)
+    assert cached.length == len(prefix)
     fresh.prefill(prefix)
     for asked in {(), layers}:  # what drafters reading features see
-        assert torch.equal(cached.hidden_states(asked), fresh.hidden_states(asked))
+        assert torch.equal(cached.features(0, len(prefix), asked), fresh.features(0, len(prefix), asked))
     assert torch.allclose(cached.score(tail), fresh.score(tail))

@@ -67,7 +67,7 @@ BAD = [
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--drafter", "no-such-drafter"], "unknown drafter"),
     (["--drafter", "suffix+no-such-drafter"], "unknown drafter 'no-such-drafter'"),
-    (["--drafter", "quantized+suffix", "--max-new-tokens", "8"], "must be a lookup drafter (ngram or suffix), got 'quantized'"),
+    (["--drafter", "quantized+suffix", "--max-new-tokens", "8"], "must be a lookup drafter (ngram or suffix: a draft that is a function of the context), got 'quantized'"),
     (["--max-new-tokens", "lots"], "max-new-tokens"),
 ]
 

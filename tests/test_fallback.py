@@ -98,6 +98,8 @@ def test_greedy_output_is_the_target_alone(second, policy):
 
 def test_a_short_lookup_draft_gives_way_to_the_second_drafter():
     class Fixed:
+        is_lookup = True
+
         def __init__(self, tokens):
             self.tokens, self.observed = tokens, []
 
@@ -129,3 +131,5 @@ def test_the_command_line_names_build_a_fallback():
     assert isinstance(drafter, FallbackDrafter)
     with pytest.raises(ValueError, match="unknown drafter 'nope'"):
         make_drafter("suffix+nope", loaded, target)
+    with pytest.raises(ValueError, match="must be a lookup drafter .* got 'DraftModelDrafter'"):
+        FallbackDrafter(DraftModelDrafter(target), SuffixDrafter())  # the property, not the name, decides

@@ -143,13 +143,15 @@ def test_the_head_drafts_from_the_features_it_was_trained_on(layers):
     stored = torch.cat(([layer_features] if layers else []) + [final], -1).float()  # [7, (layers + 1) * hidden]
     for backend in ("fast", "transformers"):
         target = make_target(loaded, backend)
-        target.record_layers(layers)
+        target.record_features(layers)
         target.prefill(torch.tensor(tokens[:4]))
         target.score(torch.tensor(tokens[4:]))
-        assert target.hidden_states(layers).shape == stored[4:].shape
-        torch.testing.assert_close(target.hidden_states(layers), stored[4:], rtol=0, atol=2e-3)  # float16 storage
-        target.prefill(torch.tensor(tokens))
-        torch.testing.assert_close(target.hidden_states(layers), stored, rtol=0, atol=2e-3)
+        assert target.features(4, 7, layers).shape == stored[4:].shape
+        torch.testing.assert_close(target.features(0, 7, layers), stored, rtol=0, atol=2e-3)  # float16 storage
+        target.prefill(torch.tensor(tokens[:2]))
+        torch.testing.assert_close(target.features(0, 2, layers), stored[:2], rtol=0, atol=2e-3)
+        with pytest.raises(ValueError, match="positions 0..2 were not recorded"):
+            target.features(0, 3, layers)
 
 
 @pytest.mark.parametrize("backend", ["fast", "transformers"])
@@ -157,10 +159,10 @@ def test_a_target_records_only_its_own_layers(backend):
     target = make_target(tiny_loaded(tiny_llama(64, seed=3)), backend)
     for layers in ([7], [2]):  # the tiny target has 2 layers: the second one's output is the final state
         with pytest.raises(ValueError, match=rf"layers \[{layers[0]}\] are not all among this target's 1..1"):
-            target.record_layers(layers)
+            target.record_features(layers)
     target.prefill(torch.tensor([5, 9, 2]))
     with pytest.raises(ValueError, match="were not recorded"):
-        target.hidden_states((1,))
+        target.features(0, 2, (1,))
 
 
 def test_drafting_runs_the_trained_head_exactly():
@@ -181,7 +183,7 @@ def test_drafting_runs_the_trained_head_exactly():
     drafter.step(torch.randn(3, hf.config.hidden_size), tokens[4:7])  # positions later rolled back
     drafter.decoder.rollback(4)
     steps = [drafter.step(features[i : i + 1], tokens[i : i + 1]) for i in range(4, 9)]
-    torch.testing.assert_close(drafter.decoder.hidden_states(), expected[-1:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(drafter.decoder.last_hidden, expected[-1:], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(steps[-1], expected[-1:] @ lm_head[token_ids].t(), rtol=1e-4, atol=1e-4)
 
 
@@ -220,7 +222,7 @@ def test_each_training_pass_predicts_what_drafting_does(layers):
     drafter = HeadDrafter(make_target(loaded), head, embed, lm_head, token_ids, int8=False)
     drafter.advance(features[: anchor + 1], tokens[: anchor + 1])
     for d in range(1, depth + 1):
-        predicted = drafter.decoder.hidden_states()[-1:]  # [1, hidden]
+        predicted = drafter.decoder.last_hidden[-1:]  # [1, hidden]
         torch.testing.assert_close(predicted[0], passes[d - 1][0, anchor + d - 1], rtol=1e-4, atol=1e-4)
         drafter.step(predicted, tokens[anchor + d : anchor + d + 1])
 

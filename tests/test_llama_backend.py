@@ -142,18 +142,19 @@ def test_adopted_cache_scores_as_a_prefilled_one(packed):
     adopter.commit_cache(100)  # beyond max_length: up to it
     assert adopter.length == 0
     assert adopter.shares_cache_layout(source)
-    adopter.adopt_cache(source, 8)
+    assert adopter.adopt_cache(source, 8)
     assert adopter.length == 8 and source.length == 10
     torch.testing.assert_close(adopter.score(ids[8:]), reference_logits(model, ids)[8:], rtol=0, atol=ATOL)
     shorter = LlamaTarget.from_hf(model, max_length=32)
     assert not adopter.shares_cache_layout(shorter)
-    with pytest.raises(ValueError):
-        adopter.adopt_cache(shorter, 0)
-    with pytest.raises(ValueError):
-        adopter.adopt_cache(source, 11)
+    assert not adopter.adopt_cache(shorter, 0)  # another layout: refused, nothing changed
+    assert not adopter.adopt_cache(source, 11)  # more positions than the source holds
+    assert adopter.length == len(ids)
 
 
-def test_prefill_in_chunks_and_hidden_states(monkeypatch):
+def test_prefill_in_chunks_and_features(monkeypatch):
+    """Features are kept per position, whatever passes wrote them: a chunked prefill, a score, a
+    pass through some of the layers (which leaves them stale until the full pass rewrites them)."""
     model = MODELS["llama-tied"]()
     ids = prompt(30)
     with torch.inference_mode():
@@ -161,10 +162,18 @@ def test_prefill_in_chunks_and_hidden_states(monkeypatch):
     ref = reference_logits(model, ids)
     monkeypatch.setattr(llama, "PREFILL_CHUNK", 7)
     target = LlamaTarget.from_hf(model)
+    target.record_features(())
     target.prefill(ids[:-2])
-    torch.testing.assert_close(target.hidden_states(), hidden[:-2], rtol=0, atol=ATOL)
+    torch.testing.assert_close(target.features(0, 28), hidden[:-2], rtol=0, atol=ATOL)
     torch.testing.assert_close(target.score(ids[-2:]), ref[-2:], rtol=0, atol=ATOL)
-    torch.testing.assert_close(target.hidden_states(), hidden[-2:], rtol=0, atol=ATOL)
+    torch.testing.assert_close(target.features(0, 30), hidden, rtol=0, atol=ATOL)
+    target.rollback(27)
+    target.forward(ids[27:], layers=[0])
+    with pytest.raises(ValueError, match="were not recorded"):
+        target.features(26, 30)
+    target.rollback(27)
+    target.score(ids[27:])
+    torch.testing.assert_close(target.features(26, 30), hidden[26:], rtol=0, atol=ATOL)
 
 
 def test_empty_prefill_and_score():
@@ -172,7 +181,7 @@ def test_empty_prefill_and_score():
     ids = prompt(6)
     target = LlamaTarget.from_hf(model)
     target.prefill(ids[:0])
-    assert target.length == 0 and target.hidden_states().shape == (0, 64)
+    assert target.length == 0 and target.last_hidden.shape == (0, 64)
     assert target.score(ids[:0]).shape == (0, 64)
     torch.testing.assert_close(target.score(ids), reference_logits(model, ids), rtol=0, atol=ATOL)
 

@@ -18,15 +18,15 @@ import pytest
 import torch
 
 import specsample.engine as engine
-from specsample.check import accept_all, chi_square_p
 from specsample.drafters import DraftModelDrafter
 from specsample.drafters.base import Draft
 from specsample.models import make_target
 from specsample.models.loading import LoadedModel
 from specsample.policy import FixedK
-from specsample.sampling import SamplingParams, probs_from_logits
+from specsample.sampling import SamplingParams, probs_from_logits, sample
 from specsample.stats import Stats
-from specsample.verify import Verdict, leading_true, sample
+from specsample.verify import ChainVerifier, Verdict, leading_true
+from specsample.verify.check import accept_all, chi_square_p
 
 from conftest import tiny_llama
 
@@ -94,7 +94,9 @@ def exact_distribution(model, params: SamplingParams) -> np.ndarray:
     return picked.double().prod(-1).numpy()
 
 
-def sampled_counts(target_model, drafter, params: SamplingParams, seed: int) -> np.ndarray:
+def sampled_counts(
+    target_model, drafter, params: SamplingParams, seed: int, verifier: ChainVerifier = ChainVerifier()
+) -> np.ndarray:
     target = as_target(target_model)
     generator = torch.Generator().manual_seed(seed)
     counts = Counter()
@@ -102,7 +104,7 @@ def sampled_counts(target_model, drafter, params: SamplingParams, seed: int) -> 
         tokens = [
             t for step in engine.decode(
                 target, drafter, FixedK(K), PROMPT, params, max_new_tokens=SEQ_LEN,
-                eos_token_ids=frozenset(), generator=generator, stats=Stats(),
+                eos_token_ids=frozenset(), generator=generator, stats=Stats(), verifier=verifier,
             ) for t in step
         ]
         counts[tuple(tokens)] += 1
@@ -139,10 +141,10 @@ def reject_without_residual(draft_tokens, draft_probs, target_probs, generator) 
 
 
 @pytest.mark.parametrize("broken", [accept_all, reject_without_residual])
-def test_broken_sampler_is_rejected(models, monkeypatch, broken):
+def test_broken_sampler_is_rejected(models, broken):
     target_model, draft_model = models
     params = PARAMS["t1"]
-    monkeypatch.setattr(engine, "rejection_sample", broken)
-    observed = sampled_counts(target_model, make_drafter("draft-model", draft_model), params, seed=1234)
+    drafter = make_drafter("draft-model", draft_model)
+    observed = sampled_counts(target_model, drafter, params, seed=1234, verifier=ChainVerifier(sample=broken))
     p = chi_square_p(observed, exact_distribution(target_model, params))
     assert p < ALPHA, f"{broken.__name__} passed: p = {p:.2e}"

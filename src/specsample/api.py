@@ -1,25 +1,30 @@
 """The Python API: load a target and a drafter once, then generate or stream.
 
     from specsample import SpecSampler
-    sampler = SpecSampler.load()                      # the bundled SmolLM2-135M-Instruct
+    sampler = SpecSampler.load()                      # the bundled SmolLM2-135M-Instruct, default drafter
     out = sampler.generate("Name three rivers.", max_new_tokens=64, temperature=0)
     print(out.text, out.stats.mean_accepted_length)
+
+With no drafter named, `load` takes the default configuration for the target's backend on this
+machine (`specsample.defaults`); `sampler.configuration` says which, and why.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from specsample.defaults import Configuration, default_configuration, given
 from specsample.drafters import Drafter, make_drafter
 from specsample.engine import decode
-from specsample.models import LoadedModel, Target, load_model, make_target
+from specsample.models import LoadedModel, Target, load_target
 from specsample.policy import KPolicy, parse_k
 from specsample.sampling import SamplingParams, make_generator
 from specsample.stats import Stats
 from specsample.text import IncrementalDecoder, Message, StopMatcher, encode_prompt
+from specsample.verify import ChainVerifier
 
 Prompt = str | Sequence[Message]
 
@@ -38,12 +43,13 @@ class Chunk:
     token_ids: list[int]
 
 
-@dataclass
 class Generation:
     """A running generation: iterate for text chunks; `completion` is set when it ends."""
 
-    chunks: Iterator[Chunk]
-    completion: Completion | None = field(default=None)
+    def __init__(self, sampler: SpecSampler, prompt_ids: torch.Tensor, params: SamplingParams, policy: KPolicy,
+                 max_new_tokens: int, seed: int | None, stop: Sequence[str]) -> None:
+        self.completion: Completion | None = None
+        self.chunks = self._chunks(sampler, prompt_ids, params, policy, max_new_tokens, seed, stop)
 
     def __iter__(self) -> Iterator[Chunk]:
         return self.chunks
@@ -54,29 +60,92 @@ class Generation:
         assert self.completion is not None
         return self.completion
 
+    def _chunks(
+        self,
+        sampler: SpecSampler,
+        prompt_ids: torch.Tensor,
+        params: SamplingParams,
+        policy: KPolicy,
+        max_new_tokens: int,
+        seed: int | None,
+        stop: Sequence[str],
+    ) -> Iterator[Chunk]:
+        model = sampler.model
+        stats = Stats(load_seconds=model.load_seconds, drafter=sampler.configuration.drafter)
+        steps = decode(
+            sampler.target, sampler.drafter, policy, prompt_ids, params,
+            max_new_tokens=max_new_tokens, eos_token_ids=model.eos_token_ids,
+            generator=make_generator(seed), stats=stats, verifier=sampler.verifier,
+        )
+        decoder, matcher = IncrementalDecoder(model.tokenizer), StopMatcher(stop)
+        token_ids: list[int] = []
+        stopped = False  # by a stop string
+        try:
+            for new in steps:
+                chunk = Chunk("", [])
+                for token in new:
+                    chunk.token_ids.append(token)
+                    delta, stopped = matcher.feed(decoder.push(token))
+                    chunk.text += delta
+                    if stopped:
+                        break
+                token_ids += chunk.token_ids
+                yield chunk
+                if stopped:
+                    break
+            if not stopped:
+                delta, stopped = matcher.feed(decoder.flush())
+                tail = delta if stopped else delta + matcher.finish()
+                if tail:
+                    yield Chunk(tail, [])
+        finally:
+            steps.close()
+        ended = stopped or (token_ids and token_ids[-1] in model.eos_token_ids)
+        text = matcher.text[: matcher.emitted]
+        self.completion = Completion(text, token_ids, "stop" if ended else "length", stats)
+
 
 class SpecSampler:
-    """A target model with its tokenizer and a drafter, ready to generate."""
+    """A target model with its tokenizer and a drafter, ready to generate.
 
-    def __init__(self, model: LoadedModel, target: Target, drafter: Drafter) -> None:
+    `configuration` names the drafter, the K policy used when a call gives none, and why they
+    were chosen; `verifier` verifies every draft (a check passes one broken on purpose).
+    """
+
+    verifier: ChainVerifier = ChainVerifier()
+
+    def __init__(
+        self, model: LoadedModel, target: Target, drafter: Drafter, configuration: Configuration | None = None
+    ) -> None:
         self.model = model
         self.target = target
         self.drafter = drafter
+        self.configuration = configuration or given(type(drafter).__name__)
         self.policies: dict[str, KPolicy] = {}
 
     @classmethod
     def load(
         cls,
         model: str | None = None,
-        drafter: str = "none",
+        drafter: str | None = None,
         *,
         backend: str = "auto",
         trust_remote_code: bool = False,
+        threads: int | None = None,
     ) -> "SpecSampler":
-        """Load a target (None: the bundled model) and a drafter (a name or a draft model path)."""
-        loaded = load_model(model, trust_remote_code=trust_remote_code)
-        target = make_target(loaded, backend)
-        return cls(loaded, target, make_drafter(drafter, loaded, target, trust_remote_code=trust_remote_code))
+        """Load a target (None: the bundled model) and a drafter (a name or a draft model path; None:
+        the default configuration for the target's backend on this machine, `specsample.defaults`)."""
+        loaded, target = load_target(model, backend, trust_remote_code=trust_remote_code, threads=threads)
+        return cls.build(loaded, target, drafter, trust_remote_code=trust_remote_code)
+
+    @classmethod
+    def build(
+        cls, loaded: LoadedModel, target: Target, drafter: str | None = None, *, trust_remote_code: bool = False
+    ) -> "SpecSampler":
+        """A sampler over a loaded model and its target, with a drafter as for `load`."""
+        configuration = default_configuration(target) if drafter is None else given(drafter)
+        made = make_drafter(configuration.drafter, loaded, target, trust_remote_code=trust_remote_code)
+        return cls(loaded, target, made, configuration)
 
     def policy(self, k: int | str) -> KPolicy:
         """The K policy of a spec (`parse_k`), one per spec for the sampler's life, so that `auto`
@@ -102,58 +171,14 @@ class SpecSampler:
         top_p: float = 1.0,
         top_k: int = 0,
         min_p: float = 0.0,
-        k: int | str | KPolicy = 4,  # K, "auto" (cost model), "auto:heuristic", or a KPolicy
+        k: int | str | KPolicy | None = None,  # K, "auto" (cost model), "auto:heuristic", a KPolicy; None: the configuration's
         seed: int | None = None,
         stop: Sequence[str] = (),
         chat: bool = True,
     ) -> Generation:
         """Start a generation; its chunks carry text that never splits a character or a stop string."""
         params = SamplingParams(temperature, top_k, top_p, min_p)
+        k = self.configuration.k if k is None else k
         policy = self.policy(k) if isinstance(k, (int, str)) else k
         prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)
-        generation = Generation(iter(()))
-        generation.chunks = self._chunks(generation, prompt_ids, params, policy, max_new_tokens, seed, stop)
-        return generation
-
-    def _chunks(
-        self,
-        generation: Generation,
-        prompt_ids: torch.Tensor,
-        params: SamplingParams,
-        policy: KPolicy,
-        max_new_tokens: int,
-        seed: int | None,
-        stop: Sequence[str],
-    ) -> Iterator[Chunk]:
-        stats = Stats(load_seconds=self.model.load_seconds)
-        steps = decode(
-            self.target, self.drafter, policy, prompt_ids, params,
-            max_new_tokens=max_new_tokens, eos_token_ids=self.model.eos_token_ids,
-            generator=make_generator(seed), stats=stats,
-        )
-        decoder, matcher = IncrementalDecoder(self.model.tokenizer), StopMatcher(stop)
-        token_ids: list[int] = []
-        stopped = False  # by a stop string
-        try:
-            for new in steps:
-                chunk = Chunk("", [])
-                for token in new:
-                    chunk.token_ids.append(token)
-                    delta, stopped = matcher.feed(decoder.push(token))
-                    chunk.text += delta
-                    if stopped:
-                        break
-                token_ids += chunk.token_ids
-                yield chunk
-                if stopped:
-                    break
-            if not stopped:
-                delta, stopped = matcher.feed(decoder.flush())
-                tail = delta if stopped else delta + matcher.finish()
-                if tail:
-                    yield Chunk(tail, [])
-        finally:
-            steps.close()
-        ended = stopped or (token_ids and token_ids[-1] in self.model.eos_token_ids)
-        text = matcher.text[: matcher.emitted]
-        generation.completion = Completion(text, token_ids, "stop" if ended else "length", stats)
+        return Generation(self, prompt_ids, params, policy, max_new_tokens, seed, stop)

@@ -15,10 +15,14 @@ from typer.exceptions import Abort, Exit, TyperException
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 DRAFTER_HELP = (
-    "none, ngram, suffix, layerskip, quantized, head, head:DIR, the path of a draft model, "
-    "or A+B: A's draft where it finds one, else B's (suffix+head)."
+    "none (plain decoding), ngram, suffix, layerskip, quantized, head, head:DIR, the path of a draft model, "
+    "or A+B: A's draft where it finds one, else B's (suffix+quantized). Default: the best measured "
+    "configuration for the backend on this machine (suffix+quantized with --k auto on the fast backend "
+    "with AVX-512; plain decoding on AVX2-only kernels; suffix elsewhere)."
 )
-K_HELP = "Speculation length K, or 'auto' (cost model) or 'auto:heuristic'."
+K_HELP = "Speculation length K, or 'auto' (cost model) or 'auto:heuristic'. Default: auto with the default drafter, else 4."
+BACKEND_HELP = "auto, fast, transformers or llamacpp (GGUF files on llama.cpp)."
+THREADS_HELP = "CPU threads of the llamacpp backend (default: all cores)."
 
 
 def quiet_transformers() -> None:
@@ -33,8 +37,8 @@ def quiet_transformers() -> None:
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt; read from stdin when absent.")] = None,
     model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2-135M-Instruct).")] = None,
-    drafter: Annotated[str, typer.Option(help=DRAFTER_HELP)] = "none",
-    k: Annotated[str, typer.Option("--k", help=K_HELP)] = "4",
+    drafter: Annotated[Optional[str], typer.Option(help=DRAFTER_HELP)] = None,
+    k: Annotated[Optional[str], typer.Option("--k", help=K_HELP)] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
@@ -45,7 +49,8 @@ def generate(
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the model's chat template.")] = True,
     stream: Annotated[bool, typer.Option(help="Print text as it is generated.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text, token_ids and stats.")] = False,
-    backend: Annotated[str, typer.Option(help="auto, fast or transformers.")] = "auto",
+    backend: Annotated[str, typer.Option(help=BACKEND_HELP)] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help=THREADS_HELP)] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model's own Python code.")] = False,
 ) -> None:
     """Generate a completion with speculative sampling."""
@@ -55,13 +60,13 @@ def generate(
     from specsample.sampling import SamplingParams
 
     SamplingParams(temperature, top_k, top_p, min_p)  # validate before the slow load
-    policy = parse_k(k)
+    policy = None if k is None else parse_k(k)
     check_max_new_tokens(max_new_tokens)
     text = prompt if prompt is not None else read_stdin()
     if not text.strip():
         raise ValueError("the prompt is empty")
     quiet_transformers()
-    sampler = SpecSampler.load(model, drafter, backend=backend, trust_remote_code=trust_remote_code)
+    sampler = SpecSampler.load(model, drafter, backend=backend, trust_remote_code=trust_remote_code, threads=threads)
     generation = sampler.stream(
         text, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=min_p, k=policy, seed=seed, stop=stop or (), chat=chat,
@@ -73,12 +78,16 @@ def generate(
             print(chunk.text, end="", flush=True)
     out = generation.result()
     if as_json:
+        configuration = sampler.configuration
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                          "model": sampler.model.name, "drafter": drafter, "stats": out.stats.to_dict()}))
+                          "model": sampler.model.name, "drafter": configuration.drafter,
+                          "k": configuration.k if k is None else k, "drafter_reason": configuration.reason,
+                          "stats": out.stats.to_dict()}))
         return
     print("" if stream else out.text)
     s = out.stats
-    print(f"[{s.generated_tokens} tokens, {s.tokens_per_second:.1f} tokens/s, acceptance rate {s.acceptance_rate:.2f}, "
+    print(f"[drafter {s.drafter}, {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tokens/s, "
+          f"acceptance rate {s.acceptance_rate:.2f}, "
           f"mean accepted length {s.mean_accepted_length:.2f}, prefill {s.prefill_seconds:.2f} s, "
           f"load {s.load_seconds:.2f} s]", file=sys.stderr)
 
@@ -86,9 +95,10 @@ def generate(
 @app.command()
 def serve(
     model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2-135M-Instruct).")] = None,
-    drafter: Annotated[str, typer.Option(help=DRAFTER_HELP)] = "none",
-    k: Annotated[str, typer.Option("--k", help=K_HELP)] = "4",
-    backend: Annotated[str, typer.Option(help="auto, fast or transformers.")] = "auto",
+    drafter: Annotated[Optional[str], typer.Option(help=DRAFTER_HELP)] = None,
+    k: Annotated[Optional[str], typer.Option("--k", help=K_HELP)] = None,
+    backend: Annotated[str, typer.Option(help=BACKEND_HELP)] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help=THREADS_HELP)] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model's own Python code.")] = False,
     host: Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 exposes the server to the network.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
@@ -102,11 +112,11 @@ def serve(
     from specsample.policy import parse_k
     from specsample.server import create_app
 
-    policy = parse_k(k)
+    policy = None if k is None else parse_k(k)
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     quiet_transformers()
-    sampler = SpecSampler.load(model, drafter, backend=backend, trust_remote_code=trust_remote_code)
+    sampler = SpecSampler.load(model, drafter, backend=backend, trust_remote_code=trust_remote_code, threads=threads)
     uvicorn.run(create_app(sampler, k=policy, max_queue=max_queue, api_key=api_key), host=host, port=port)
 
 
@@ -167,8 +177,8 @@ def layer_numbers(text: str) -> tuple[int, ...]:
 @app.command()
 def check(
     model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2-135M-Instruct).")] = None,
-    drafter: Annotated[str, typer.Option(help=DRAFTER_HELP)] = "ngram",
-    k: Annotated[str, typer.Option("--k", help=K_HELP)] = "4",
+    drafter: Annotated[Optional[str], typer.Option(help=DRAFTER_HELP)] = None,
+    k: Annotated[Optional[str], typer.Option("--k", help=K_HELP)] = None,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (0 is greedy).")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")] = 0,
@@ -176,23 +186,26 @@ def check(
     context: Annotated[Optional[list[str]], typer.Option(help="A chat prompt to test after (repeatable; default: three built in).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the sampling.")] = 0,
     broken: Annotated[bool, typer.Option(help="Self-test: the same check with a sampler that always accepts; it must reject.")] = False,
-    backend: Annotated[str, typer.Option(help="auto, fast or transformers.")] = "auto",
+    backend: Annotated[str, typer.Option(help=BACKEND_HELP)] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help=THREADS_HELP)] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model's own Python code.")] = False,
 ) -> None:
     """Certify statistically that a configuration preserves the target distribution (chi-square tests)."""
-    from contextlib import nullcontext
-
-    from specsample import check as certificate
     from specsample.policy import parse_k
     from specsample.sampling import SamplingParams
+    from specsample.verify import ChainVerifier
+    from specsample.verify import check as certificate
 
     params = SamplingParams(temperature, top_k, top_p)
-    policy = parse_k(k)
+    policy = None if k is None else parse_k(k)  # validated before the slow load
     quiet_transformers()
-    sampler = certificate.load_sampler(model, drafter, backend=backend, trust_remote_code=trust_remote_code)
-    with certificate.always_accept() if broken else nullcontext():
-        result = certificate.certify(sampler, policy, params, contexts=context or certificate.CONTEXTS,
-                                     samples=samples, seed=seed, progress=True)
+    sampler = certificate.load_sampler(model, drafter, backend=backend, trust_remote_code=trust_remote_code,
+                                       threads=threads)
+    policy = policy or parse_k(sampler.configuration.k)
+    verifier = certificate.BROKEN if broken else ChainVerifier()
+    result = certificate.certify(sampler, policy, params, contexts=context or certificate.CONTEXTS,
+                                 samples=samples, seed=seed, progress=True, verifier=verifier)
+    print(f"drafter {sampler.configuration.drafter} ({sampler.configuration.reason}), K {k or sampler.configuration.k}")
     print(certificate.render(result, broken))
     if result.rejected != broken:
         raise Exit(1)

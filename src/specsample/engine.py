@@ -18,9 +18,9 @@ from torch import Tensor
 from specsample.drafters.base import Draft, Drafter
 from specsample.models.target import Target
 from specsample.policy import KPolicy
-from specsample.sampling import SamplingParams, probs_from_logits
+from specsample.sampling import SamplingParams
 from specsample.stats import Stats, Step
-from specsample.verify import Verdict, greedy_verify, rejection_sample
+from specsample.verify import ChainVerifier, Verdict
 
 
 def decode(
@@ -34,6 +34,7 @@ def decode(
     eos_token_ids: frozenset[int],
     generator: torch.Generator,
     stats: Stats,
+    verifier: ChainVerifier = ChainVerifier(),
 ) -> Iterator[list[int]]:
     """Yield the new tokens of each verification step until EOS or max_new_tokens."""
     check_lengths(target, prompt_ids.shape[0], max_new_tokens)
@@ -52,7 +53,7 @@ def decode(
             if draft.confidence is not None:
                 draft = draft.prefix(policy.keep(draft.confidence))
             t_verify = perf_counter()
-            verdict = verify(target, pending, draft, params, generator)
+            verdict = verify(target, pending, draft, params, generator, verifier)
             t_other = perf_counter()
             emitted = draft.tokens[: verdict.accepted].tolist() + [verdict.next_token]
             drafter.observe(emitted)
@@ -70,14 +71,18 @@ def decode(
         stats.policy = policy.estimates()
 
 
-def verify(target: Target, pending: int, draft: Draft, params: SamplingParams, generator: torch.Generator) -> Verdict:
+def verify(
+    target: Target,
+    pending: int,
+    draft: Draft,
+    params: SamplingParams,
+    generator: torch.Generator,
+    verifier: ChainVerifier,
+) -> Verdict:
     """Score [pending, draft_tokens] in one pass, verify, and roll the cache back."""
     start = target.length
     logits = target.score(torch.cat([torch.tensor([pending]), draft.tokens]))  # [k + 1, vocab]
-    if params.greedy:
-        verdict = greedy_verify(draft.tokens, logits)
-    else:
-        verdict = rejection_sample(draft.tokens, draft.probs, probs_from_logits(logits, params), generator)
+    verdict = verifier(draft.tokens, draft.probs, logits, params, generator)
     target.rollback(start + 1 + verdict.accepted)
     return verdict
 

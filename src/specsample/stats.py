@@ -23,6 +23,7 @@ class Step:
 
 @dataclass
 class Stats:
+    drafter: str = ""  # the `--drafter` value of the configuration that ran
     prompt_tokens: int = 0
     load_seconds: float = 0.0
     prefill_seconds: float = 0.0
@@ -74,6 +75,7 @@ class Stats:
 
     def to_dict(self) -> dict:
         return {
+            "drafter": self.drafter,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "steps": self.steps,

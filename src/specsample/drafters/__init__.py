@@ -13,7 +13,7 @@ from pathlib import Path
 
 from specsample.drafters.base import Draft, Drafter
 from specsample.drafters.draft_model import DraftModelDrafter
-from specsample.drafters.fallback import LOOKUP_DRAFTERS, NOT_A_LOOKUP, FallbackDrafter
+from specsample.drafters.fallback import FallbackDrafter, check_lookup
 from specsample.drafters.head import HeadDrafter, shipped_head_dir
 from specsample.drafters.layerskip import LayerSkipDrafter
 from specsample.drafters.ngram import NgramDrafter
@@ -46,12 +46,9 @@ def make_drafter(spec: str, model: LoadedModel, target: Target, *, trust_remote_
         return REGISTRY[spec](model, target)
     first, plus, second = spec.partition("+")
     if plus and not Path(spec).expanduser().exists():
-        if first not in LOOKUP_DRAFTERS:
-            raise ValueError(f"{NOT_A_LOOKUP}, got {first!r}")
-        return FallbackDrafter(
-            make_drafter(first, model, target, trust_remote_code=trust_remote_code),
-            make_drafter(second, model, target, trust_remote_code=trust_remote_code),
-        )
+        lookup = make_drafter(first, model, target, trust_remote_code=trust_remote_code)
+        check_lookup(lookup, first)
+        return FallbackDrafter(lookup, make_drafter(second, model, target, trust_remote_code=trust_remote_code))
     name, sep, path = spec.partition(":")
     if sep and name in PATH_REGISTRY:
         return PATH_REGISTRY[name](model, target, path)

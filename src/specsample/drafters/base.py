@@ -46,6 +46,10 @@ class Draft:
 
 @runtime_checkable
 class Drafter(Protocol):
+    # True for a lookup drafter: its drafts are point masses, a function of the context alone (never
+    # of a draw), so which of two drafts is verified may depend on them (drafters/fallback.py).
+    is_lookup: bool
+
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         """Start a request: the context is `prompt_ids` [n]; sample with `params`."""
         ...

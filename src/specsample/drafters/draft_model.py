@@ -17,6 +17,7 @@ from specsample.tokens import common_prefix
 
 
 class DraftModelDrafter:
+    is_lookup = False  # it draws its draft
     def __init__(self, model: Target) -> None:
         self.model = model
         self.context: list[int] = []

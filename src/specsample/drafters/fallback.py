@@ -22,20 +22,31 @@ from specsample.drafters.base import Draft, Drafter
 from specsample.sampling import SamplingParams
 
 MIN_TOKENS = 3  # the shortest draft of `first` that is verified instead of asking `second`
-# Drafters that propose point masses, a function of the context alone: the only ones that may come first.
-LOOKUP_DRAFTERS = ("ngram", "suffix")
-NOT_A_LOOKUP = f"the first drafter of A+B must be a lookup drafter ({' or '.join(LOOKUP_DRAFTERS)})"
+
+
+def check_lookup(drafter: Drafter, name: str) -> None:
+    """Refuse a first drafter of A+B that is not a lookup drafter (`Drafter.is_lookup`)."""
+    if not drafter.is_lookup:
+        raise ValueError(
+            f"the first drafter of A+B must be a lookup drafter (ngram or suffix: a draft that is a "
+            f"function of the context), got {name!r}"
+        )
 
 
 class FallbackDrafter:
     """`first`'s draft where it has at least min(k, `min_tokens`) tokens, else `second`'s."""
 
     def __init__(self, first: Drafter, second: Drafter, min_tokens: int = MIN_TOKENS) -> None:
+        check_lookup(first, type(first).__name__)
         if min_tokens < 1:
             raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
         self.first, self.second, self.min_tokens = first, second, min_tokens
         self.first_steps = 0  # steps whose draft came from `first`, over the drafter's life
         self.second_steps = 0
+
+    @property
+    def is_lookup(self) -> bool:
+        return self.second.is_lookup
 
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         self.first.begin(prompt_ids, params)
@@ -43,8 +54,6 @@ class FallbackDrafter:
 
     def propose(self, k: int, generator: torch.Generator) -> Draft:
         draft = self.first.propose(k, generator)
-        if draft.probs is not None:
-            raise ValueError(f"{NOT_A_LOOKUP}: it drafted probabilities")
         if len(draft) >= min(k, self.min_tokens):
             self.first_steps += 1
             return draft

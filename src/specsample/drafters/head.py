@@ -53,7 +53,9 @@ from torch import Tensor, nn
 
 from specsample.drafters.base import Draft
 from specsample.models import LoadedModel, Target, kernels
-from specsample.models.llama import Layer, Linear, LlamaTarget, rope_tables
+from specsample.models.llama import Layer, Linear, LlamaTarget
+from specsample.models.ops import rms_norm, rope_tables, rotate
+from specsample.models.target import RecordsFeatures, require
 from specsample.models.quantize import quantize_layer, quantize_linear
 from specsample.sampling import SamplingParams, draft_confidence, probs_from_logits, sample
 
@@ -105,16 +107,6 @@ def target_fingerprint(model: nn.Module) -> str:
     digest = hashlib.sha256(str(tuple(weight.shape)).encode())
     digest.update(weight[::64].to(torch.float16).contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return F.rms_norm(x, weight.shape, weight, eps)
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding of x [b, t, heads, dim], rotate-half layout; cos, sin [t, 1, dim]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class Block(nn.Module):
@@ -198,10 +190,9 @@ class DraftHead(nn.Module):
         return outputs
 
     def rotary(self, length: int) -> tuple[Tensor, Tensor]:
-        """cos, sin [length, 1, dim] of positions 0..length - 1."""
-        freqs = torch.arange(length, dtype=torch.float32)[:, None] * self.inv_freq  # [length, dim / 2]
-        angles = torch.cat((freqs, freqs), -1)[:, None]  # [length, 1, dim]
-        return angles.cos(), angles.sin()
+        """cos, signed sin [length, 1, dim] of positions 0..length - 1 (`rope_tables`)."""
+        cos, sin = rope_tables(self.inv_freq, 1.0, length, torch.float32)
+        return cos[:, None], sin[:, None]
 
     @torch.no_grad()
     def init_from_target(self, model: nn.Module) -> None:
@@ -276,7 +267,7 @@ def fast_head(
     input projection and a `LlamaTarget` made of the head's blocks whose
     LM head is the target's restricted to the subset (`lm_head_rows` [n, hidden]):
     `forward_embeddings(fc(feature ++ embedding))` then gives the subset logits
-    [t, n] and leaves the predicted features in `hidden_states()`, with the head's
+    [t, n] and leaves the predicted features in `last_hidden`, with the head's
     cache preallocated and rolled back by length, as the target's is.
     """
     c, dtype = head.config, torch.float32
@@ -304,13 +295,16 @@ def fast_head(
 class HeadDrafter:
     """Drafts K tokens by running the head on its own predicted features."""
 
+    is_lookup = False  # it draws its draft
+
     def __init__(
         self, target: Target, head: DraftHead, embed: Tensor, lm_head: Tensor, token_ids: Tensor, int8: bool = True
     ) -> None:
-        self.target = target
+        self.target = require(target, RecordsFeatures, "the head drafter")
         self.fuse, self.fc, self.decoder = fast_head(head, lm_head[token_ids], target.max_length, int8)
         self.feature_layers = head.config.feature_layers
-        target.record_layers(self.feature_layers)
+        self.target.record_features(self.feature_layers)
+        self.read = 0  # the target's positions whose features the head has taken
         self.embed = embed  # [vocab, hidden], the target's input embeddings
         self.token_ids = token_ids  # [n]
         self.vocab_size = target.vocab_size
@@ -329,11 +323,10 @@ class HeadDrafter:
     @torch.inference_mode()
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         """Run the head over the features the target's prefill left (prefill work, timed as such)."""
-        self.params, self.feature, self.logits, self.unread = params, None, None, []
+        self.params, self.feature, self.logits, self.unread, self.read = params, None, None, [], 0
         self.decoder.rollback(0)
-        features = self.target.hidden_states(self.feature_layers)  # [n - 1, (layers + 1) * hidden] of prompt_ids[:-1]
-        if features is not None and features.shape[0] == prompt_ids.shape[0] - 1 > 0:
-            self.advance(features, prompt_ids[1:])
+        if prompt_ids.shape[0] > 1:
+            self.advance(self.take_features(prompt_ids.shape[0] - 1), prompt_ids[1:])
 
     @torch.inference_mode()
     def propose(self, k: int, generator: torch.Generator) -> Draft:
@@ -351,7 +344,7 @@ class HeadDrafter:
             tokens.append(token)
             if i + 1 < k:
                 logits = self.step(feature, torch.tensor([token]))[0]
-                feature = self.decoder.hidden_states()
+                feature = self.decoder.last_hidden
         self.decoder.rollback(self.decoder.length - (k - 1))  # drop the positions computed from predicted features
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None, torch.tensor(confidence))
 
@@ -359,10 +352,14 @@ class HeadDrafter:
     def observe(self, tokens: list[int]) -> None:
         """Keep the target's true features of the pending and accepted tokens, for the next draft;
         run the head over the kept positions once there are `CATCH_UP_BATCH` of them."""
-        features = self.target.hidden_states(self.feature_layers)[: len(tokens)]  # [len(tokens), ...]
-        self.unread.append((features, torch.tensor(tokens)))
+        self.unread.append((self.take_features(len(tokens)), torch.tensor(tokens)))
         if sum(len(next_tokens) for _, next_tokens in self.unread) >= CATCH_UP_BATCH:
             self.catch_up()
+
+    def take_features(self, n: int) -> Tensor:
+        """The target's features [n, (layers + 1) * hidden] of the next n positions the head has not read."""
+        self.read += n
+        return self.target.features(self.read - n, self.read, self.feature_layers)
 
     def catch_up(self) -> None:
         """Run the head over every position observed since it last ran, in one pass."""
@@ -375,7 +372,7 @@ class HeadDrafter:
         """Append positions (the target's features [t, (layers + 1) * hidden], next_tokens [t]); keep the
         last predicted feature and its logits."""
         self.step(self.fuse(features) if self.fuse else features, next_tokens, logits=False)
-        self.feature = self.decoder.hidden_states()[-1:]  # [1, hidden]
+        self.feature = self.decoder.last_hidden[-1:]  # [1, hidden]
         self.logits = self.decoder.lm_head(self.feature)[0]  # [n]
 
     def step(self, features: Tensor, next_tokens: Tensor, logits: bool = True) -> Tensor | None:

@@ -25,9 +25,8 @@ plain one, with no draft passes to pay for.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +34,7 @@ from torch import Tensor, nn
 from specsample.drafters.base import Draft
 from specsample.drafters.draft_model import DraftModelDrafter
 from specsample.models import LoadedModel, Target
+from specsample.models.target import RunsLayerSubsets, require
 from specsample.sampling import SamplingParams, probs_from_logits
 
 SKIP_FRACTIONS = (0.125, 0.25, 0.375, 0.5, 0.625)  # of the middle layers, one candidate each
@@ -43,21 +43,10 @@ RANKING_TOKENS = 256  # last prompt tokens the layers are ranked on
 K_MAX = 8  # largest K the predicted speedup considers
 
 
-@runtime_checkable
-class LayerSkippingTarget(Target, Protocol):
-    """A target that can run a subset of its layers: the fast Llama-family backend."""
-
-    layers: Sequence
-
-    def forward(self, token_ids: Tensor, layers: Sequence[int] | None = None, logits: bool = True) -> Tensor | None:
-        """Append `token_ids` [n] running only `layers` (default: all); logits [n, vocab] or None."""
-        ...
-
-
 class KeptLayers:
     """The target through its kept layers only, as a Target sharing its KV cache."""
 
-    def __init__(self, target: LayerSkippingTarget, kept: Sequence[int]) -> None:
+    def __init__(self, target: RunsLayerSubsets, kept: Sequence[int]) -> None:
         self.target = target
         self.kept = list(kept)
         self.vocab_size = target.vocab_size
@@ -77,12 +66,6 @@ class KeptLayers:
     def rollback(self, length: int) -> None:
         self.target.rollback(length)
 
-    def record_layers(self, layers: Iterable[int]) -> None:
-        self.target.record_layers(layers)
-
-    def hidden_states(self, layers: Sequence[int] = ()) -> Tensor | None:
-        return self.target.hidden_states(layers)
-
 
 @dataclass(frozen=True)
 class Candidate:
@@ -101,11 +84,8 @@ class LayerSkipDrafter(DraftModelDrafter):
     """Drafts with the target's kept layers in the target's cache; calibrates `skip` on the first prompt
     unless it is given. With nothing to skip it proposes nothing (plain decoding)."""
 
-    def __init__(self, target: LayerSkippingTarget, model: nn.Module, skip: Sequence[int] | None = None) -> None:
-        if not isinstance(target, LayerSkippingTarget):
-            raise ValueError(
-                f"layerskip needs the fast backend (a target that runs a subset of its layers), got {type(target).__name__}"
-            )
+    def __init__(self, target: Target, model: nn.Module, skip: Sequence[int] | None = None) -> None:
+        target = require(target, RunsLayerSubsets, "layerskip")
         n_layers = len(target.layers)
         if skip is not None and not all(0 <= i < n_layers for i in skip):
             raise ValueError(f"layers to skip must be in 0..{n_layers - 1}, got {list(skip)}")
@@ -165,7 +145,7 @@ def layer_ranking(model: nn.Module, prompt_ids: Tensor) -> list[int]:
 
 
 def calibrate(
-    target: LayerSkippingTarget, model: nn.Module, prompt_ids: Tensor, params: SamplingParams
+    target: RunsLayerSubsets, model: nn.Module, prompt_ids: Tensor, params: SamplingParams
 ) -> list[Candidate]:
     """Measure skip sets of growing size on the prompt's last positions; leaves the cache as it found it.
 

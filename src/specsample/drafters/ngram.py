@@ -23,6 +23,8 @@ class LookupDrafter:
     """Shared by the drafters that look their proposal up in an index of the context:
     subclasses provide `lookup(k)` and `extend(tokens)`."""
 
+    is_lookup = True
+
     def propose(self, k: int, generator: torch.Generator) -> Draft:
         return Draft(torch.tensor(self.lookup(k), dtype=torch.long), None)
 

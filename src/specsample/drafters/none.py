@@ -14,6 +14,7 @@ from specsample.sampling import SamplingParams
 
 
 class NoDrafter:
+    is_lookup = True  # its (empty) draft is a function of the context
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         pass
 

@@ -9,10 +9,12 @@ the target's. On the C++ kernels it is: a draft step streams int8 weights, a
 quarter of the float32 target's bytes. On the torch fallback it is not (see
 BENCHMARKS.md).
 
-The copy fills its cache at the first draft of a request, not at its start,
-so a K policy that settles on K = 0 never pays for it. When the target is the
-fast backend it takes the target's K and V of the context, a copy that costs
-next to nothing, instead of a prefill of its own, which costs about as much
+The copy is made by the target's backend (the `QuantizedCopies` capability;
+the fast backend's is an int8 copy on its own kernels). It fills its cache at
+the first draft of a request, not at its start, so a K policy that settles on
+K = 0 never pays for it. Where the copy can adopt the target's K and V of the
+context (`AdoptsCache`: same layout), a copy that costs next to nothing, it
+does so instead of a prefill of its own, which costs about as much
 as the target's (many rows are bound by arithmetic, not by the weights' bytes)
 and which a K policy would count as the cost of that first draft.
 Drafts then condition on the target's view of the context, which only brings
@@ -28,21 +30,14 @@ from torch import Tensor
 from specsample.drafters.base import Draft
 from specsample.drafters.draft_model import DraftModelDrafter
 from specsample.models import LoadedModel, Target
-from specsample.models.llama import LlamaTarget, UnsupportedModel
-from specsample.models.quantize import int8_target
+from specsample.models.target import AdoptsCache, QuantizedCopies, require
 from specsample.sampling import SamplingParams
 
 
-COMMITTED_POSITIONS = 1024  # a 4 KiB page of every row of the transposed keys
-
-
 class QuantizedDrafter(DraftModelDrafter):
-    def __init__(self, model: LlamaTarget, target: Target | None = None) -> None:
+    def __init__(self, model: Target, target: Target | None = None) -> None:
         super().__init__(model)
         self.target = target  # whose cache the copy adopts, if the layouts agree
-        # Page faults at the first draft would make it look slower than drafting is, to a K policy
-        # that times it (about 8 ms on SmolLM2, for what then costs 0.5 ms).
-        model.commit_cache(COMMITTED_POSITIONS)
 
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         self.context = prompt_ids.tolist()
@@ -58,16 +53,16 @@ class QuantizedDrafter(DraftModelDrafter):
         """Cache the context but its last token: the target's K and V where it holds exactly those
         positions in the copy's layout, else a prefill of the copy."""
         cached = len(self.context) - 1
-        target = self.target
-        if isinstance(target, LlamaTarget) and target.length == cached and self.model.shares_cache_layout(target):
-            self.model.adopt_cache(target, cached)
-        else:
+        adopted = (
+            isinstance(self.model, AdoptsCache)
+            and self.target is not None
+            and self.target.length == cached
+            and self.model.adopt_cache(self.target, cached)
+        )
+        if not adopted:
             self.model.prefill(torch.tensor(self.context[:-1]))
 
 
 def quantized_drafter(model: LoadedModel, target: Target) -> QuantizedDrafter:
-    """The registry's factory: an int8 copy of `model`, as long a context as the target's."""
-    try:
-        return QuantizedDrafter(int8_target(model.model, target.max_length), target)
-    except UnsupportedModel as e:
-        raise ValueError(f"quantized needs a model the fast backend supports: {e}") from None
+    """The registry's factory: the target's backend makes the quantized copy."""
+    return QuantizedDrafter(require(target, QuantizedCopies, "quantized").quantized_copy(), target)

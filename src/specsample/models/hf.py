@@ -2,6 +2,7 @@
 
 Used for architectures the fast Llama backend does not cover. Rollback crops
 the cache, which slices views of the key/value tensors rather than copying.
+It keeps per-position features for a draft head (`RecordsFeatures`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from specsample.models.target import normalized, recordable, stacked_states
+from specsample.models.target import FeatureStore, normalized
 
 
 class TransformersTarget:
@@ -21,9 +22,8 @@ class TransformersTarget:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_length = max_length or int(getattr(model.config, "max_position_embeddings", 4096))
         self.cache = DynamicCache(config=model.config)
-        self.last_hidden: Tensor | None = None
-        self.record: frozenset[int] = frozenset()  # decoder layers (1-based) whose outputs are kept
-        self.recorded: dict[int, Tensor] = {}
+        config = model.config
+        self._features = FeatureStore(config.num_hidden_layers, config.hidden_size, self.max_length)
 
     @property
     def length(self) -> int:
@@ -32,7 +32,7 @@ class TransformersTarget:
     @torch.inference_mode()
     def prefill(self, token_ids: Tensor) -> None:
         self.cache = DynamicCache(config=self.model.config)
-        self.last_hidden, self.recorded = None, {}
+        self._features.truncate(0)
         if token_ids.shape[0]:
             self._forward(token_ids, logits_to_keep=1)
 
@@ -43,21 +43,27 @@ class TransformersTarget:
     def rollback(self, length: int) -> None:
         if length < self.length:
             self.cache.crop(length - self.length)  # a negative count removes that many positions
+        self._features.truncate(length)
 
-    def record_layers(self, layers: Iterable[int]) -> None:
-        self.record |= recordable(layers, self.model.config.num_hidden_layers)
+    def record_features(self, layers: Iterable[int]) -> None:
+        """From the next pass on, keep per position the final state and these layers' `normalized` outputs."""
+        self._features.record(layers)
 
-    def hidden_states(self, layers: Sequence[int] = ()) -> Tensor | None:
-        return stacked_states(self.recorded, self.last_hidden, layers)
+    def features(self, start: int, end: int, layers: Sequence[int] = ()) -> Tensor:
+        """[end - start, (len(layers) + 1) * hidden] of positions start..end-1 (`RecordsFeatures`)."""
+        return self._features.read(start, end, layers)
 
     def _forward(self, token_ids: Tensor, logits_to_keep: int) -> Tensor:
+        start = self.length
+        recording = self._features.recording
         out = self.model(
             input_ids=token_ids[None],
             past_key_values=self.cache,
             use_cache=True,
-            output_hidden_states=True,
+            output_hidden_states=recording,
             logits_to_keep=logits_to_keep,
         )
-        self.last_hidden = out.hidden_states[-1][0]
-        self.recorded = {i: normalized(out.hidden_states[i][0]) for i in self.record}  # [i]: layer i's output
+        if recording:  # hidden_states[i]: the output of layer i; the last one after the final norm
+            outputs = {i: normalized(out.hidden_states[i][0]) for i in self._features.layers}
+            self._features.write(start, out.hidden_states[-1][0].float(), outputs)
         return out.logits

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specsample.models import kernels
-from specsample.models.target import normalized, recordable, stacked_states
+from specsample.models.ops import rms_norm, rope_tables, rotate
+from specsample.models.target import FeatureStore, Target, normalized
 
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
 # Rope types whose frequencies do not depend on the sequence length, so one
@@ -43,6 +44,7 @@ SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 DEFAULT_MAX_LENGTH = 8192
 PREFILL_CHUNK = 512  # bounds the attention mask and activations of long prompts
+COMMITTED_POSITIONS = 1024  # cache slots a quantized copy commits at once: a 4 KiB page of every row of the keys
 
 
 class UnsupportedModel(ValueError):
@@ -144,37 +146,17 @@ def _layer_from_hf(layer, dtype: torch.dtype, packed: bool) -> Layer:
     )
 
 
-def rope_tables(inv_freq: Tensor, scaling: float, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and signed sin [length, head_dim] for positions 0..length-1, computed as transformers does.
-
-    The first half of sin is negated, so the rotate-half of transformers,
-    cat(-x2, x1) * sin, becomes roll(x) * signed_sin: one op instead of four.
-    """
-    positions = torch.arange(length, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq.float()[None, :]  # [length, head_dim / 2]
-    cos = freqs.cos() * scaling
-    sin = freqs.sin() * scaling
-    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
-
-
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm of x [n, hidden] (one fused op, bitwise equal to transformers' float32 one)."""
-    return F.rms_norm(x, weight.shape, weight, eps)
-
-
-def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """Rotary embedding of x [n, heads, dim] with cos, signed_sin [n, 1, dim] (rotate-half layout)."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
-
-
 class LlamaTarget:
     """A Llama-family decoder with a preallocated KV cache, implementing the Target protocol.
 
     `score` appends tokens and returns their logits; `rollback` only moves the
-    cache length. `forward` also runs a subset of the layers, so a self-speculative
-    drafter can draft with the target's own weights and cache: the layers it
-    skips leave their cache slots at those positions stale, and the target's
-    verification pass over the same positions rewrites every layer.
+    cache length. Capabilities (models/target.py): `forward` also runs a subset of
+    the layers (`RunsLayerSubsets`), so a self-speculative drafter can draft with
+    the target's own weights and cache: the layers it skips leave their cache
+    slots at those positions stale, and the target's verification pass over the
+    same positions rewrites every layer. It keeps per-position features for a
+    draft head (`RecordsFeatures`), makes an int8 copy of itself
+    (`QuantizedCopies`) and starts a copy's cache from its own (`AdoptsCache`).
     """
 
     def __init__(
@@ -190,8 +172,10 @@ class LlamaTarget:
         kv_heads: int,
         head_dim: int,
         eps: float,
+        source=None,
     ) -> None:
         self.layers = layers
+        self.source = source  # the transformers model it was copied from, for `quantized_copy`
         self.embed = embed  # [vocab, hidden], or None when tied to lm_head
         self.norm = norm  # [hidden]
         self.lm_head = lm_head  # hidden -> vocab
@@ -216,9 +200,8 @@ class LlamaTarget:
         self._scratch_per_token = kernels.scratch_size(self.hidden_size, heads, kv_heads, head_dim, intermediate)
         self._kernel_layers = [self._kernel_args(i) for i in range(len(layers))] if self.kernels else []
         self._length = 0
-        self._hidden: Tensor | None = None
-        self._record: frozenset[int] = frozenset()  # decoder layers (1-based) whose outputs are kept
-        self._recorded: dict[int, Tensor] = {}  # their outputs [n, hidden] of the last call
+        self.last_hidden: Tensor | None = None  # [n, hidden] final normed state of the last pass
+        self._features = FeatureStore(len(layers), self.hidden_size, self.max_length)
 
     @classmethod
     def from_hf(
@@ -259,6 +242,7 @@ class LlamaTarget:
                 kv_heads=config.num_key_value_heads,
                 head_dim=head_dim,
                 eps=config.rms_norm_eps,
+                source=model,
             )
 
     @property
@@ -267,16 +251,9 @@ class LlamaTarget:
 
     def prefill(self, token_ids: Tensor) -> None:
         """Reset the cache and fill it with `token_ids` [n]; computes no logits."""
-        self._length = 0
-        hidden = [torch.empty(0, self.hidden_size, dtype=self.dtype)]
-        recorded = {i: [torch.empty(0, self.hidden_size)] for i in self._record}
+        self.rollback(0)
         for chunk in token_ids.reshape(-1).split(PREFILL_CHUNK):
             self.forward(chunk, logits=False)
-            hidden.append(self._hidden)
-            for i, parts in recorded.items():
-                parts.append(self._recorded[i])
-        self._hidden = torch.cat(hidden)
-        self._recorded = {i: torch.cat(parts) for i, parts in recorded.items()}
 
     def score(self, token_ids: Tensor) -> Tensor:
         """Append `token_ids` [n]; return their logits [n, vocab] in float32."""
@@ -287,21 +264,44 @@ class LlamaTarget:
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot roll back to {length}: the cache holds {self._length}")
         self._length = length
+        self._features.truncate(length)
 
-    def shares_cache_layout(self, other: LlamaTarget) -> bool:
-        """True if `other` keeps K and V as this one does (same shapes, either dtype), so `adopt_cache` works."""
+    def shares_cache_layout(self, other: Target) -> bool:
+        """True if `other` keeps K and V as this one does (a LlamaTarget of the same shapes, either dtype)."""
+        if not isinstance(other, LlamaTarget):
+            return False
         same_shapes = self.k_cache.shape == other.k_cache.shape and self.v_cache.shape == other.v_cache.shape
         return self.kernels == other.kernels and same_shapes
 
     @torch.inference_mode()
-    def adopt_cache(self, source: LlamaTarget, length: int) -> None:
+    def adopt_cache(self, source: Target, length: int) -> bool:
         """Reset the cache to positions 0..length-1 of `source`'s (converted to this dtype), in place of a
-        prefill: a draft model of the target's architecture starts from the target's K and V."""
+        prefill: a draft model of the target's architecture starts from the target's K and V. False,
+        changing nothing, where `source` keeps them in another layout or holds fewer positions."""
         if not self.shares_cache_layout(source) or not 0 <= length <= source.length:
-            raise ValueError(f"cannot adopt {length} positions of a cache of {source.length} in another layout")
+            return False
         for mine, theirs in zip(self._cache_positions(length), source._cache_positions(length)):
             mine.copy_(theirs)
-        self._length, self._hidden = length, None
+        self.rollback(0)
+        self._length = length
+        return True
+
+    @property
+    def instruction_set(self) -> str | None:
+        """The vector instruction set of the C++ kernels it runs on; None on torch ops (`QuantizedCopies`)."""
+        return kernels.instruction_set() if self.kernels else None
+
+    def quantized_copy(self) -> LlamaTarget:
+        """An int8 copy of this target (models/quantize.py) with its own cache of the same length. Its first
+        cache slots are committed now: page faults at its first draft would make drafting look slower
+        than it is to a K policy that times it (about 8 ms on SmolLM2, for what then costs 0.5 ms)."""
+        from specsample.models.quantize import int8_target
+
+        if self.source is None:
+            raise ValueError("an int8 copy needs the transformers model this target was made from (LlamaTarget.from_hf)")
+        copy = int8_target(self.source, self.max_length)
+        copy.commit_cache(COMMITTED_POSITIONS)
+        return copy
 
     @torch.inference_mode()
     def commit_cache(self, length: int) -> None:
@@ -309,7 +309,7 @@ class LlamaTarget:
         committed now and not at first use (page faults that cost milliseconds on the transposed keys)."""
         for part in self._cache_positions(min(length, self.max_length)):
             part.zero_()
-        self._length, self._hidden = 0, None
+        self.rollback(0)
 
     def _cache_positions(self, length: int) -> tuple[Tensor, Tensor]:
         """Views of keys and values at positions 0..length-1, in this cache's layout."""
@@ -317,14 +317,13 @@ class LlamaTarget:
             return self.k_cache[..., :length], self.v_cache[:, :, :length]
         return self.k_cache[:, :, :length], self.v_cache[:, :, :length]
 
-    def record_layers(self, layers: Iterable[int]) -> None:
-        """Also keep the `normalized` outputs of these decoder layers (1-based) of every later call."""
-        self._record |= recordable(layers, len(self.layers))
+    def record_features(self, layers: Iterable[int]) -> None:
+        """From the next pass on, keep per position the final state and these layers' `normalized` outputs."""
+        self._features.record(layers)
 
-    def hidden_states(self, layers: Sequence[int] = ()) -> Tensor | None:
-        """Hidden states [n, (len(layers) + 1) * hidden] of the last prefill or score call: the
-        recorded outputs of `layers`, then the final normed state."""
-        return stacked_states(self._recorded, self._hidden, layers)
+    def features(self, start: int, end: int, layers: Sequence[int] = ()) -> Tensor:
+        """[end - start, (len(layers) + 1) * hidden] of positions start..end-1 (`RecordsFeatures`)."""
+        return self._features.read(start, end, layers)
 
     @torch.inference_mode()
     def forward(
@@ -343,31 +342,33 @@ class LlamaTarget:
         start = self._length
         if start + n > self.max_length:
             raise ValueError(f"{start + n} positions exceed max_length {self.max_length}")
+        recording = self._features.layers if layers is None else frozenset()
+        outputs = {}  # [n, hidden] `normalized` outputs of the recorded layers, by 1-based layer
         if n:
             layer_ids = range(len(self.layers)) if layers is None else layers
-            self._recorded = {}
             if self.kernels:
                 scratch = torch.empty(n * self._scratch_per_token, dtype=torch.float32)
                 for i in layer_ids:
                     kernels.layer(self._kernel_layers[i], x, start, scratch)
-                    self._keep(i, x)
+                    if i + 1 in recording:
+                        outputs[i + 1] = normalized(x)
             else:
                 mask = self._mask(start, n)
                 cos = self.cos[start : start + n, None]  # [n, 1, dim]
                 sin = self.sin[start : start + n, None]
                 for i in layer_ids:
                     x = self._layer(i, x, start, mask, cos, sin)
-                    self._keep(i, x)
+                    if i + 1 in recording:
+                        outputs[i + 1] = normalized(x)
         self._length = start + n
-        self._hidden = _rms_norm(x, self.norm, self.eps)  # [n, hidden]
+        self.last_hidden = rms_norm(x, self.norm, self.eps)  # [n, hidden]
+        if layers is not None:  # a pass through some of the layers leaves these positions' features stale
+            self._features.truncate(start)
+        elif self._features.recording:
+            self._features.write(start, self.last_hidden, outputs)
         if not logits:
             return None
-        return self.lm_head(self._hidden).float()  # [n, vocab]
-
-    def _keep(self, i: int, x: Tensor) -> None:
-        """Record layer i's (0-based) output x [n, hidden] if it was asked for."""
-        if i + 1 in self._record:
-            self._recorded[i + 1] = normalized(x)
+        return self.lm_head(self.last_hidden).float()  # [n, vocab]
 
     def _kernel_args(self, i: int) -> kernels.LayerArgs:
         """Pointers to layer i's packed weights and cache, for `kernels.layer`."""
@@ -406,8 +407,8 @@ class LlamaTarget:
     def _layer(self, i: int, x: Tensor, start: int, mask: Tensor | None, cos: Tensor, sin: Tensor) -> Tensor:
         """One decoder layer over x [n, hidden]; writes K and V of positions start.. into the cache."""
         w = self.layers[i]
-        x = self._attention(i, _rms_norm(x, w.attn_norm, self.eps), start, mask, cos, sin, residual=x)
-        gate, up = w.gate_up(_rms_norm(x, w.mlp_norm, self.eps)).chunk(2, dim=-1)  # [n, intermediate] each
+        x = self._attention(i, rms_norm(x, w.attn_norm, self.eps), start, mask, cos, sin, residual=x)
+        gate, up = w.gate_up(rms_norm(x, w.mlp_norm, self.eps)).chunk(2, dim=-1)  # [n, intermediate] each
         return w.down(F.silu(gate) * up, residual=x)
 
     def _attention(
@@ -417,7 +418,7 @@ class LlamaTarget:
         w = self.layers[i]
         n, h, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         qkv = w.qkv(x)  # [n, (h + 2 kvh) d]
-        qk = _rotate(qkv[:, : (h + kvh) * d].view(n, h + kvh, d), cos, sin)  # [n, h + kvh, d]
+        qk = rotate(qkv[:, : (h + kvh) * d].view(n, h + kvh, d), cos, sin)  # [n, h + kvh, d]
         q, k = qk[:, :h], qk[:, h:]  # [n, h, d], [n, kvh, d]
         v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
         end = start + n

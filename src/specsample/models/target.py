@@ -1,15 +1,21 @@
-"""The Target protocol: what the engine needs from the model it accelerates.
+"""The Target protocol, what the engine needs from the model it accelerates, and the optional
+capabilities a backend may declare for drafters that need more.
 
 A target keeps a KV cache of the positions it has seen. `score` runs one forward
 pass over n new tokens and returns the logits of every one of them, which is
 what makes verifying K draft tokens cost one pass. `rollback` forgets rejected
 positions by moving the cache length back; it never copies tensors.
+
+Every backend provides `Target`. The capabilities below are separate Protocols:
+a backend declares one by implementing it, and a drafter that needs it asks with
+`require`, which names the drafter and the backend in a one-line error when the
+backend lacks it. The engine never asks for any of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterable, Sequence
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -38,14 +44,79 @@ class Target(Protocol):
         """Keep only the first `length` cached positions."""
         ...
 
-    def record_layers(self, layers: Iterable[int]) -> None:
-        """From now on also keep the outputs of these decoder layers (1-based), for `hidden_states`."""
+
+@runtime_checkable
+class RecordsFeatures(Protocol):
+    """Keeps, for every cached position, the hidden states a draft head reads (EAGLE's features).
+
+    Features are indexed by position like the KV cache, so a drafter reads those
+    of the positions it has not read yet, whatever calls came in between.
+    """
+
+    def record_features(self, layers: Iterable[int]) -> None:
+        """From the next pass on, also keep the `normalized` outputs of these decoder layers (1-based)."""
         ...
 
-    def hidden_states(self, layers: Sequence[int] = ()) -> Tensor | None:
-        """Hidden states [n, (len(layers) + 1) * hidden] of the last prefill or score call: the
-        `normalized` outputs of the recorded decoder `layers`, then the final (normed) state."""
+    def features(self, start: int, end: int, layers: Sequence[int] = ()) -> Tensor:
+        """[end - start, (len(layers) + 1) * hidden] of cached positions start..end-1: the recorded
+        outputs of `layers`, then the final (normed) state."""
         ...
+
+
+@runtime_checkable
+class RunsLayerSubsets(Protocol):
+    """Runs a pass through a subset of its layers in its own cache (self-speculation by layer skipping)."""
+
+    layers: Sequence
+
+    def forward(self, token_ids: Tensor, layers: Sequence[int] | None = None, logits: bool = True) -> Tensor | None:
+        """Append `token_ids` [n] running only `layers` (default: all); logits [n, vocab] or None."""
+        ...
+
+
+@runtime_checkable
+class QuantizedCopies(Protocol):
+    """Makes a cheaper copy of itself with low-bit weights and its own cache (the `quantized` drafter)."""
+
+    @property
+    def instruction_set(self) -> str | None:
+        """The vector instruction set its kernels (and the copy's) run on ("avx512", "avx2", "portable"),
+        or None where they run on torch ops, where a quantized copy is not cheaper."""
+        ...
+
+    def quantized_copy(self) -> Target:
+        """A copy of this target with quantized weights; it may offer `adopt_cache` for this target."""
+        ...
+
+
+@runtime_checkable
+class AdoptsCache(Protocol):
+    """Starts its cache from another target's K and V instead of a prefill of its own."""
+
+    def adopt_cache(self, source: Target, length: int) -> bool:
+        """Take `source`'s first `length` cached positions if it keeps them in this layout; False if not."""
+        ...
+
+
+Capability = TypeVar("Capability")
+
+# What each capability lets a backend do, for the error of a drafter that needs it.
+ABILITIES: dict[type, str] = {
+    RecordsFeatures: "keeps the hidden states of its cached positions",
+    RunsLayerSubsets: "runs a subset of its layers",
+    QuantizedCopies: "makes a quantized copy of itself",
+    AdoptsCache: "adopts another target's cache",
+}
+
+
+def require(target: Target, capability: type[Capability], user: str) -> Capability:
+    """`target` as `capability`, or a one-line error naming `user` (a drafter) and the backend."""
+    if not isinstance(target, capability):
+        raise ValueError(
+            f"{user} needs a target backend that {ABILITIES[capability]}; "
+            f"{type(target).__name__} does not (try --backend fast, or another drafter)"
+        )
+    return target
 
 
 def normalized(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -63,11 +134,55 @@ def recordable(layers: Iterable[int], n_layers: int) -> frozenset[int]:
     return layers
 
 
-def stacked_states(recorded: Mapping[int, Tensor], final: Tensor | None, layers: Sequence[int]) -> Tensor | None:
-    """`Target.hidden_states(layers)` from the recorded layer outputs [n, hidden] and the final state."""
-    if final is None or not layers:
-        return final
-    missing = [i for i in layers if i not in recorded]
-    if missing:
-        raise ValueError(f"the outputs of layers {missing} were not recorded: call record_layers({list(layers)}) first")
-    return torch.cat([recorded[i] for i in layers] + [final.float()], -1)
+class FeatureStore:
+    """The per-position features of a backend that implements `RecordsFeatures`.
+
+    Nothing is kept until the first `record`; then rows are preallocated for
+    every position of the context window (uncommitted until written). `valid`
+    counts the leading positions whose rows hold the current recording: a pass
+    from `start` extends it when it writes on from there, a pass through a subset
+    of the layers or a rollback shortens it.
+    """
+
+    def __init__(self, n_layers: int, hidden: int, capacity: int) -> None:
+        self.n_layers, self.hidden, self.capacity = n_layers, hidden, capacity
+        self.layers: frozenset[int] = frozenset()
+        self.final: Tensor | None = None  # [capacity, hidden] once recording
+        self.rows: dict[int, Tensor] = {}  # layer -> [capacity, hidden]
+        self.valid = 0
+
+    @property
+    def recording(self) -> bool:
+        return self.final is not None
+
+    def record(self, layers: Iterable[int]) -> None:
+        added = recordable(layers, self.n_layers) - self.layers
+        if self.final is None:
+            self.final = torch.empty(self.capacity, self.hidden)
+        for i in added:
+            self.rows[i] = torch.empty(self.capacity, self.hidden)
+        if added:
+            self.layers |= added
+            self.valid = 0  # earlier positions lack the new layers
+
+    def write(self, start: int, final: Tensor, outputs: dict[int, Tensor]) -> None:
+        """Rows of positions start.. from the final state [n, hidden] and layer outputs (`normalized`)."""
+        end = start + final.shape[0]
+        self.final[start:end] = final
+        for i in self.layers:
+            self.rows[i][start:end] = outputs[i]
+        if start <= self.valid:
+            self.valid = end
+
+    def truncate(self, length: int) -> None:
+        """Positions from `length` on no longer hold what a full pass over the text gives."""
+        self.valid = min(self.valid, length)
+
+    def read(self, start: int, end: int, layers: Sequence[int] = ()) -> Tensor:
+        """`RecordsFeatures.features`: refuses positions or layers that were not recorded."""
+        missing = [i for i in layers if i not in self.layers]
+        if self.final is None or missing:
+            raise ValueError(f"the outputs of layers {missing} were not recorded: call record_features({list(layers)}) first")
+        if not 0 <= start <= end <= self.valid:
+            raise ValueError(f"features of positions {start}..{end - 1} were not recorded (recorded: 0..{self.valid - 1})")
+        return torch.cat([self.rows[i][start:end] for i in layers] + [self.final[start:end]], -1)

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -37,19 +38,20 @@ from specsample.server.worker import EngineWorker, InvalidRequest, Job, QueueFul
 
 log = logging.getLogger("specsample.server")
 T = TypeVar("T")
-SPECULATIVE_FIELDS = ("acceptance_rate", "mean_accepted_length", "drafted_tokens", "accepted_tokens", "steps",
+SPECULATIVE_FIELDS = ("drafter", "acceptance_rate", "mean_accepted_length", "drafted_tokens", "accepted_tokens", "steps",
                       "tokens_per_second")
 
 
 def create_app(
     sampler: SpecSampler,
     *,
-    k: int | KPolicy = 4,
+    k: int | KPolicy | None = None,
     max_queue: int = 16,
     api_key: str | None = None,
     default_max_tokens: int = 256,
 ) -> FastAPI:
-    """An app serving `sampler`; generations run one at a time, at most `max_queue` admitted."""
+    """An app serving `sampler`; generations run one at a time, at most `max_queue` admitted; K by the
+    policy `k` (None: the sampler's configuration's)."""
     metrics = ServerMetrics()
     worker = EngineWorker(sampler, metrics, max_queue=max_queue, k=k, default_max_tokens=default_max_tokens)
 
@@ -64,6 +66,7 @@ def create_app(
         app.add_middleware(BearerAuth, api_key=api_key)
     add_error_handlers(app, metrics)
     name, created = sampler.model.name, int(time.time())
+    configuration = asdict(sampler.configuration)  # the drafter, its K policy and why they were chosen
 
     @app.get("/health")
     async def health() -> dict:
@@ -75,7 +78,7 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": name, "object": "model", "created": created, "owned_by": "specsample"}
+        card = {"id": name, "object": "model", "created": created, "owned_by": "specsample", "speculative": configuration}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")

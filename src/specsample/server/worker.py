@@ -70,7 +70,7 @@ class EngineWorker:
         metrics: ServerMetrics,
         *,
         max_queue: int,
-        k: int | KPolicy,
+        k: int | KPolicy | None,
         default_max_tokens: int,
     ) -> None:
         if max_queue < 1:

@@ -16,12 +16,13 @@ The emitted tokens then follow the target distribution exactly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from specsample.sampling import sample
+from specsample.sampling import SamplingParams, probs_from_logits, sample
 
 
 @dataclass(frozen=True)
@@ -72,3 +73,25 @@ def greedy_verify(draft_tokens: Tensor, target_logits: Tensor) -> Verdict:
 def leading_true(mask: Tensor) -> Tensor:
     """Number of leading True values of a 1-D bool tensor."""
     return mask.int().cumprod(0).sum()
+
+
+@dataclass(frozen=True)
+class ChainVerifier:
+    """Verifies a chain draft against the target's logits [k + 1, vocab]: `greedy` at temperature 0,
+    else `sample` over the target_probs of the request's sampling transform. The engine takes one
+    as an argument, so a check can pass a verifier broken on purpose (`verify.check.BROKEN`)."""
+
+    sample: Callable[[Tensor, Tensor | None, Tensor, torch.Generator], Verdict] = rejection_sample
+    greedy: Callable[[Tensor, Tensor], Verdict] = greedy_verify
+
+    def __call__(
+        self,
+        draft_tokens: Tensor,
+        draft_probs: Tensor | None,
+        target_logits: Tensor,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> Verdict:
+        if params.greedy:
+            return self.greedy(draft_tokens, target_logits)
+        return self.sample(draft_tokens, draft_probs, probs_from_logits(target_logits, params), generator)

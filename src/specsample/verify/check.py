@@ -16,15 +16,14 @@ Each sample allows a draft of min(K, 2) tokens at its first step, so both
 tested tokens can be accepted draft tokens. Every sample of a context starts
 with the same prefill; `PrefixCache` answers a repeated prefill by rolling the
 target's cache back to it, which halves the time on a real model.
-`always_accept()` swaps in a sampler that accepts every draft token: the
-self-test that the check rejects it.
+`BROKEN` is a verifier that accepts every draft token: `certify` with it is the
+self-test that the check rejects it (`specsample check --broken`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -34,15 +33,14 @@ from scipy.stats import chisquare
 from torch import Tensor
 from tqdm import tqdm
 
-import specsample.engine as engine
 from specsample.api import SpecSampler
-from specsample.drafters import make_drafter
-from specsample.models import Target, load_model, make_target
-from specsample.models.target import stacked_states
+from specsample.engine import decode
+from specsample.models import Target, load_target
+from specsample.models.target import RecordsFeatures, require
 from specsample.policy import KPolicy
 from specsample.sampling import SamplingParams, probs_from_logits, sample
 from specsample.stats import Stats
-from specsample.verify import Verdict
+from specsample.verify.chain import ChainVerifier, Verdict
 
 ALPHA = 1e-3
 CONTEXTS = (
@@ -57,8 +55,8 @@ class PrefixCache:
     """A Target that answers a prefill of the tokens it last prefilled by rolling back to them.
 
     Positions before the cache length are never rewritten by `score`, so the
-    cached prefix stays valid; the prefill's hidden states are kept for
-    drafters that read them.
+    cached prefix stays valid, and so do the features a backend keeps for it
+    (`RecordsFeatures` indexes them by position).
     """
 
     def __init__(self, target: Target) -> None:
@@ -66,55 +64,48 @@ class PrefixCache:
         self.vocab_size = target.vocab_size
         self.max_length = target.max_length
         self.prefix = torch.empty(0, dtype=torch.long)
-        self.recorded: tuple[int, ...] = ()
-        self.prefix_hidden: Tensor | None = None  # [n, (len(recorded) + 1) * hidden]
-        self.reused = False  # the last call was a prefill answered from the cache
 
     @property
     def length(self) -> int:
         return self.target.length
 
     def prefill(self, token_ids: Tensor) -> None:
-        self.reused = self.target.length >= len(self.prefix) > 0 and torch.equal(token_ids, self.prefix)
-        if self.reused:
+        if self.target.length >= len(self.prefix) > 0 and torch.equal(token_ids, self.prefix):
             self.target.rollback(len(self.prefix))
             return
         self.target.prefill(token_ids)
         self.prefix = token_ids.clone()
-        hidden = self.target.hidden_states(self.recorded)
-        self.prefix_hidden = None if hidden is None else hidden.clone()
 
     def score(self, token_ids: Tensor) -> Tensor:
-        self.reused = False
         return self.target.score(token_ids)
 
     def rollback(self, length: int) -> None:
         self.target.rollback(length)
 
-    def record_layers(self, layers: Iterable[int]) -> None:
-        self.target.record_layers(layers)
-        self.recorded = tuple(sorted(set(self.recorded) | set(layers)))
+    def record_features(self, layers: Iterable[int]) -> None:
+        require(self.target, RecordsFeatures, "a draft head").record_features(layers)
         self.prefix = torch.empty(0, dtype=torch.long)  # the kept prefix lacks the new layers
 
-    def hidden_states(self, layers: Sequence[int] = ()) -> Tensor | None:
-        if not self.reused or self.prefix_hidden is None:
-            return self.target.hidden_states(layers)
-        *recorded, final = self.prefix_hidden.chunk(len(self.recorded) + 1, -1)
-        return stacked_states(dict(zip(self.recorded, recorded)), final, layers)
+    def features(self, start: int, end: int, layers: Sequence[int] = ()) -> Tensor:
+        return self.target.features(start, end, layers)
 
     def __getattr__(self, name: str):
-        """A backend's extras (layerskip runs the target's `forward` over a subset of its `layers`)."""
-        self.reused = False  # they may change the cache and the hidden states
+        """A backend's other capabilities (layerskip runs the target's `forward` over a subset of its `layers`)."""
         return getattr(self.target, name)
 
 
 def load_sampler(
-    model: str | None, drafter: str, *, backend: str = "auto", trust_remote_code: bool = False
+    model: str | None,
+    drafter: str | None,
+    *,
+    backend: str = "auto",
+    trust_remote_code: bool = False,
+    threads: int | None = None,
 ) -> SpecSampler:
-    """A SpecSampler whose target (as its drafter sees it too) reuses a repeated prefill."""
-    loaded = load_model(model, trust_remote_code=trust_remote_code)
-    target = PrefixCache(make_target(loaded, backend))
-    return SpecSampler(loaded, target, make_drafter(drafter, loaded, target, trust_remote_code=trust_remote_code))
+    """A SpecSampler (drafter None: the default configuration) whose target, as its drafter sees it
+    too, reuses a repeated prefill."""
+    loaded, target = load_target(model, backend, trust_remote_code=trust_remote_code, threads=threads)
+    return SpecSampler.build(loaded, PrefixCache(target), drafter, trust_remote_code=trust_remote_code)
 
 
 def chi_square_p(observed: np.ndarray, probs: np.ndarray) -> float:
@@ -175,6 +166,7 @@ def certify(
     chat: bool = True,
     alpha: float = ALPHA,
     progress: bool = False,
+    verifier: ChainVerifier = ChainVerifier(),
 ) -> Certificate:
     """Sample `samples` token pairs per context through the speculative path and test them."""
     if samples < 1:
@@ -184,7 +176,7 @@ def certify(
     for context in contexts:
         prompt_ids = torch.tensor(sampler.encode(context, chat), dtype=torch.long)
         runs = tqdm(range(samples), desc=context[:24], unit="sample", leave=False, disable=not progress)
-        pairs = [sample_pair(sampler, policy, prompt_ids, params, generator, stats) for _ in runs]
+        pairs = [sample_pair(sampler, policy, prompt_ids, params, generator, stats, verifier) for _ in runs]
         tests += context_tests(sampler, context, prompt_ids, params, pairs, conditionals)
     certificate = Certificate(tests, alpha, stats, perf_counter() - start)
     if stats.drafted_tokens == 0:
@@ -199,11 +191,12 @@ def sample_pair(
     params: SamplingParams,
     generator: torch.Generator,
     stats: Stats,
+    verifier: ChainVerifier,
 ) -> tuple[int, int]:
     """The first two new tokens of one speculative generation (no EOS stop)."""
-    steps = engine.decode(
+    steps = decode(
         sampler.target, sampler.drafter, policy, prompt_ids, params,
-        max_new_tokens=3, eos_token_ids=frozenset(), generator=generator, stats=stats,
+        max_new_tokens=3, eos_token_ids=frozenset(), generator=generator, stats=stats, verifier=verifier,
     )
     tokens: list[int] = []
     for new in steps:
@@ -265,15 +258,7 @@ def accept_all_greedy(draft_tokens: Tensor, target_logits: Tensor) -> Verdict:
     return Verdict(k, int(target_logits[k].argmax()))
 
 
-@contextmanager
-def always_accept() -> Iterator[None]:
-    """Within the block the engine accepts every draft token (the `check --broken` self-test)."""
-    saved = engine.rejection_sample, engine.greedy_verify
-    engine.rejection_sample, engine.greedy_verify = accept_all, accept_all_greedy
-    try:
-        yield
-    finally:
-        engine.rejection_sample, engine.greedy_verify = saved
+BROKEN = ChainVerifier(sample=accept_all, greedy=accept_all_greedy)  # the `check --broken` self-test
 
 
 def render(certificate: Certificate, broken: bool = False) -> str:

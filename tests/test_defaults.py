@@ -1,0 +1,104 @@
+"""The default configuration: with no drafter named, the best measured one for the backend at hand
+is used, falls back where it cannot run, and is reported (--json, stats, /v1/models)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from fastapi.testclient import TestClient
+
+from specsample.api import SpecSampler
+from specsample.defaults import default_configuration
+from specsample.drafters import FallbackDrafter, NoDrafter, SuffixDrafter
+from specsample.drafters.quantized import QuantizedDrafter
+from specsample.models import kernels
+from specsample.server import create_app
+
+from test_cli import cli
+
+REPEATING = "w5 w9 w7 w3 w5 w9 w7 w3 w5 w9 w7 w3 w5 w9"
+
+
+def generate_json(*args: str, env: dict[str, str] | None = None) -> dict:
+    """`specsample generate --json` in a process of its own (kernel settings are read once per process)."""
+    command = [sys.executable, "-m", "specsample.cli", "generate", *args, "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.skipif(not kernels.available() or kernels.instruction_set() != "avx512", reason="needs AVX-512 kernels")
+def test_the_fast_backend_on_avx512_speculates_with_suffix_and_the_quantized_copy(tiny_dir):
+    sampler = SpecSampler.load(str(tiny_dir))
+    assert sampler.configuration.drafter == "suffix+quantized" and sampler.configuration.k == "auto"
+    assert isinstance(sampler.drafter, FallbackDrafter)
+    assert isinstance(sampler.drafter.first, SuffixDrafter) and isinstance(sampler.drafter.second, QuantizedDrafter)
+    out = sampler.generate(REPEATING, chat=False, temperature=0, max_new_tokens=24)
+    assert out.stats.drafter == "suffix+quantized" and out.stats.drafted_tokens > 0
+    plain = SpecSampler.load(str(tiny_dir), "none").generate(REPEATING, chat=False, temperature=0, max_new_tokens=24)
+    assert out.token_ids == plain.token_ids
+
+
+def test_the_transformers_backend_falls_back_to_a_lookup_drafter(capsys, tiny_dir):
+    code, out, err = cli(capsys, "generate", REPEATING, "--model", str(tiny_dir), "--no-chat", "--backend",
+                         "transformers", "--temperature", "0", "--max-new-tokens", "16", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["drafter"] == "suffix" and result["k"] == "auto" and "lookup drafter" in result["drafter_reason"]
+    assert result["stats"]["drafter"] == "suffix"
+
+
+def test_kernels_built_without_avx512_decode_plainly(tiny_dir):
+    """On AVX2-only kernels a batched pass costs about n single ones: the default is plain decoding.
+    The AVX2 build is forced on any x86 machine with SPECSAMPLE_KERNEL_ISA (models/kernels.py)."""
+    result = generate_json(REPEATING, "--model", str(tiny_dir), "--no-chat", "--temperature", "0",
+                           "--max-new-tokens", "8", env={kernels.ISA_VARIABLE: "avx2"})
+    assert result["drafter"] == "none" and "avx2" in result["drafter_reason"]
+    assert result["stats"]["drafted_tokens"] == 0
+
+
+def test_the_fast_backend_on_torch_ops_falls_back_to_a_lookup_drafter(tiny_dir):
+    result = generate_json(REPEATING, "--model", str(tiny_dir), "--no-chat", "--temperature", "0",
+                           "--max-new-tokens", "8", env={"SPECSAMPLE_NO_KERNELS": "1"})
+    assert result["drafter"] == "suffix"
+
+
+def test_a_named_drafter_is_used_as_given(tiny_dir):
+    sampler = SpecSampler.load(str(tiny_dir), "none")
+    assert isinstance(sampler.drafter, NoDrafter)
+    assert (sampler.configuration.drafter, sampler.configuration.k, sampler.configuration.reason) == ("none", "4", "given")
+
+
+def test_the_server_lists_its_configuration(tiny_dir):
+    sampler = SpecSampler.load(str(tiny_dir), backend="transformers")
+    with TestClient(create_app(sampler)) as client:
+        card = client.get("/v1/models").json()["data"][0]
+        assert card["speculative"] == {"drafter": "suffix", "k": "auto", "reason": sampler.configuration.reason}
+        body = {"prompt": REPEATING, "max_tokens": 8, "temperature": 0}
+        assert client.post("/v1/completions", json=body).json()["speculative"]["drafter"] == "suffix"
+
+
+def test_the_choice_reads_capabilities_not_types(tiny_dir):
+    """A wrapper that forwards the fast backend's capabilities gets the fast backend's default."""
+    from specsample.verify.check import PrefixCache
+
+    sampler = SpecSampler.load(str(tiny_dir), "none")
+    assert default_configuration(PrefixCache(sampler.target)) == default_configuration(sampler.target)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.available() or kernels.instruction_set() != "avx512", reason="needs AVX-512 kernels")
+def test_readme_first_command_speculates_and_matches_plain_decoding(capsys):
+    args = ("generate", "Explain speculative decoding in two sentences.", "--temperature", "0",
+            "--max-new-tokens", "64", "--json")
+    code, out, err = cli(capsys, *args)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["drafter"] == "suffix+quantized" and result["stats"]["drafted_tokens"] > 0
+    code, plain, err = cli(capsys, *args, "--drafter", "none")
+    assert code == 0, err
+    assert json.loads(plain)["token_ids"] == result["token_ids"]
