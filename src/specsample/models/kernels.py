@@ -5,10 +5,18 @@ the caches, so its speed is the speed of streaming the weights from memory.
 MKL's sgemm is tuned for large matrices: on a small CPU it reads the weights
 at about half the memory bandwidth for one row and gets slower with every row
 added, so scoring 8 tokens costs 2 to 3 times scoring one. `matmul` reads each
-weight once, in the order it lies in memory, and keeps up to 12 rows of
-results in vector registers, so 12 rows cost about what one does. Weights are
+weight once, in the order it lies in memory, and keeps the results of several
+rows in vector registers, so 12 rows cost little more than one. Weights are
 packed in panels of 32 output columns, [blocks, in, 32]: one panel is a
-contiguous stream, and the 32 columns are two AVX-512 registers.
+contiguous stream.
+
+The register blocking is chosen at compile time for the vector instruction set
+(`instruction_set()`): with AVX-512 the 32 columns of a panel are two registers
+and 12 rows are 24 of its 32 registers; with AVX2 (16 registers of 8 floats) a
+panel is read as two halves of 16 columns, 6 rows at a time, each half over
+128 inputs before the other reads them from L1; elsewhere ("portable"), 4-float
+vectors. Each output is one chain of multiply-adds in input order, so a row's
+result is bitwise the same whatever the number of rows in the pass.
 
 Weights are float32 (`pack`) or int8 with one float scale per output column
 (`pack_int8`): the same code, a template over the weight type, converts int8
@@ -20,11 +28,16 @@ takes about 40 small torch ops (norms, rotary embedding, cache writes,
 grouped-query attention, SwiGLU), whose dispatch overhead, not arithmetic, is
 what they cost at 1 to 16 tokens.
 
-The C++ source is compiled on first use with the system compiler (`g++`/`c++`,
--O3 -march=native, OpenMP: the libgomp torch already loaded) into the user's
-cache and loaded with ctypes; without a compiler, or with
-SPECSAMPLE_NO_KERNELS=1, `available()` is False and callers use torch ops.
-Sums run in another order than MKL's, so results differ by float32 rounding.
+The C++ source, `kernels.cpp` beside this module, is compiled on first use with
+the system compiler (`g++`/`c++`, -O3 -march=native, OpenMP: the libgomp torch
+already loaded) into the user's cache, keyed by the source, the flags, the
+compiler and its version, and the CPU, and loaded with ctypes. Without a
+compiler, or with SPECSAMPLE_NO_KERNELS=1, `available()` is False and callers
+use torch ops. SPECSAMPLE_KERNEL_ISA=avx2 builds for AVX2 on an AVX-512 CPU
+(-mno-avx512f), SPECSAMPLE_KERNEL_ISA=portable without AVX (-mno-avx; both x86
+only): how the other paths are tested and measured on one machine; the default,
+`native`, is the best the CPU has. Sums run in another order than MKL's, so
+results differ by float32 rounding.
 """
 from __future__ import annotations
 
@@ -37,241 +50,19 @@ import subprocess
 import tempfile
 import warnings
 from functools import cache
+from importlib import resources
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-BLOCK = 32  # output columns per panel
+BLOCK = 32  # output columns per panel (NB in kernels.cpp)
 MAX_HEAD_DIM = 1024  # rotary embedding works on a stack copy of one head
 
-SOURCE = r"""
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-#include <stdint.h>
-#include <string.h>
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int8_t v16b __attribute__((vector_size(16), aligned(1)));
-typedef int v16i __attribute__((vector_size(64)));
-enum { NB = 32, MAX_ROWS = 12 };
-
-// 16 consecutive weights as floats: float32 as stored, int8 converted in registers. GCC 12
-// lowers the conversion of an int8 vector loaded from memory byte by byte, so AVX-512 gets
-// the two instructions it takes (vpmovsxbd, vcvtdq2ps) as intrinsics.
-static inline v16 load16(const float* w) { return *(const v16*)w; }
-static inline v16 load16(const int8_t* w) {
-#ifdef __AVX512F__
-  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
-#else
-  return __builtin_convertvector(__builtin_convertvector(*(const v16b*)w, v16i), v16);
-#endif
-}
-
-// y[0:MR, panel] (+)= (x[0:MR, :] @ w_panel[K, NB]) * scale (+ bias): accumulators stay in registers.
-// scale (one per column) is null for float32 weights.
-template <typename W, int MR>
-static void panel(const float* __restrict x, long ldx, const W* __restrict w, const float* __restrict scale,
-                  long K, float* __restrict y, long ldy, const float* __restrict bias, int ncols, int add) {
-  v16 a0[MR], a1[MR];
-  for (int m = 0; m < MR; m++) { a0[m] = (v16){}; a1[m] = (v16){}; }
-  for (long k = 0; k < K; k++) {
-    v16 w0 = load16(w + k * NB);
-    v16 w1 = load16(w + k * NB + 16);
-    for (int m = 0; m < MR; m++) { float s = x[m * ldx + k]; a0[m] += s * w0; a1[m] += s * w1; }
-  }
-  for (int m = 0; m < MR; m++) {
-    float out[NB];
-    *(v16u*)out = a0[m];
-    *(v16u*)(out + 16) = a1[m];
-    float* row = y + m * ldy;
-    if (scale) for (int j = 0; j < ncols; j++) out[j] *= scale[j];
-    if (bias) for (int j = 0; j < ncols; j++) out[j] += bias[j];
-    if (add) for (int j = 0; j < ncols; j++) row[j] += out[j];
-    else memcpy(row, out, ncols * sizeof(float));
-  }
-}
-
-template <typename W>
-using panel_fn = void (*)(const float*, long, const W*, const float*, long, float*, long, const float*, int, int);
-template <typename W>
-static const panel_fn<W> PANELS[MAX_ROWS + 1] = {
-    0, panel<W, 1>, panel<W, 2>, panel<W, 3>, panel<W, 4>, panel<W, 5>, panel<W, 6>,
-    panel<W, 7>, panel<W, 8>, panel<W, 9>, panel<W, 10>, panel<W, 11>, panel<W, 12>};
-
-template <typename W>
-static void gemm(const float* x, long M, long K, long ldx, const W* w, const float* scale, long N,
-                 float* y, long ldy, const float* bias, int add) {
-  long blocks = (N + NB - 1) / NB;
-  long chunks = (M + MAX_ROWS - 1) / MAX_ROWS;
-  // Threads pay off only once the weights outgrow the cache of one core.
-#pragma omp parallel for schedule(static) if (N * K >= 65536)
-  for (long b = 0; b < blocks; b++) {
-    int ncols = (int)(N - b * NB < NB ? N - b * NB : NB);
-    for (long c = 0; c < chunks; c++) {
-      long m0 = c * M / chunks, m1 = (c + 1) * M / chunks;
-      PANELS<W>[m1 - m0](x + m0 * ldx, ldx, w + b * K * NB, scale ? scale + b * NB : 0, K,
-                         y + m0 * ldy + b * NB, ldy, bias ? bias + b * NB : 0, ncols, add);
-    }
-  }
-}
-
-// y[M, N] (+)= x[M, K] @ w (* scale) (+ bias); w packed [ceil(N / NB), K, NB], float32 with scale
-// null, or int8 with one scale per column; row strides ldx, ldy.
-extern "C" void specsample_gemm(const float* x, long M, long K, long ldx, const void* w, const float* scale,
-                                long N, float* y, long ldy, const float* bias, int add) {
-  if (scale) gemm(x, M, K, ldx, (const int8_t*)w, scale, N, y, ldy, bias, add);
-  else gemm(x, M, K, ldx, (const float*)w, scale, N, y, ldy, bias, add);
-}
-
-// exp(x) of 16 lanes, x <= 0: 2^k * p(r) with x = k ln2 + r, |r| <= ln2 / 2, p of degree 7
-// (relative error below float32 rounding).
-static inline v16 exp16(v16 x) {
-  x = x < -87.0f ? (v16){} - 87.0f : x;
-  v16 k = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
-  v16 r = x - k * 0.693145752f - k * 1.42860677e-6f;
-  v16 p = 1.0f / 5040 + r * (1.0f / 40320);
-  p = 1.0f / 720 + r * p;
-  p = 1.0f / 120 + r * p;
-  p = 1.0f / 24 + r * p;
-  p = 1.0f / 6 + r * p;
-  p = 0.5f + r * p;
-  p = 1.0f + r * p;
-  p = 1.0f + r * p;
-  v16i bits = (__builtin_convertvector(k, v16i) + 127) << 23;
-  return p * (v16)bits;
-}
-
-// o[0:d] = sum over i < len of p[i] * scale * v[i, 0:d], accumulators in registers for d = 16 NV.
-template <int NV>
-static void weighted_sum_v(const float* p, float scale, const float* v, long len, float* o) {
-  v16 acc[NV] = {};
-  for (long i = 0; i < len; i++)
-    for (int u = 0; u < NV; u++) acc[u] += (p[i] * scale) * *(const v16u*)(v + i * NV * 16 + u * 16);
-  for (int u = 0; u < NV; u++) *(v16u*)(o + u * 16) = acc[u];
-}
-
-static void weighted_sum(const float* p, float scale, const float* v, long len, long d, float* o) {
-  if (d == 64) return weighted_sum_v<4>(p, scale, v, len, o);
-  if (d == 128) return weighted_sum_v<8>(p, scale, v, len, o);
-  for (long j = 0; j < d; j++) o[j] = 0;
-  for (long i = 0; i < len; i++)
-    for (long j = 0; j < d; j++) o[j] += (p[i] * scale) * v[i * d + j];
-}
-
-// One layer's attention for n new tokens at positions start..start+n-1.
-// qkv [n, (heads + 2 kv_heads) d]: q and k are rotated in place (x cos + roll(x, d/2) signed_sin,
-// cos and sin [n, d]); keys [kv_heads, d, cap] (transposed: 16 positions are one vector) and
-// values [kv_heads, cap, d] get positions start.. written and 0..start+n-1 read, cap a multiple
-// of 16 and not of 1024 (rows of keys a power of two apart would share cache sets); out [n, heads d]. Query head h reads KV head h / (heads / kv_heads); token t sees
-// positions 0..start+t.
-static void attention(float* qkv, long n, long heads, long kv_heads, long d, const float* cos,
-                      const float* sin, float* keys, float* values, long cap, long start, float* out) {
-  long width = (heads + 2 * kv_heads) * d, groups = heads / kv_heads, half = d / 2;
-  for (long t = 0; t < n; t++) {
-    float* row = qkv + t * width;
-    const float *c = cos + t * d, *s = sin + t * d;
-    for (long h = 0; h < heads + kv_heads; h++) {
-      float x[1024], *y = row + h * d;
-      memcpy(x, y, d * sizeof(float));
-      for (long j = 0; j < half; j++) y[j] = x[j] * c[j] + x[j + half] * s[j];
-      for (long j = half; j < d; j++) y[j] = x[j] * c[j] + x[j - half] * s[j];
-    }
-    for (long g = 0; g < kv_heads; g++) {
-      for (long j = 0; j < d; j++) keys[(g * d + j) * cap + start + t] = row[(heads + g) * d + j];
-      memcpy(values + (g * cap + start + t) * d, row + (heads + kv_heads + g) * d, d * sizeof(float));
-    }
-  }
-  long end = start + n;
-  float scale = 1.0f / __builtin_sqrtf((float)d);
-#pragma omp parallel if (n * heads * end * d >= 500000)
-  {
-    float* scores = new float[(end + 15) / 16 * 16];
-#pragma omp for schedule(static)
-    for (long job = 0; job < n * heads; job++) {
-      long t = job / heads, h = job % heads, g = h / groups, len = start + t + 1, blocks = (len + 15) / 16;
-      const float* q = qkv + t * width + h * d;
-      const float* kt = keys + g * d * cap;
-      v16 top = (v16){} - __builtin_inff();
-      for (long b = 0; b < blocks; b++) {
-        v16 acc = {};
-        for (long j = 0; j < d; j++) acc += q[j] * *(const v16u*)(kt + j * cap + b * 16);
-        acc *= scale;
-        if (b == blocks - 1)  // lanes past len are not positions of this token
-          for (int l = (int)(len - b * 16); l < 16; l++) acc[l] = -__builtin_inff();
-        *(v16u*)(scores + b * 16) = acc;
-        top = acc > top ? acc : top;
-      }
-      float m = top[0];
-      for (int l = 1; l < 16; l++) m = top[l] > m ? top[l] : m;
-      v16 sum = {};
-      for (long b = 0; b < blocks; b++) {
-        v16 e = exp16(*(v16u*)(scores + b * 16) - m);
-        *(v16u*)(scores + b * 16) = e;
-        sum += e;
-      }
-      float total = 0;
-      for (int l = 0; l < 16; l++) total += sum[l];
-      float inv = 1.0f / total;
-      weighted_sum(scores, inv, values + g * cap * d, len, d, out + t * heads * d + h * d);
-    }
-    delete[] scores;
-  }
-}
-
-static void rms_norm(const float* x, const float* w, long M, long n, float eps, float* y) {
-  for (long m = 0; m < M; m++) {
-    const float* row = x + m * n;
-    float acc[16] = {0}, sum = 0;
-    long j = 0;
-    for (; j + 16 <= n; j += 16)
-      for (int l = 0; l < 16; l++) acc[l] += row[j + l] * row[j + l];
-    for (; j < n; j++) sum += row[j] * row[j];
-    for (int l = 0; l < 16; l++) sum += acc[l];
-    float r = 1.0f / __builtin_sqrtf(sum / n + eps);
-    for (j = 0; j < n; j++) y[m * n + j] = w[j] * (row[j] * r);
-  }
-}
-
-// Weights and cache of one decoder layer; matrices packed as by `pack` (scales null) or by
-// `pack_int8` (each with its column scales).
-struct Layer {
-  long hidden, heads, kv_heads, d, inter, cap;
-  float eps;
-  const float *attn_norm, *mlp_norm;
-  const void* wqkv;
-  const float* bqkv;
-  const void* wo;
-  const float* bo;
-  const void *wgu, *wdown;
-  const float *sqkv, *so, *sgu, *sdown, *cos, *sin;
-  float *keys, *values;
-};
-
-// One decoder layer over x [M, hidden] (the residual stream, updated in place) at positions
-// start..start+M-1. scratch holds M (hidden + (heads + 2 kv_heads) d + heads d + 3 inter) floats.
-extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, float* scratch) {
-  long H = L->hidden, qkv_width = (L->heads + 2 * L->kv_heads) * L->d, att_width = L->heads * L->d;
-  long I = L->inter;
-  float *h = scratch, *qkv = h + M * H, *att = qkv + M * qkv_width, *gu = att + M * att_width;
-  float* act = gu + M * 2 * I;
-  rms_norm(x, L->attn_norm, M, H, L->eps, h);
-  specsample_gemm(h, M, H, H, L->wqkv, L->sqkv, qkv_width, qkv, qkv_width, L->bqkv, 0);
-  attention(qkv, M, L->heads, L->kv_heads, L->d, L->cos + start * L->d, L->sin + start * L->d,
-            L->keys, L->values, L->cap, start, att);
-  specsample_gemm(att, M, att_width, att_width, L->wo, L->so, H, x, H, L->bo, 1);
-  rms_norm(x, L->mlp_norm, M, H, L->eps, h);
-  specsample_gemm(h, M, H, H, L->wgu, L->sgu, 2 * I, gu, 2 * I, 0, 0);
-  for (long m = 0; m < M; m++)
-    for (long j = 0; j < I; j++) {
-      float g = gu[m * 2 * I + j];
-      act[m * I + j] = g / (1.0f + __builtin_expf(-g)) * gu[m * 2 * I + I + j];
-    }
-  specsample_gemm(act, M, I, I, L->wdown, L->sdown, H, x, H, 0, 1);
-}
-"""
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# Flags added for SPECSAMPLE_KERNEL_ISA: each disables the instruction sets above the one asked for.
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx"]}
+ISA_VARIABLE = "SPECSAMPLE_KERNEL_ISA"
 
 
 def _cache_dir() -> Path:
@@ -290,34 +81,51 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _compile(compiler: str, target: Path) -> None:
+def _source() -> str:
+    """The C++ source, shipped as package data."""
+    return resources.files(__package__).joinpath("kernels.cpp").read_text()
+
+
+def _compile(compiler: str, flags: list[str], source: str, target: Path) -> None:
     """Build the shared library into `target`, atomically (concurrent builds are harmless)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = Path(tmp) / "kernels.cpp"
-        source.write_text(SOURCE)
+        source_path = Path(tmp) / "kernels.cpp"
+        source_path.write_text(source)
         library = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(source), "-o", str(library)], check=True, capture_output=True)
+        subprocess.run([compiler, *flags, str(source_path), "-o", str(library)], check=True, capture_output=True)
         os.replace(library, target)
 
 
 @cache
-def _library() -> ctypes.CDLL | None:
-    """The compiled kernels, built on first use; None where that is impossible or disabled."""
-    if os.environ.get("SPECSAMPLE_NO_KERNELS") or platform.system() != "Linux":
+def _load(isa: str) -> ctypes.CDLL | None:
+    """The kernels of `kernels.cpp` compiled with `ISA_FLAGS[isa]`, built on first use."""
+    return _build(_source(), isa)
+
+
+def _build(source: str, isa: str) -> ctypes.CDLL | None:
+    """`source` compiled with `ISA_FLAGS[isa]` (or found in the cache) and loaded; None where that is impossible.
+
+    Libraries of different sources, flags (so instruction sets), compilers and CPUs have
+    different cache keys, so they live side by side in the cache and in one process.
+    """
+    if platform.system() != "Linux":
         return None
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         return None
-    key = hashlib.sha256("\0".join([SOURCE, *FLAGS, compiler, _cpu_id()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"kernels-{key}.so"
+    flags = FLAGS + ISA_FLAGS[isa]
     try:
+        version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True).stdout
+        key = hashlib.sha256("\0".join([source, *flags, compiler, version, _cpu_id()]).encode()).hexdigest()[:16]
+        target = _cache_dir() / f"kernels-{key}.so"
         if not target.is_file():
-            _compile(compiler, target)
+            _compile(compiler, flags, source, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", b"") or str(error).encode()
-        warnings.warn(f"specsample: C++ kernels unavailable, using torch ops: {detail.decode()[-500:]}", stacklevel=2)
+        detail = getattr(error, "stderr", b"") or str(error)
+        detail = detail.decode() if isinstance(detail, bytes) else detail
+        warnings.warn(f"specsample: C++ kernels unavailable, using torch ops: {detail[-500:]}", stacklevel=4)
         return None
     fn = lib.specsample_gemm
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
@@ -326,12 +134,38 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.specsample_layer
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     fn.restype = None
+    lib.specsample_isa.argtypes = []
+    lib.specsample_isa.restype = ctypes.c_char_p
     return lib
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    """The kernels for the instruction set SPECSAMPLE_KERNEL_ISA asks for (default: native);
+    None where they cannot be built, or with SPECSAMPLE_NO_KERNELS set."""
+    if os.environ.get("SPECSAMPLE_NO_KERNELS"):
+        return None
+    isa = os.environ.get(ISA_VARIABLE) or "native"
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{ISA_VARIABLE}={isa!r}: expected one of {', '.join(ISA_FLAGS)}")
+    return _load(isa)
 
 
 def available() -> bool:
     """True if the kernels are built (or buildable) and loaded."""
     return _library() is not None
+
+
+def instruction_set() -> str:
+    """The vector instruction set the loaded kernels were compiled for: "avx512", "avx2" or
+    "portable" (read from the library, so what the compiler targeted, not what was asked for).
+
+    Raises RuntimeError where the kernels are unavailable: check `available()` first.
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the C++ kernels are unavailable (see kernels.available())")
+    return lib.specsample_isa().decode()
 
 
 def _panels(weight: Tensor) -> Tensor:

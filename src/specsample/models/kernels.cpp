@@ -1,0 +1,312 @@
+// Small-row matrix multiply and one decoder layer for decoding a few tokens on the CPU; loaded by
+// kernels.py (whose docstring says why these exist), compiled there with -O3 -march=native -fopenmp.
+//
+// The register blocking follows the instruction set the compiler targets, read from its predefined
+// macros: AVX-512 (32 registers of 16 floats), AVX2 with FMA (16 registers of 8 floats), or
+// portable 4-float vectors (SSE, NEON) for anything else. A vector type wider than the hardware's
+// is split by the compiler into halves that all need registers: on AVX2, 512-bit accumulators
+// for 12 rows would need 48 of its 16 registers and spill on every multiply-add.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+#include <stdint.h>
+#include <string.h>
+
+#include <utility>
+
+#if defined(__AVX512F__)
+// A row's 32 panel columns are two registers: 12 rows are 24 accumulators of the 32 registers.
+#define SPECSAMPLE_ISA "avx512"
+enum { VL = 16, NV = 2, MAX_ROWS = 12 };
+#elif defined(__AVX2__) && defined(__FMA__)
+// 16 columns (two registers) of up to 6 rows: 12 accumulators, 2 weight vectors and a broadcast
+// in the 16 registers; a panel of 32 columns is read as two such halves.
+#define SPECSAMPLE_ISA "avx2"
+enum { VL = 8, NV = 2, MAX_ROWS = 6 };
+#else
+// 8 columns of up to 6 rows: 12 of the 16 (SSE) or 32 (NEON) 128-bit registers.
+#define SPECSAMPLE_ISA "portable"
+enum { VL = 4, NV = 2, MAX_ROWS = 6 };
+#endif
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
+typedef int vi __attribute__((vector_size(VL * 4)));
+typedef int8_t vb __attribute__((vector_size(VL), aligned(1)));
+// NB: output columns per packed panel (kernels.BLOCK); SUB: columns of one register block; KC: the
+// panel rows (inputs) a register block runs over before the next block of the same rows, so that
+// every block but the first reads them from L1 (4 KiB of int8, 16 KiB of float32 weights).
+enum { NB = 32, SUB = VL * NV, SUBS = NB / SUB, KC = 128 };
+static_assert(NB % SUB == 0, "a panel is a whole number of register blocks");
+
+extern "C" const char* specsample_isa() { return SPECSAMPLE_ISA; }
+
+// VL consecutive weights as floats: float32 as stored, int8 converted in registers. GCC 12 lowers
+// the conversion of an int8 vector loaded from memory byte by byte, so AVX-512 and AVX2 get the
+// two instructions it takes (vpmovsxbd, vcvtdq2ps) as intrinsics.
+static inline vf load(const float* w) { return *(const vfu*)w; }
+static inline vf load(const int8_t* w) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)w)));
+#else
+  return __builtin_convertvector(__builtin_convertvector(*(const vb*)w, vi), vf);
+#endif
+}
+
+// y[0:MR, panel] (+)= (x[0:MR, :] @ w_panel[K, NB]) * scale (+ bias), scale (one per column) null
+// for float32 weights. Each register block of SUB columns keeps MR x NV accumulators in registers
+// over KC inputs, parked in `acc` between input chunks. Each output is one chain of multiply-adds
+// over k = 0..K-1 in order, so a row's result does not depend on MR or on the other rows.
+template <typename W, int MR>
+static void panel(const float* __restrict x, long ldx, const W* __restrict w, const float* __restrict scale,
+                  long K, float* __restrict y, long ldy, const float* __restrict bias, int ncols, int add) {
+  float acc[MR][NB];
+  const long chunk = SUBS == 1 ? K : KC;
+  for (long k0 = 0; k0 < K; k0 += chunk) {
+    long k1 = k0 + chunk < K ? k0 + chunk : K;
+    for (int s = 0; s < SUBS; s++) {
+      vf a[MR][NV];
+      for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NV; v++) a[m][v] = k0 ? *(const vfu*)&acc[m][s * SUB + v * VL] : (vf){};
+      const W* ws = w + s * SUB;
+      for (long k = k0; k < k1; k++) {
+        vf wv[NV];
+        for (int v = 0; v < NV; v++) wv[v] = load(ws + k * NB + v * VL);
+        for (int m = 0; m < MR; m++) {
+          float xm = x[m * ldx + k];
+          for (int v = 0; v < NV; v++) a[m][v] += xm * wv[v];
+        }
+      }
+      for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NV; v++) *(vfu*)&acc[m][s * SUB + v * VL] = a[m][v];
+    }
+  }
+  for (int m = 0; m < MR; m++) {
+    float* out = acc[m];
+    float* row = y + m * ldy;
+    if (scale) for (int j = 0; j < ncols; j++) out[j] *= scale[j];
+    if (bias) for (int j = 0; j < ncols; j++) out[j] += bias[j];
+    if (add) for (int j = 0; j < ncols; j++) row[j] += out[j];
+    else memcpy(row, out, ncols * sizeof(float));
+  }
+}
+
+template <typename W>
+using panel_fn = void (*)(const float*, long, const W*, const float*, long, float*, long, const float*, int, int);
+
+// panel<W, 1> .. panel<W, MAX_ROWS>, indexed by the row count less one.
+template <typename W, int... I>
+static const panel_fn<W>* panels(std::integer_sequence<int, I...>) {
+  static const panel_fn<W> table[] = {panel<W, I + 1>...};
+  return table;
+}
+
+template <typename W>
+static void gemm(const float* x, long M, long K, long ldx, const W* w, const float* scale, long N,
+                 float* y, long ldy, const float* bias, int add) {
+  const panel_fn<W>* by_rows = panels<W>(std::make_integer_sequence<int, MAX_ROWS>{});
+  long blocks = (N + NB - 1) / NB;
+  long chunks = (M + MAX_ROWS - 1) / MAX_ROWS;
+  // Threads pay off only once the weights outgrow the cache of one core.
+#pragma omp parallel for schedule(static) if (N * K >= 65536)
+  for (long b = 0; b < blocks; b++) {
+    int ncols = (int)(N - b * NB < NB ? N - b * NB : NB);
+    for (long c = 0; c < chunks; c++) {
+      long m0 = c * M / chunks, m1 = (c + 1) * M / chunks;
+      by_rows[m1 - m0 - 1](x + m0 * ldx, ldx, w + b * K * NB, scale ? scale + b * NB : 0, K,
+                           y + m0 * ldy + b * NB, ldy, bias ? bias + b * NB : 0, ncols, add);
+    }
+  }
+}
+
+// y[M, N] (+)= x[M, K] @ w (* scale) (+ bias); w packed [ceil(N / NB), K, NB], float32 with scale
+// null, or int8 with one scale per column; row strides ldx, ldy.
+extern "C" void specsample_gemm(const float* x, long M, long K, long ldx, const void* w, const float* scale,
+                                long N, float* y, long ldy, const float* bias, int add) {
+  if (scale) gemm(x, M, K, ldx, (const int8_t*)w, scale, N, y, ldy, bias, add);
+  else gemm(x, M, K, ldx, (const float*)w, scale, N, y, ldy, bias, add);
+}
+
+// exp(x) of each lane, x <= 0: 2^k * p(r) with x = k ln2 + r, |r| <= ln2 / 2, p of degree 7
+// (relative error below float32 rounding).
+static inline vf exp_nonpositive(vf x) {
+  x = x < -87.0f ? (vf){} - 87.0f : x;
+  vf k = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
+  vf r = x - k * 0.693145752f - k * 1.42860677e-6f;
+  vf p = 1.0f / 5040 + r * (1.0f / 40320);
+  p = 1.0f / 720 + r * p;
+  p = 1.0f / 120 + r * p;
+  p = 1.0f / 24 + r * p;
+  p = 1.0f / 6 + r * p;
+  p = 0.5f + r * p;
+  p = 1.0f + r * p;
+  p = 1.0f + r * p;
+  vi bits = (__builtin_convertvector(k, vi) + 127) << 23;
+  return p * (vf)bits;
+}
+
+// o[0:G VL] = sum over i < len of p[i] * scale * v[i, 0:G VL], v's rows d apart; G accumulators.
+template <int G>
+static void weighted_sum_v(const float* p, float scale, const float* v, long len, long d, float* o) {
+  vf acc[G] = {};
+  for (long i = 0; i < len; i++) {
+    float s = p[i] * scale;
+    for (int u = 0; u < G; u++) acc[u] += s * load(v + i * d + u * VL);
+  }
+  for (int u = 0; u < G; u++) *(vfu*)(o + u * VL) = acc[u];
+}
+
+// o[0:d] = sum over i < len of p[i] * scale * v[i, 0:d], in column groups of at most 8 registers.
+static void weighted_sum(const float* p, float scale, const float* v, long len, long d, float* o) {
+  if (d % (4 * VL) == 0) {
+    for (long c = 0; c < d; c += 8 * VL) {
+      if (d - c >= 8 * VL) weighted_sum_v<8>(p, scale, v + c, len, d, o + c);
+      else weighted_sum_v<4>(p, scale, v + c, len, d, o + c);
+    }
+    return;
+  }
+  for (long j = 0; j < d; j++) o[j] = 0;
+  for (long i = 0; i < len; i++)
+    for (long j = 0; j < d; j++) o[j] += (p[i] * scale) * v[i * d + j];
+}
+
+// scores[b VL .. (b + G) VL) = q . keys of those positions: G independent accumulators over j.
+template <int G>
+static void dot_keys(const float* q, const float* kt, long d, long cap, long b, float* scores) {
+  vf acc[G] = {};
+  for (long j = 0; j < d; j++) {
+    const float* k = kt + j * cap + b * VL;
+    for (int u = 0; u < G; u++) acc[u] += q[j] * load(k + u * VL);
+  }
+  for (int u = 0; u < G; u++) *(vfu*)(scores + (b + u) * VL) = acc[u];
+}
+
+// One layer's attention for n new tokens at positions start..start+n-1.
+// qkv [n, (heads + 2 kv_heads) d]: q and k are rotated in place (x cos + roll(x, d/2) signed_sin,
+// cos and sin [n, d]); keys [kv_heads, d, cap] (transposed: 16 positions are one AVX-512 vector)
+// and values [kv_heads, cap, d] get positions start.. written and 0..start+n-1 read, cap a
+// multiple of 16 and not of 1024 (rows of keys a power of two apart would share cache sets);
+// out [n, heads d]. Query head h reads KV head h / (heads / kv_heads); token t sees positions
+// 0..start+t.
+static void attention(float* qkv, long n, long heads, long kv_heads, long d, const float* cos,
+                      const float* sin, float* keys, float* values, long cap, long start, float* out) {
+  long width = (heads + 2 * kv_heads) * d, groups = heads / kv_heads, half = d / 2;
+  for (long t = 0; t < n; t++) {
+    float* row = qkv + t * width;
+    const float *c = cos + t * d, *s = sin + t * d;
+    for (long h = 0; h < heads + kv_heads; h++) {
+      float x[1024], *y = row + h * d;
+      memcpy(x, y, d * sizeof(float));
+      for (long j = 0; j < half; j++) y[j] = x[j] * c[j] + x[j + half] * s[j];
+      for (long j = half; j < d; j++) y[j] = x[j] * c[j] + x[j - half] * s[j];
+    }
+    for (long g = 0; g < kv_heads; g++) {
+      for (long j = 0; j < d; j++) keys[(g * d + j) * cap + start + t] = row[(heads + g) * d + j];
+      memcpy(values + (g * cap + start + t) * d, row + (heads + kv_heads + g) * d, d * sizeof(float));
+    }
+  }
+  long end = start + n;
+  float scale = 1.0f / __builtin_sqrtf((float)d);
+#pragma omp parallel if (n * heads * end * d >= 500000)
+  {
+    float* scores = new float[(end + VL - 1) / VL * VL];
+#pragma omp for schedule(static)
+    for (long job = 0; job < n * heads; job++) {
+      long t = job / heads, h = job % heads, g = h / groups, len = start + t + 1, blocks = (len + VL - 1) / VL;
+      const float* q = qkv + t * width + h * d;
+      const float* kt = keys + g * d * cap;
+      long b = 0;
+      for (; b + 4 <= blocks; b += 4) dot_keys<4>(q, kt, d, cap, b, scores);
+      for (; b < blocks; b++) dot_keys<1>(q, kt, d, cap, b, scores);
+      for (long i = len; i < blocks * VL; i++) scores[i] = -__builtin_inff();  // not positions of this token
+      vf top = (vf){} - __builtin_inff();
+      for (b = 0; b < blocks; b++) {
+        vf s = load(scores + b * VL) * scale;
+        *(vfu*)(scores + b * VL) = s;
+        top = s > top ? s : top;
+      }
+      float m = top[0];
+      for (int l = 1; l < VL; l++) m = top[l] > m ? top[l] : m;
+      vf sum = {};
+      for (b = 0; b < blocks; b++) {
+        vf e = exp_nonpositive(load(scores + b * VL) - m);
+        *(vfu*)(scores + b * VL) = e;
+        sum += e;
+      }
+      float total = 0;
+      for (int l = 0; l < VL; l++) total += sum[l];
+      float inv = 1.0f / total;
+      weighted_sum(scores, inv, values + g * cap * d, len, d, out + t * heads * d + h * d);
+    }
+    delete[] scores;
+  }
+}
+
+static void rms_norm(const float* x, const float* w, long M, long n, float eps, float* y) {
+  for (long m = 0; m < M; m++) {
+    const float* row = x + m * n;
+    float acc[16] = {0}, sum = 0;
+    long j = 0;
+    for (; j + 16 <= n; j += 16)
+      for (int l = 0; l < 16; l++) acc[l] += row[j + l] * row[j + l];
+    for (; j < n; j++) sum += row[j] * row[j];
+    for (int l = 0; l < 16; l++) sum += acc[l];
+    float r = 1.0f / __builtin_sqrtf(sum / n + eps);
+    for (j = 0; j < n; j++) y[m * n + j] = w[j] * (row[j] * r);
+  }
+}
+
+// act[m, j] = silu(gate[m, j]) * up[m, j] for gu [M, 2 I] (gate, then up): silu(g) = g sigmoid(g),
+// with sigmoid(g) from e = exp(-|g|) <= 1, VL lanes at a time (the tail of a row zero-padded).
+static void silu_mul(const float* gu, long M, long I, float* act) {
+  for (long m = 0; m < M; m++) {
+    const float *gate = gu + m * 2 * I, *up = gate + I;
+    float* a = act + m * I;
+    for (long j = 0; j < I; j += VL) {
+      long lanes = I - j < VL ? I - j : VL;
+      float g_buf[VL] = {}, u_buf[VL] = {}, a_buf[VL];
+      memcpy(g_buf, gate + j, lanes * sizeof(float));
+      memcpy(u_buf, up + j, lanes * sizeof(float));
+      vf g = load(g_buf), u = load(u_buf);
+      vf e = exp_nonpositive(g < 0 ? g : -g);
+      vf sigmoid = (g < 0 ? e : (vf){} + 1.0f) / (1.0f + e);
+      *(vfu*)a_buf = g * sigmoid * u;
+      memcpy(a + j, a_buf, lanes * sizeof(float));
+    }
+  }
+}
+
+// Weights and cache of one decoder layer; matrices packed as by `pack` (scales null) or by
+// `pack_int8` (each with its column scales).
+struct Layer {
+  long hidden, heads, kv_heads, d, inter, cap;
+  float eps;
+  const float *attn_norm, *mlp_norm;
+  const void* wqkv;
+  const float* bqkv;
+  const void* wo;
+  const float* bo;
+  const void *wgu, *wdown;
+  const float *sqkv, *so, *sgu, *sdown, *cos, *sin;
+  float *keys, *values;
+};
+
+// One decoder layer over x [M, hidden] (the residual stream, updated in place) at positions
+// start..start+M-1. scratch holds M (hidden + (heads + 2 kv_heads) d + heads d + 3 inter) floats.
+extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, float* scratch) {
+  long H = L->hidden, qkv_width = (L->heads + 2 * L->kv_heads) * L->d, att_width = L->heads * L->d;
+  long I = L->inter;
+  float *h = scratch, *qkv = h + M * H, *att = qkv + M * qkv_width, *gu = att + M * att_width;
+  float* act = gu + M * 2 * I;
+  rms_norm(x, L->attn_norm, M, H, L->eps, h);
+  specsample_gemm(h, M, H, H, L->wqkv, L->sqkv, qkv_width, qkv, qkv_width, L->bqkv, 0);
+  attention(qkv, M, L->heads, L->kv_heads, L->d, L->cos + start * L->d, L->sin + start * L->d,
+            L->keys, L->values, L->cap, start, att);
+  specsample_gemm(att, M, att_width, att_width, L->wo, L->so, H, x, H, L->bo, 1);
+  rms_norm(x, L->mlp_norm, M, H, L->eps, h);
+  specsample_gemm(h, M, H, H, L->wgu, L->sgu, 2 * I, gu, 2 * I, 0, 0);
+  silu_mul(gu, M, I, act);
+  specsample_gemm(act, M, I, I, L->wdown, L->sdown, H, x, H, 0, 1);
+}
