@@ -87,7 +87,7 @@ def generate(
     print("" if stream else out.text)
     s = out.stats
     print(f"[drafter {s.drafter}, {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tokens/s, "
-          f"acceptance rate {s.acceptance_rate:.2f}, "
+          f"{s.drafted_tokens} drafted, acceptance rate {s.acceptance_rate:.2f}, "
           f"mean accepted length {s.mean_accepted_length:.2f}, prefill {s.prefill_seconds:.2f} s, "
           f"load {s.load_seconds:.2f} s]", file=sys.stderr)
 
