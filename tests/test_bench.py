@@ -8,11 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import specsample.engine as engine
 from specsample.bench import harness, report
-from specsample.check import accept_all_greedy
+from specsample.api import SpecSampler
+from specsample.verify import ChainVerifier
+from specsample.verify.check import accept_all_greedy
 from specsample.drafters import REGISTRY
 from specsample.models import load_model, make_target
+from specsample.prompts import read_prompts
 
 from test_cli import cli
 
@@ -28,19 +30,6 @@ def prompts_file(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
     return path
-
-
-def test_load_prompts_limits_each_category(prompts_file):
-    prompts = harness.load_prompts(prompts_file, limit=1)
-    assert [(p.question_id, p.category, len(p.turns)) for p in prompts] == [(1, "writing", 2), (3, "qa", 1)]
-    assert [p.question_id for p in harness.load_prompts(prompts_file, categories=["writing"])] == [1, 2]
-
-
-def test_bad_prompts_file_is_a_clear_error(tmp_path):
-    path = tmp_path / "bad.jsonl"
-    path.write_text('{"question_id": 1, "turns": ["hi"]}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:1"):
-        harness.load_prompts(path)
 
 
 def test_configs_from_toml_and_pairs_with_precedence(tmp_path):
@@ -100,8 +89,9 @@ def test_mismatches_are_counted_when_verification_is_broken(monkeypatch, prompts
     target = make_target(loaded)
     defaults, configs = harness.read_configs([f"name=draft,drafter={tiny_draft_dir},k=3"], {"max_new_tokens": 8})
     configs = harness.with_baselines(defaults, configs, transformers=False)
-    monkeypatch.setattr(engine, "greedy_verify", accept_all_greedy)  # plain decoding drafts nothing: unaffected
-    records = harness.run(loaded, target, configs, harness.load_prompts(prompts_file), warmup=0, progress=False)
+    monkeypatch.setattr(SpecSampler, "verifier", ChainVerifier(greedy=accept_all_greedy))  # plain decoding drafts nothing: unaffected
+    records = harness.run(loaded, target, configs, read_prompts(prompts_file, spec_bench=True), warmup=0,
+                          progress=False)
     rows = {r["config"]: r for r in report.summarize(harness.record_dicts(records), [c.name for c in configs])
             if r["category"] == report.OVERALL}
     assert rows["plain"]["mismatches"] == 0 and rows["plain"]["checked"] == 4

@@ -8,21 +8,32 @@ from typing import Annotated, Optional
 
 import typer
 
+from specsample.prompts import Prompt, packaged_prompts, read_prompts
+
 app = typer.Typer(
     help="Benchmarks: cost curve, decoding speed.", no_args_is_help=True, add_completion=False, rich_markup_mode=None
 )
+
+PROMPTS_HELP = "Spec-Bench JSONL file (question_id, category, turns); default: the Spec-Bench prompts in the package."
+SPLIT_HELP = "all, or only the odd or even question_ids (held-out halves: the shipped head trained on the even ones)."
+
+
+def read_bench_prompts(path: Optional[Path], split: str, limit: Optional[int] = None,
+                       categories: Optional[list[str]] = None) -> list[Prompt]:
+    """The Spec-Bench prompts of `path` (default: the packaged ones) in `split`, at most `limit` per category."""
+    return read_prompts(path or packaged_prompts(), split=split, categories=categories or (), limit=limit,
+                        spec_bench=True)
 
 
 def _setup(threads: int | None) -> None:
     """Quiet transformers; set the number of CPU threads if asked."""
     import torch
-    from transformers.utils import logging
+
+    from specsample.cli import quiet_transformers
 
     if threads is not None:
         torch.set_num_threads(threads)
-
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
+    quiet_transformers()
 
 
 @app.command("cost-curve")
@@ -42,7 +53,6 @@ def cost_curve(
     from rich.table import Table
 
     from specsample.bench import cost_curve as cc
-    from specsample.bench.decode import DEFAULT_PROMPTS, read_prompts
     from specsample.models import load_model, make_target
 
     names = [b.strip() for b in backends.split(",") if b.strip()]
@@ -50,7 +60,7 @@ def cost_curve(
         raise ValueError("--max-n, --context-length and --repeats must be positive, --backends non-empty")
     _setup(threads)
     loaded = load_model(model)
-    text = "\n".join(read_prompts(DEFAULT_PROMPTS)) if DEFAULT_PROMPTS.is_file() else "The quick brown fox. " * 64
+    text = "\n".join(p.turns[0] for p in read_bench_prompts(None, "all"))
     ids = cc.context_tokens(loaded.tokenizer, text, context_length + max_n)
     targets = {name: make_target(loaded, name) for name in names}
     curves = cc.measure(targets, ids[:context_length], ids[context_length:], range(1, max_n + 1), repeats)
@@ -69,8 +79,9 @@ def cost_curve(
 @app.command("decode")
 def decode(
     model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2).")] = None,
-    prompts: Annotated[Path, typer.Option(help="Spec-Bench style JSONL of prompts.")] = None,
-    limit: Annotated[int, typer.Option(help="Number of prompts.")] = 8,
+    prompts: Annotated[Optional[Path], typer.Option(help=PROMPTS_HELP)] = None,
+    split: Annotated[str, typer.Option(help=SPLIT_HELP)] = "all",
+    limit: Annotated[int, typer.Option(help="Number of prompts (the first of the file, first turns only).")] = 8,
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate per prompt.")] = 128,
     drafter: Annotated[Optional[list[str]], typer.Option(
         help="Also run speculative decoding with this drafter (repeatable): a drafter name, a draft model "
@@ -80,42 +91,39 @@ def decode(
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: torch's, one per core).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
 ) -> None:
-    """Greedy decoding tokens/s: our engine against transformers generate, prompt by prompt."""
+    """Greedy decoding tokens/s: our engine against transformers generate, on the same prompts."""
     from rich.console import Console
     from rich.table import Table
 
     from specsample.bench import decode as bench_decode
+    from specsample.models import load_model, make_target
 
     if limit < 1 or max_new_tokens < 1 or k < 1:
         raise ValueError("--limit, --max-new-tokens and --k must be positive")
-    texts = bench_decode.read_prompts(prompts or bench_decode.DEFAULT_PROMPTS, limit)
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    items = read_bench_prompts(prompts, split)[:limit]
     _setup(threads)
-
-    def progress(i: int, runs: list) -> None:
-        rates = ", ".join(f"{r.system} {r.tokens_per_second:.1f} tok/s ({len(r.tokens)} tokens)" for r in runs)
-        console.print(f"prompt {i + 1}/{len(texts)}: {rates}")
-
-    drafters = {f"specsample+{spec}": spec for spec in drafter or []}
-    result = bench_decode.run(texts, model, max_new_tokens, drafters, k, backend, progress)
-    table = Table(title=f"Greedy decoding, {len(texts)} prompts, up to {max_new_tokens} new tokens")
+    loaded = load_model(model)
+    records = bench_decode.run(loaded, make_target(loaded, backend), items, drafter or (), k, max_new_tokens, backend)
+    summaries = bench_decode.summarize(records)
+    table = Table(title=f"Greedy decoding, {len(items)} prompts, up to {max_new_tokens} new tokens")
     table.add_column("system", no_wrap=True)
     for column in ("tokens", "tok/s", "median tok/s", "decode tok/s", "speedup", "same tokens"):
         table.add_column(column, justify="right")
-    for s in result.summaries:
+    for s in summaries:
         decode_rate = "" if s.decode_tokens_per_second is None else f"{s.decode_tokens_per_second:.1f}"
         table.add_row(s.system, str(s.tokens), f"{s.tokens_per_second:.1f}", f"{s.median_tokens_per_second:.1f}",
                       decode_rate, f"{s.speedup_vs_transformers:.2f}x", f"{s.matches_transformers}/{s.prompts}")
-    console.print(table)
+    Console(width=None if sys.stdout.isatty() else 120).print(table)
     if json_path is not None:
-        result.save(json_path)
+        bench_decode.save(json_path, summaries, records)
 
 
 @app.command("run")
 def run(
     config: Annotated[Optional[list[str]], typer.Option(
         help="A configuration: a .toml file or 'drafter=ngram,k=4,temperature=0,...' (repeatable).")] = None,
-    prompts: Annotated[str, typer.Option(help="Spec-Bench JSONL file (question_id, category, turns).")] = "../shared/data/spec_bench/dev.jsonl",
+    prompts: Annotated[Optional[Path], typer.Option(help=PROMPTS_HELP)] = None,
+    split: Annotated[str, typer.Option(help=SPLIT_HELP)] = "all",
     limit: Annotated[Optional[int], typer.Option(help="Prompts per category (default: all).")] = None,
     category: Annotated[Optional[list[str]], typer.Option(help="Only this category (repeatable).")] = None,
     model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2).")] = None,
@@ -148,13 +156,15 @@ def run(
                  "max_new_tokens": max_new_tokens}
     defaults, configs = harness.read_configs(config or [], overrides)
     configs = harness.with_baselines(defaults, configs, baselines)
-    items = harness.load_prompts(prompts, limit, category or ())
+    items = read_bench_prompts(prompts, split, limit, category)
     quiet_transformers()
     loaded = load_model(model, trust_remote_code=trust_remote_code)
     target = make_target(loaded, backend)
-    records = harness.run(loaded, target, configs, items, warmup=warmup, trust_remote_code=trust_remote_code)
+    records = harness.run(loaded, target, configs, items, warmup=warmup, trust_remote_code=trust_remote_code,
+                          backend=backend)
     meta = {
-        "model": loaded.name, "backend": type(target).__name__, "prompts": prompts, "limit": limit,
+        "model": loaded.name, "backend": type(target).__name__, "prompts": str(prompts or packaged_prompts()),
+        "split": split, "limit": limit,
         "categories": category or [], "warmup": warmup, "reference": harness.REFERENCE,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
         "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__},
@@ -168,7 +178,8 @@ def run(
 
 @app.command("copy-bound")
 def copy_bound(
-    prompts: Annotated[str, typer.Option(help="Spec-Bench JSONL file (question_id, category, turns).")] = "../shared/data/spec_bench/dev.jsonl",
+    prompts: Annotated[Optional[Path], typer.Option(help=PROMPTS_HELP)] = None,
+    split: Annotated[str, typer.Option(help=SPLIT_HELP)] = "all",
     limit: Annotated[Optional[int], typer.Option(help="Prompts per category (default: all).")] = None,
     category: Annotated[Optional[list[str]], typer.Option(help="Only this category (repeatable).")] = None,
     model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2).")] = None,
@@ -181,13 +192,12 @@ def copy_bound(
 
     from specsample.api import SpecSampler
     from specsample.bench import copy_bound as cb
-    from specsample.bench import harness
     from specsample.cli import quiet_transformers
 
     ks = k or [4, 8]
     if min(ks) < 1 or max_new_tokens < 1:
         raise ValueError("--k and --max-new-tokens must be positive")
-    items = harness.load_prompts(prompts, limit, category or ())
+    items = read_bench_prompts(prompts, split, limit, category)
     quiet_transformers()
     sampler = SpecSampler.load(model)
     totals: dict[tuple[str, int, str], list[int]] = {}

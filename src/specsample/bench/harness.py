@@ -1,20 +1,23 @@
-"""The Spec-Bench style harness: prompts, configurations, an interleaved runner, per-prompt records.
+"""The benchmark harness: configurations, an interleaved runner, per-answer records.
 
-Prompts come from a JSONL file in Spec-Bench's format (`question_id`,
-`category`, `turns`); a multi-turn prompt is fed turn by turn, each turn
-after the configuration's own earlier answers. Every configuration shares
+Prompts are Spec-Bench's (`specsample.prompts`); a multi-turn prompt is fed
+turn by turn, each turn after the configuration's own earlier answers. A
+configuration is the engine with a drafter and K, or a transformers baseline
+(`generate`, prompt lookup, assisted generation). Every configuration shares
 the one loaded target (its KV cache is per-request state, reset by prefill).
 After a warm-up on a prompt of its own (a measured prompt would let drafters
 that remember earlier requests, such as `suffix`, learn its answer), all
 configurations run prompt by prompt, in an order that
 rotates from one prompt to the next, so drift of the machine's speed hits
-them alike. The reference is plain decoding through the engine ("plain");
-at temperature 0 every configuration's tokens are compared with its tokens.
+them alike. The reference is the first configuration (for `bench run`, plain
+decoding through the engine, "plain"); at temperature 0 every configuration's
+tokens are compared with its tokens. Every answer is timed the same way, by
+its runner, end to end (prefill included); the engine's statistics add its
+decoding time alone.
 """
 
 from __future__ import annotations
 
-import json
 import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
@@ -27,22 +30,18 @@ from tqdm import tqdm
 from specsample.api import SpecSampler
 from specsample.bench import baselines
 from specsample.bench.baselines import Output
-from specsample.drafters import REGISTRY, make_drafter
-from specsample.models import LoadedModel, Target, load_model
+from specsample.drafters import REGISTRY, DraftModelDrafter, make_drafter
+from specsample.models import LoadedModel, Target, load_model, make_target
 from specsample.policy import parse_k
+from specsample.prompts import Prompt
 from specsample.sampling import SamplingParams
 from specsample.text import Message
 
-DEFAULT_PROMPTS = "../shared/data/spec_bench/dev.jsonl"
 REFERENCE = "plain"
 WARMUP_PROMPT = "Explain in a few sentences why the sky is blue."
-
-
-@dataclass(frozen=True)
-class Prompt:
-    question_id: int | str
-    category: str
-    turns: tuple[str, ...]
+# The target as its own draft model, with a cache of its own: every draft token is accepted, so its
+# speed against plain decoding is what drafting and verifying cost.
+SELF_DRAFTER = "self"
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,7 @@ class Config:
 
     name: str
     kind: str = "engine"  # engine, hf-generate, hf-lookup, hf-assisted
-    drafter: str = "none"  # engine: a registered drafter or a draft model path; hf-assisted: a draft model path
+    drafter: str = "none"  # engine: a registered drafter, "self" or a draft model path; hf-assisted: a draft model path
     k: str = "4"  # engine: an integer or a K policy; hf-lookup / hf-assisted: an integer
     temperature: float = 0.0
     top_p: float = 1.0
@@ -76,7 +75,7 @@ class Record:
     generated_tokens: int
     wall_seconds: float
     stats: dict | None  # Stats.to_dict() for engine configurations
-    matches_plain: bool | None = None  # at temperature 0: same tokens as plain decoding
+    matches_plain: bool | None = None  # at temperature 0: same tokens as the reference (in `bench run`, plain decoding)
     mismatch_at: int | None = None  # index of the first differing token
 
 
@@ -84,35 +83,15 @@ class Runner(Protocol):
     def run(self, messages: Sequence[Message]) -> Output: ...
 
 
-def load_prompts(path: str | Path, limit: int | None = None, categories: Sequence[str] = ()) -> list[Prompt]:
-    """Spec-Bench prompts from a JSONL file: at most `limit` per category, optionally only `categories`."""
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
-    prompts, per_category = [], {}
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        prompt = parse_prompt(line, f"{path}:{number}")
-        if categories and prompt.category not in categories:
-            continue
-        seen = per_category.get(prompt.category, 0)
-        if limit is None or seen < limit:
-            prompts.append(prompt)
-            per_category[prompt.category] = seen + 1
-    if not prompts:
-        raise ValueError(f"no prompts in {path}" + (f" for categories {', '.join(categories)}" if categories else ""))
-    return prompts
+@dataclass(frozen=True)
+class Setup:
+    """What every configuration of a run shares: the target model, its Target backend (and the
+    backend's name, for a second target of the same kind), and whether models may run their own code."""
 
-
-def parse_prompt(line: str, where: str) -> Prompt:
-    try:
-        row = json.loads(line)
-        turns = row["turns"]
-        if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
-            raise ValueError("'turns' must be a non-empty list of strings")
-        return Prompt(row["question_id"], str(row["category"]), tuple(turns))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{where}: not a Spec-Bench prompt (question_id, category, turns): {e}") from None
+    model: LoadedModel
+    target: Target
+    backend: str = "auto"
+    trust_remote_code: bool = False
 
 
 FIELD_TYPES: dict[str, type] = get_type_hints(Config)  # str, int or float
@@ -208,9 +187,13 @@ def is_draft_model(drafter: str) -> bool:
     return drafter not in REGISTRY and Path(drafter).expanduser().exists()
 
 
-def engine_runner(config: Config, model: LoadedModel, target: Target, trust_remote_code: bool) -> Runner:
-    drafter = make_drafter(config.drafter, model, target, trust_remote_code=trust_remote_code)
-    return EngineRunner(SpecSampler(model, target, drafter), config)
+def engine_runner(config: Config, setup: Setup) -> Runner:
+    """The engine with the configuration's drafter ("self": the target again, on the same backend)."""
+    if config.drafter == SELF_DRAFTER:
+        drafter = DraftModelDrafter(make_target(setup.model, setup.backend))
+    else:
+        drafter = make_drafter(config.drafter, setup.model, setup.target, trust_remote_code=setup.trust_remote_code)
+    return EngineRunner(SpecSampler(setup.model, setup.target, drafter), config)
 
 
 class EngineRunner:
@@ -238,15 +221,14 @@ def hf_k(config: Config) -> int:
         raise ValueError(f"configuration {config.name}: transformers needs an integer k, got {config.k!r}") from None
 
 
-RunnerFactory = Callable[[Config, LoadedModel, Target, bool], Runner]
+RunnerFactory = Callable[[Config, Setup], Runner]
 
 RUNNERS: dict[str, RunnerFactory] = {
     "engine": engine_runner,
-    "hf-generate": lambda c, model, target, trust: baselines.generate_runner(model, c.params, c.max_new_tokens),
-    "hf-lookup": lambda c, model, target, trust: baselines.prompt_lookup_runner(
-        model, c.params, c.max_new_tokens, hf_k(c)),
-    "hf-assisted": lambda c, model, target, trust: baselines.assisted_runner(
-        model, c.params, c.max_new_tokens, hf_k(c), load_model(c.drafter, trust_remote_code=trust)),
+    "hf-generate": lambda c, setup: baselines.generate_runner(setup.model, c.params, c.max_new_tokens),
+    "hf-lookup": lambda c, setup: baselines.prompt_lookup_runner(setup.model, c.params, c.max_new_tokens, hf_k(c)),
+    "hf-assisted": lambda c, setup: baselines.assisted_runner(
+        setup.model, c.params, c.max_new_tokens, hf_k(c), load_model(c.drafter, trust_remote_code=setup.trust_remote_code)),
 }
 
 
@@ -271,9 +253,12 @@ def run(
     warmup: int = 1,
     progress: bool = True,
     trust_remote_code: bool = False,
+    backend: str = "auto",
 ) -> list[Record]:
-    """Run every configuration on every prompt, interleaved; the first configuration is the reference."""
-    runners = {c.name: RUNNERS[c.kind](c, model, target, trust_remote_code) for c in configs}
+    """Run every configuration on every prompt, interleaved; the first configuration is the reference.
+    `backend` names `target`'s backend, for drafters that need a second target of the same kind."""
+    setup = Setup(model, target, backend, trust_remote_code)
+    runners = {c.name: RUNNERS[c.kind](c, setup) for c in configs}
     for _ in range(warmup):
         for c in configs:
             runners[c.name].run([{"role": "user", "content": WARMUP_PROMPT}])

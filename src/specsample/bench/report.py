@@ -166,7 +166,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], categories, rotation=30, ha="right")
         ax.set_title(title)
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[n]) for n in names]
-    fig.legend(handles, names, loc="lower center", ncol=min(len(names), 4), fontsize="small")
+    fig.legend(handles, names, loc="lower center", ncol=max(1, min(len(names), 4)), fontsize="small")
     fig.tight_layout(rect=(0, 0.06 * (1 + (len(names) - 1) // 4), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)

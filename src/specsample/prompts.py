@@ -1,0 +1,116 @@
+"""Prompt files: the one reader for the benchmarks and for training a draft head.
+
+Three forms are read:
+
+- Spec-Bench JSONL: one object a line with `question_id`, `category` and `turns`
+  (a list of user messages; a multi-turn prompt is fed turn by turn);
+- JSONL with a `prompt` field (one turn; `question_id` and `category` optional);
+- any other file: plain text, one single-turn prompt a line.
+
+The Spec-Bench development prompts ship with the package (`packaged_prompts`),
+so the benchmarks run from any directory. Held-out halves are made by
+`question_id` parity (`split` "odd" or "even"): the shipped draft head was
+trained on the even half, so it is evaluated on the odd one. Prompts without a
+`question_id` (plain text, `prompt` rows) belong to both halves: they are kept.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+SPLITS = ("all", "odd", "even")
+SPEC_BENCH_FIELDS = "question_id, category, turns"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: its user turns, and Spec-Bench's question_id and category where the file has them."""
+
+    question_id: int | str | None
+    category: str | None
+    turns: tuple[str, ...]
+
+
+def packaged_prompts() -> Path:
+    """The Spec-Bench development prompts shipped in the package (240 prompts, see its README and LICENSE)."""
+    return Path(__file__).resolve().parent / "data" / "spec_bench" / "dev.jsonl"
+
+
+def in_split(question_id: int | str | None, split: str) -> bool:
+    """Whether a prompt falls in `split`: "all", or the "odd" or "even" question_ids (none: in both)."""
+    check_split(split)
+    if split == "all" or question_id is None:
+        return True
+    if not isinstance(question_id, int):
+        raise ValueError(f"--split {split} needs integer question_ids, got {question_id!r}")
+    return question_id % 2 == (split == "odd")
+
+
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+
+
+def read_prompts(
+    *paths: str | Path,
+    split: str = "all",
+    categories: Sequence[str] = (),
+    limit: int | None = None,
+    spec_bench: bool = False,
+) -> list[Prompt]:
+    """The prompts of these files, in order: those in `split`, of `categories` (all when empty), at most
+    `limit` per category (prompts without one count as one category). `spec_bench` requires every
+    prompt to carry question_id, category and turns, as the benchmark harness does."""
+    check_split(split)
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    prompts, per_category = [], {}
+    for path in map(Path, paths):
+        for prompt in parse_file(path, spec_bench):
+            if not in_split(prompt.question_id, split) or (categories and prompt.category not in categories):
+                continue
+            seen = per_category.get(prompt.category, 0)
+            if limit is None or seen < limit:
+                prompts.append(prompt)
+                per_category[prompt.category] = seen + 1
+    if not prompts:
+        selection = f" of split {split}" if split != "all" else ""
+        selection += f" in categories {', '.join(categories)}" if categories else ""
+        raise ValueError(f"no prompts{selection} in {', '.join(map(str, paths))}")
+    return prompts
+
+
+def parse_file(path: Path, spec_bench: bool) -> list[Prompt]:
+    """Every prompt of one file: JSON lines if it ends in .jsonl, else plain text, one prompt a line."""
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file not found: {path}")
+    lines = path.read_text().splitlines()
+    if path.suffix != ".jsonl":
+        if spec_bench:
+            raise ValueError(f"{path}: not a Spec-Bench prompts file (JSONL with {SPEC_BENCH_FIELDS})")
+        return [Prompt(None, None, (line.strip(),)) for line in lines if line.strip()]
+    return [parse_row(line, f"{path}:{number}", spec_bench) for number, line in enumerate(lines, 1) if line.strip()]
+
+
+def parse_row(line: str, where: str, spec_bench: bool) -> Prompt:
+    """One JSONL row: Spec-Bench's `turns`, or a `prompt` field; `where` names it in errors."""
+    try:
+        row = json.loads(line)
+        if not isinstance(row, dict):
+            raise ValueError("not a JSON object")
+        missing = [key for key in ("question_id", "category", "turns") if key not in row]
+        if spec_bench and missing:
+            raise ValueError(f"no {', '.join(missing)}")
+        if "turns" not in row and "prompt" not in row:
+            raise ValueError("no turns or prompt")
+        turns = row["turns"] if "turns" in row else [row["prompt"]]
+        if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+            raise ValueError("'turns' must be a non-empty list of strings, 'prompt' a string")
+        category = row.get("category")
+        return Prompt(row.get("question_id"), None if category is None else str(category), tuple(turns))
+    except ValueError as e:  # json.JSONDecodeError is one
+        expected = SPEC_BENCH_FIELDS if spec_bench else f"{SPEC_BENCH_FIELDS}; or prompt"
+        raise ValueError(f"{where}: not a prompt ({expected}): {e}") from None
