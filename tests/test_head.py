@@ -16,10 +16,11 @@ from specsample.models import LoadedModel, kernels, load_model, make_target
 from specsample.policy import FixedK
 from specsample.sampling import SamplingParams
 from specsample.stats import Stats
-from specsample.train_draft import (
-    Objective, Sequence, TrainOptions, data_shards, load_sequences, read_prompts, split, teacher_forced_features, train,
-    write_prompts,
-)
+from specsample.prompts import read_prompts
+from specsample.training import TrainOptions, data_shards, train
+from specsample.training.dataset import Sequence, load_sequences, split
+from specsample.training.generate import teacher_forced_features, write_prompts
+from specsample.training.objective import Objective
 from test_lossless import ALPHA, VOCAB, chi_square_p, exact_distribution, sampled_counts
 
 from conftest import drafting_cost_model, tiny_llama
@@ -265,7 +266,7 @@ def trained_dir(tiny_dir, tmp_path_factory) -> Path:
     prompts.write_text("".join(f"w{i} w{i + 3} w{i + 7}\n" for i in range(2, 30)))
     options = TrainOptions(generate_batch=8, sampled_answers=1, batch_size=4, max_new_tokens=12, vocab_subset=40,
                            steps=6, seq_len=16, eval_every=3)
-    train(load_model(tiny_dir), read_prompts([prompts]), out, options, log=lambda _: None)
+    train(load_model(tiny_dir), [p.turns[0] for p in read_prompts(prompts)], out, options, log=lambda _: None)
     return out
 
 
@@ -336,13 +337,6 @@ def test_no_shipped_head_for_an_unknown_target(tiny_dir):
     model = load_model(tiny_dir)
     with pytest.raises(ValueError, match="no draft head is shipped"):
         make_drafter("head", model, make_target(model))
-
-
-def test_read_prompts_splits_spec_bench_by_question_id(tmp_path):
-    path = tmp_path / "bench.jsonl"
-    path.write_text("".join(json.dumps({"question_id": i, "turns": [f"q{i}", "again"]}) + "\n" for i in range(1, 7)))
-    assert read_prompts([path], "even") == ["q2", "q4", "q6"]
-    assert read_prompts([path], "odd") == ["q1", "q3", "q5"]
 
 
 TINY_CHAT = "{% for m in messages %}w2 {{ m['content'] }} w1 {% endfor %}{% if add_generation_prompt %}w3 {% endif %}"

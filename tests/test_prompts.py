@@ -103,6 +103,19 @@ def test_bench_run_and_decode_read_the_split(capsys, tmp_path, spec_bench_file, 
     assert {r["question_id"] for r in json.loads(decoded.read_text())["records"]} == {2, 4}
 
 
+def test_train_draft_question_ids_are_the_same_split(capsys, tmp_path, tiny_dir):
+    """train-draft keeps its option name; the rows it trains on are those `--split odd` selects."""
+    path = tmp_path / "bench.jsonl"
+    write_jsonl(path, [{"question_id": i, "turns": [f"w{i + 1} w{i + 4}", "w9"]} for i in range(1, 6)])  # 3 odd, 2 even
+    code, out, err = cli(capsys, "train-draft", "--out", str(tmp_path / "head"), "--model", str(tiny_dir), "--prompts",
+                         str(path), "--question-ids", "odd", "--steps", "1", "--eval-every", "1", "--max-new-tokens", "3",
+                         "--vocab-subset", "0", "--batch-size", "2", "--seq-len", "8")
+    assert code == 0, err
+    assert json.loads(out)["sequences"] == 3
+    code, _, err = cli(capsys, "train-draft", "--out", str(tmp_path / "head"), "--prompts", str(path), "--question-ids", "1")
+    assert code == 2 and "split must be one of all, odd, even, got '1'" in err
+
+
 def test_copy_bound_refuses_a_bad_split(capsys, spec_bench_file):
     code, _, err = cli(capsys, "bench", "copy-bound", "--prompts", str(spec_bench_file), "--split", "thirds")
     assert code == 2 and err.strip() == "specsample: error: split must be one of all, odd, even, got 'thirds'"

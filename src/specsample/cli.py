@@ -148,7 +148,8 @@ def train_draft(
     from pathlib import Path
 
     from specsample.models import load_model
-    from specsample.train_draft import TrainOptions, data_shards, read_prompts, train
+    from specsample.prompts import read_prompts
+    from specsample.training import TrainOptions, data_shards, train
 
     options = TrainOptions(
         generate_batch=generate_batch, sampled_answers=sampled_answers, self_prompts=self_prompts, batch_size=batch_size,
@@ -158,7 +159,7 @@ def train_draft(
     )
     if not prompts and not self_prompts and not extra_data:
         raise ValueError("give --prompts, --self-prompts, --extra-data or several of them")
-    texts = read_prompts([Path(p) for p in prompts], question_ids) if prompts else []
+    texts = [p.turns[0] for p in read_prompts(*prompts, split=question_ids)] if prompts else []
     extra = [shard for d in extra_data or () for shard in data_shards(Path(d))]
     quiet_transformers()
     loaded = load_model(model, trust_remote_code=trust_remote_code)

@@ -1,0 +1,106 @@
+"""The stored data read back: sequences with their features, the train/held-out split, training windows."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+
+@dataclass
+class Sequence:
+    tokens: Tensor  # [n]
+    features: Tensor  # [n, (len(feature_layers) + 1) * hidden] float16: the layers' outputs, then the final state
+    prompt_length: int
+
+
+def data_shards(run_dir: Path) -> list[Path]:
+    """The data shards an earlier `train` run left in `run_dir`."""
+    shards = sorted((run_dir / "data").glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no data shards in {run_dir / 'data'}")
+    return shards
+
+
+def load_sequences(shards: list[Path], layers: tuple[int, ...] = ()) -> list[Sequence]:
+    """The sequences of these shards, with the outputs of `layers` (which every shard must hold)."""
+    out = []
+    for shard in shards:
+        data = load_file(shard)
+        lengths = data["lengths"].tolist()
+        features = data["features"]
+        if layers:
+            stored, hidden = data["layers"].tolist() if "layers" in data else [], features.shape[-1]
+            if missing := sorted(set(layers) - set(stored)):
+                raise ValueError(f"{shard} holds no outputs of layers {missing}: train on its run directory "
+                                 f"with --extra-data, which adds them, into a new --out directory")
+            columns = [data["layer_features"][:, stored.index(i) * hidden : (stored.index(i) + 1) * hidden] for i in layers]
+            features = torch.cat(columns + [features], -1)
+        out += [Sequence(t, f, int(p)) for t, f, p in zip(data["tokens"].split(lengths), features.split(lengths), data["prompt_lengths"])]
+    return out
+
+
+def frequent_tokens(sequences: list[Sequence], n: int, vocab_size: int) -> Tensor:
+    """The n token ids the target produces most often (answers only), ties by id; all ids when n is 0."""
+    if n <= 0 or n >= vocab_size:
+        return torch.arange(vocab_size)
+    counts = Counter()
+    for s in sequences:
+        counts.update(s.tokens[s.prompt_length :].tolist())
+    ranked = sorted(range(vocab_size), key=lambda t: (-counts[t], t))
+    return torch.tensor(sorted(ranked[:n]))
+
+
+def split(sequences: list[Sequence], holdout: float, seed: int) -> tuple[list[Sequence], list[Sequence]]:
+    """Train and held-out sequences, split by prompt: every answer to a prompt (the greedy one and the
+    sampled ones) falls on the same side, or the held-out figures would reward memorising answers."""
+    by_prompt: dict[tuple[int, ...], list[Sequence]] = {}
+    for s in sequences:
+        by_prompt.setdefault(tuple(s.tokens[: s.prompt_length].tolist()), []).append(s)
+    groups = list(by_prompt.values())
+    random.Random(seed).shuffle(groups)
+    n_eval = max(1, round(holdout * len(groups))) if len(groups) > 1 else 0
+    return [s for g in groups[n_eval:] for s in g], [s for g in groups[:n_eval] for s in g]
+
+
+def distinct_prompts(sequences: list[Sequence]) -> list[Tensor]:
+    """The prompts of these sequences, each once, in order of first appearance."""
+    seen: dict[tuple[int, ...], Tensor] = {}
+    for s in sequences:
+        seen.setdefault(tuple(s.tokens[: s.prompt_length].tolist()), s.tokens[: s.prompt_length])
+    return list(seen.values())
+
+
+class Batcher:
+    """Random windows of `seq_len` + 1 positions from the training sequences, padded, with a mask."""
+
+    def __init__(self, sequences: list[Sequence], seq_len: int, batch_size: int, generator: torch.Generator) -> None:
+        self.sequences = [s for s in sequences if len(s.tokens) >= 2]
+        self.seq_len, self.batch_size, self.generator = seq_len, batch_size, generator
+        weights = torch.tensor([float(len(s.tokens)) for s in self.sequences])
+        self.weights = weights / weights.sum()
+
+    def __call__(self) -> tuple[Tensor, Tensor, Tensor]:
+        """tokens [b, t + 1], features [b, t + 1, hidden] float32, mask [b, t] of real positions."""
+        picks = torch.multinomial(self.weights, self.batch_size, replacement=True, generator=self.generator)
+        windows = [self.window(self.sequences[int(i)]) for i in picks]
+        width = max(len(t) for t, _ in windows)
+        tokens = torch.zeros(self.batch_size, width, dtype=torch.long)
+        features = torch.zeros(self.batch_size, width, windows[0][1].shape[-1])
+        mask = torch.zeros(self.batch_size, width - 1, dtype=torch.bool)
+        for b, (t, f) in enumerate(windows):
+            tokens[b, : len(t)], features[b, : len(t)], mask[b, : len(t) - 1] = t, f.float(), True
+        return tokens, features, mask
+
+    def window(self, s: Sequence) -> tuple[Tensor, Tensor]:
+        """A window inside the answer where it can be: position prompt_length - 2 predicts the first
+        answer token's feature, and only answers are drafted (the fixed chat template is not)."""
+        span = min(self.seq_len + 1, len(s.tokens))
+        first = min(max(0, s.prompt_length - 2), len(s.tokens) - span)
+        start = first + int(torch.randint(len(s.tokens) - span - first + 1, (1,), generator=self.generator))
+        return s.tokens[start : start + span], s.features[start : start + span]

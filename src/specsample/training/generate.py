@@ -1,0 +1,160 @@
+"""The training data: prompts the target writes itself, its answers, and their features in shards.
+
+Shards are written whole or not at all and named by batch and round, so an
+interrupted run resumes with the shards it lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from time import perf_counter
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from tqdm import tqdm
+
+from specsample.models import LoadedModel
+from specsample.models.target import normalized
+from specsample.text import encode_prompt, user_turn_opening
+from specsample.training.options import TrainOptions
+
+
+@torch.inference_mode()
+def write_prompts(model: LoadedModel, path: Path, options: TrainOptions) -> list[str]:
+    """`options.self_prompts` distinct prompts written by the target, sampled at temperature 1 after
+    its chat template's opening of a user turn; only those it ends (EOS) within `self_prompt_tokens`.
+    Kept in `path` (one JSON line each) as they come, so a resumed run writes only the rest."""
+    prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines()] if path.is_file() else []
+    opening = torch.tensor([user_turn_opening(model.tokenizer)] * options.generate_batch)
+    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
+    bar = tqdm(desc="writing prompts", unit="prompt", initial=len(prompts), total=options.self_prompts)
+    tries = 0
+    while len(prompts) < options.self_prompts:
+        tries += 1
+        if tries > 4 * options.self_prompts / options.generate_batch + 4:
+            raise ValueError(f"the model ended only {len(prompts)} of {options.self_prompts} prompts within "
+                             f"{options.self_prompt_tokens} tokens: give it prompts with --prompts instead")
+        out = model.model.generate(
+            input_ids=opening, attention_mask=torch.ones_like(opening), max_new_tokens=options.self_prompt_tokens,
+            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad, eos_token_id=sorted(model.eos_token_ids) or None,
+        )
+        new = []
+        for row in out[:, opening.shape[1] :].tolist():
+            end = next((i for i, t in enumerate(row) if t in model.eos_token_ids), None)
+            text = model.tokenizer.decode(row[:end], skip_special_tokens=True).strip() if end is not None else ""
+            if text and text not in prompts and text not in new:
+                new.append(text)
+        new = new[: options.self_prompts - len(prompts)]
+        with path.open("a") as f:
+            f.writelines(json.dumps({"prompt": text}) + "\n" for text in new)
+        prompts += new
+        bar.update(len(new))
+    bar.close()
+    return prompts
+
+
+def generate_shards(model: LoadedModel, prompts: list[str], data_dir: Path, options: TrainOptions) -> list[Path]:
+    """Answer the prompts in batches and store tokens + features, one shard per batch (resumable).
+
+    Every batch is answered greedily first; then, `sampled_answers` times over, by
+    sampling at temperature 1 (from torch's global generator, seeded once by `train`),
+    so the head also sees the continuations it will draft for at temperature > 0.
+    """
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = model.tokenizer
+    encoded = sorted((encode_prompt(tokenizer, p, True)[-options.max_prompt_tokens :] for p in prompts), key=len)
+    batches = [encoded[i : i + options.generate_batch] for i in range(0, len(encoded), options.generate_batch)]
+    random.Random(options.seed).shuffle(batches)  # similar lengths in a batch, all lengths among the first shards
+    jobs = [(batch, round_, data_dir / (f"shard-{i:05d}" + (f"-s{round_}" if round_ else "") + ".safetensors"))
+            for round_ in range(options.sampled_answers + 1) for i, batch in enumerate(batches)]
+    todo = [job for job in jobs if not job[2].exists()]
+    start = perf_counter()
+    for batch, round_, shard in tqdm(todo, desc="generating answers", unit="batch", initial=len(jobs) - len(todo), total=len(jobs)):
+        if options.data_minutes and perf_counter() - start > 60 * options.data_minutes:
+            break  # out of time: train on the shards made so far (a later run resumes generating)
+        answers = generate_batch(model, batch, options.max_new_tokens, sampled=round_ > 0)
+        sequences = [prompt + answer for prompt, answer in zip(batch, answers)]
+        prompt_lengths = torch.tensor([len(p) for p in batch])
+        write_shard(model, shard, sequences, prompt_lengths, options.feature_layers)
+    return [shard for _, _, shard in jobs if shard.exists()]
+
+
+def write_shard(model: LoadedModel, shard: Path, sequences: list[list[int]], prompt_lengths: Tensor,
+                layers: tuple[int, ...]) -> None:
+    """Store the sequences' tokens and teacher-forced features in `shard` (written whole or not at all)."""
+    tokens, features, layer_features = teacher_forced_features(model, sequences, layers)
+    data = {"tokens": tokens, "features": features, "lengths": torch.tensor([len(s) for s in sequences]),
+            "prompt_lengths": prompt_lengths}
+    if layers:
+        data |= {"layer_features": layer_features, "layers": torch.tensor(layers)}
+    tmp = shard.with_suffix(".tmp")
+    save_file(data, tmp)
+    tmp.rename(shard)
+
+
+def with_layer_features(model: LoadedModel, shards: list[Path], layers: tuple[int, ...], data_dir: Path) -> list[Path]:
+    """The shards of an earlier run, each replaced by a copy in `data_dir` with the outputs of `layers`
+    added (one teacher-forced pass, resumable) where it lacks them."""
+    out = []
+    for shard in tqdm(shards, desc="adding layer features", unit="shard"):
+        if set(layers) <= set(stored_layers(shard)):
+            out.append(shard)
+            continue
+        copy = data_dir / f"{shard.parent.parent.name}-{shard.name}"
+        if not copy.exists():
+            data = load_file(shard)
+            sequences = [t.tolist() for t in data["tokens"].split(data["lengths"].tolist())]
+            write_shard(model, copy, sequences, data["prompt_lengths"], layers)
+        out.append(copy)
+    return out
+
+
+def stored_layers(shard: Path) -> list[int]:
+    """The decoder layers whose outputs a shard holds."""
+    with safe_open(shard, "pt") as f:
+        return f.get_tensor("layers").tolist() if "layers" in f.keys() else []
+
+
+@torch.inference_mode()
+def generate_batch(model: LoadedModel, prompts: list[list[int]], max_new_tokens: int, sampled: bool = False) -> list[list[int]]:
+    """Answers to a batch of prompts (left-padded), greedy or sampled at temperature 1, each cut after its first EOS."""
+    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sampled else {"do_sample": False}
+    out = model.model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+        pad_token_id=pad, eos_token_id=sorted(model.eos_token_ids) or None, **sampling,
+    )
+    answers = []
+    for row in out[:, width:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in model.eos_token_ids), len(row))
+        answers.append(row[:end])
+    return answers
+
+
+@torch.inference_mode()
+def teacher_forced_features(
+    model: LoadedModel, sequences: list[list[int]], layers: tuple[int, ...] = ()
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Concatenated tokens [total], final normed hidden states [total, hidden] and the RMS-normalised
+    outputs of decoder `layers` [total, len(layers) * hidden] (None without layers), all float16.
+
+    Right padding, so no position of a sequence sees a pad token.
+    """
+    width = max(map(len, sequences))
+    input_ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
+    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    out = model.model.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=bool(layers))
+
+    def packed(states: Tensor) -> Tensor:  # [b, width, h] -> [total, h] float16
+        return torch.cat([states[i, : len(s)] for i, s in enumerate(sequences)]).half()
+
+    tapped = [normalized(out.hidden_states[i]) for i in layers]  # hidden_states[i]: the output of layer i
+    layer_features = packed(torch.cat(tapped, -1)) if layers else None
+    return torch.tensor([t for s in sequences for t in s]), packed(out.last_hidden_state), layer_features

@@ -1,0 +1,140 @@
+"""The training run: data, the head, the optimisation loop with checkpoints, the held-out figures."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from time import perf_counter
+
+import torch
+from tqdm import tqdm
+
+from specsample.drafters.head import DraftHead, HeadConfig, HeadDrafter, save_head
+from specsample.models import LoadedModel, make_target
+from specsample.models.target import recordable
+from specsample.training.dataset import Batcher, Sequence, distinct_prompts, frequent_tokens, load_sequences, split
+from specsample.training.generate import generate_shards, with_layer_features, write_prompts
+from specsample.training.objective import EVAL_K, Objective
+from specsample.training.options import TrainOptions
+
+
+def train(
+    model: LoadedModel,
+    prompts: list[str],
+    out_dir: Path,
+    options: TrainOptions,
+    log: Callable[[str], None] = print,
+    extra_shards: list[Path] = (),
+) -> dict:
+    """Generate data, train the head, save it to `out_dir`; returns the final report.
+    `extra_shards`: data of earlier runs to train on as well."""
+    recordable(options.feature_layers, model.model.config.num_hidden_layers)  # refuses layers before any work
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(options.seed)
+    start = perf_counter()
+    if options.self_prompts:
+        prompts = prompts + write_prompts(model, out_dir / "self_prompts.jsonl", options)
+    shards = generate_shards(model, prompts, out_dir / "data", options)
+    if options.feature_layers:
+        extra_shards = with_layer_features(model, list(extra_shards), options.feature_layers, out_dir / "data")
+    sequences = load_sequences(shards + list(extra_shards), options.feature_layers)
+    data_seconds = perf_counter() - start
+    train_set, eval_set = split(sequences, options.holdout, options.seed)
+    hf = model.model
+    embed = hf.get_input_embeddings().weight.detach()
+    lm_head = hf.get_output_embeddings().weight.detach()
+    token_ids = frequent_tokens(train_set, options.vocab_subset, lm_head.shape[0])
+    config = HeadConfig.for_target(model, layers=options.layers, vocab_subset=len(token_ids),
+                                   feature_layers=options.feature_layers)
+    head = DraftHead(config)
+    head.init_from_target(hf)
+    objective = Objective(head, embed, lm_head[token_ids])
+    optimizer = torch.optim.AdamW(head.parameters(), lr=options.lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(options.seed)
+    step, history = resume(out_dir / "checkpoint.pt", head, optimizer, generator)
+    batcher = Batcher(train_set, options.seq_len, options.batch_size, generator)
+    train_start = perf_counter()
+    bar = tqdm(range(step, options.steps), desc="training head", unit="step", initial=step, total=options.steps)
+    for step in bar:
+        set_lr(optimizer, options, step)
+        tokens, features, mask = batcher()
+        loss, parts = objective.loss(tokens, features, mask, options)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+        if (step + 1) % options.eval_every == 0 or step + 1 == options.steps:
+            history.append(evaluate(objective, eval_set, step + 1, options))
+            log(json.dumps(history[-1]))
+            save_checkpoint(out_dir / "checkpoint.pt", head, optimizer, generator, step + 1, history)
+            save_head(out_dir, head, token_ids)
+    train_seconds = perf_counter() - train_start
+    save_head(out_dir, head, token_ids)
+    report = {
+        "target": model.name, "sequences": len(sequences), "train_sequences": len(train_set),
+        "heldout_sequences": len(eval_set), "data_tokens": sum(len(s.tokens) for s in sequences),
+        "data_seconds": round(data_seconds, 1), "train_seconds": round(train_seconds, 1), "history": history,
+        "engine": engine_acceptance(model, out_dir, eval_set),
+    }
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def evaluate(objective: Objective, eval_set: list[Sequence], step: int, options: TrainOptions) -> dict:
+    return {
+        "step": step,
+        "train_tokens": step * options.batch_size * options.seq_len,
+        "heldout_accepted_length_estimate": round(objective.accepted_length(eval_set), 3),
+    }
+
+
+def set_lr(optimizer: torch.optim.Optimizer, options: TrainOptions, step: int) -> None:
+    """Linear warmup over 5% of the steps, then cosine decay to 10%."""
+    warmup = max(1, options.steps // 20)
+    progress = min(1.0, max(0.0, (step - warmup) / max(1, options.steps - warmup)))
+    scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    for group in optimizer.param_groups:
+        group["lr"] = options.lr * scale
+
+
+def save_checkpoint(path: Path, head: DraftHead, optimizer, generator: torch.Generator, step: int, history: list) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
+                "step": step, "history": history}, tmp)
+    tmp.rename(path)
+
+
+def resume(path: Path, head: DraftHead, optimizer, generator: torch.Generator) -> tuple[int, list]:
+    """Restore a checkpoint written by this module; (0, []) when there is none."""
+    if not path.is_file():
+        return 0, []
+    state = torch.load(path, weights_only=True)
+    head.load_state_dict(state["head"])
+    optimizer.load_state_dict(state["optimizer"])
+    generator.set_state(state["generator"])
+    return state["step"], state["history"]
+
+
+def engine_acceptance(model: LoadedModel, head_dir: Path, eval_set: list[Sequence], prompts: int = 8) -> dict:
+    """Greedy speculative decoding with the trained head on held-out prompts, K = 4: measured figures."""
+    from specsample.engine import decode
+    from specsample.policy import FixedK
+    from specsample.sampling import SamplingParams, make_generator
+    from specsample.stats import Stats
+
+    target = make_target(model)
+    drafter = HeadDrafter.load(model, target, head_dir)
+    stats = Stats()
+    held_out = distinct_prompts(eval_set)[:prompts]
+    for prompt in held_out:
+        steps = decode(
+            target, drafter, FixedK(EVAL_K), prompt, SamplingParams(temperature=0),
+            max_new_tokens=64, eos_token_ids=model.eos_token_ids, generator=make_generator(0), stats=stats,
+        )
+        for _ in steps:
+            pass
+    return {"prompts": len(held_out), "k": EVAL_K, "temperature": 0,
+            "mean_accepted_length": round(stats.mean_accepted_length, 3), "acceptance_rate": round(stats.acceptance_rate, 3)}
