@@ -14,30 +14,37 @@
 
 #include <utility>
 
+// VL: floats per vector register; MAX_ROWS: rows of one register block; vectors(MR): the vectors
+// of one row in a register block of MR rows, so a block covers vectors(MR) VL columns.
 #if defined(__AVX512F__)
 // A row's 32 panel columns are two registers: 12 rows are 24 accumulators of the 32 registers.
 #define SPECSAMPLE_ISA "avx512"
-enum { VL = 16, NV = 2, MAX_ROWS = 12 };
-#elif defined(__AVX2__) && defined(__FMA__)
-// 16 columns (two registers) of up to 6 rows: 12 accumulators, 2 weight vectors and a broadcast
-// in the 16 registers; a panel of 32 columns is read as two such halves.
-#define SPECSAMPLE_ISA "avx2"
-enum { VL = 8, NV = 2, MAX_ROWS = 6 };
+enum { VL = 16, MAX_ROWS = 12 };
+static constexpr int vectors(int) { return 2; }
 #else
-// 8 columns of up to 6 rows: 12 of the 16 (SSE) or 32 (NEON) 128-bit registers.
+// 16 registers (AVX2: 8 floats; SSE: 4; NEON has 32): up to 6 rows of 2 vectors, 12 accumulators,
+// 2 weight vectors and a broadcast; 1 or 2 rows take 4 vectors (AVX2: the whole panel).
+#if defined(__AVX2__) && defined(__FMA__)
+#define SPECSAMPLE_ISA "avx2"
+enum { VL = 8, MAX_ROWS = 6 };
+#else
 #define SPECSAMPLE_ISA "portable"
-enum { VL = 4, NV = 2, MAX_ROWS = 6 };
+enum { VL = 4, MAX_ROWS = 6 };
+#endif
+static constexpr int vectors(int rows) { return rows <= 2 ? 4 : 2; }
 #endif
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
 typedef int vi __attribute__((vector_size(VL * 4)));
 typedef int8_t vb __attribute__((vector_size(VL), aligned(1)));
-// NB: output columns per packed panel (kernels.BLOCK); SUB: columns of one register block; KC: the
-// panel rows (inputs) a register block runs over before the next block of the same rows, so that
-// every block but the first reads them from L1 (4 KiB of int8, 16 KiB of float32 weights).
-enum { NB = 32, SUB = VL * NV, SUBS = NB / SUB, KC = 128 };
-static_assert(NB % SUB == 0, "a panel is a whole number of register blocks");
+// NB: output columns per packed panel (kernels.BLOCK); KC: the panel rows (inputs) a register
+// block runs over before the next block of the same rows, so that every block but the first reads
+// them from L1 (4 KiB of int8, 16 KiB of float32 weights); PF: how far ahead in the panel the first
+// block prefetches, in bytes. The hardware prefetchers alone fall behind: they miss the lines of the
+// second half of a float32 panel, which the first half's block skips, and even on a contiguous
+// stream prefetching halves the time of 4 to 12 int8 rows (measured: docs/kernels-avx2.md).
+enum { NB = 32, KC = 128, PF = 2048 };
 
 extern "C" const char* specsample_isa() { return SPECSAMPLE_ISA; }
 
@@ -57,11 +64,14 @@ static inline vf load(const int8_t* w) {
 
 // y[0:MR, panel] (+)= (x[0:MR, :] @ w_panel[K, NB]) * scale (+ bias), scale (one per column) null
 // for float32 weights. Each register block of SUB columns keeps MR x NV accumulators in registers
-// over KC inputs, parked in `acc` between input chunks. Each output is one chain of multiply-adds
-// over k = 0..K-1 in order, so a row's result does not depend on MR or on the other rows.
+// over KC inputs (all K where one block is the panel), parked in `acc` between input chunks. Each
+// output is one chain of multiply-adds over k = 0..K-1 in order, so a row's result does not depend
+// on MR or on the other rows.
 template <typename W, int MR>
 static void panel(const float* __restrict x, long ldx, const W* __restrict w, const float* __restrict scale,
                   long K, float* __restrict y, long ldy, const float* __restrict bias, int ncols, int add) {
+  constexpr int NV = vectors(MR), SUB = NV * VL, SUBS = NB / SUB;
+  static_assert(NB % SUB == 0, "a panel is a whole number of register blocks");
   float acc[MR][NB];
   const long chunk = SUBS == 1 ? K : KC;
   for (long k0 = 0; k0 < K; k0 += chunk) {
@@ -72,6 +82,8 @@ static void panel(const float* __restrict x, long ldx, const W* __restrict w, co
         for (int v = 0; v < NV; v++) a[m][v] = k0 ? *(const vfu*)&acc[m][s * SUB + v * VL] : (vf){};
       const W* ws = w + s * SUB;
       for (long k = k0; k < k1; k++) {
+        if (s == 0)
+          for (int l = 0; l < (int)(NB * sizeof(W)); l += 64) __builtin_prefetch((const char*)(w + k * NB) + PF + l);
         vf wv[NV];
         for (int v = 0; v < NV; v++) wv[v] = load(ws + k * NB + v * VL);
         for (int m = 0; m < MR; m++) {
