@@ -40,11 +40,12 @@ typedef int vi __attribute__((vector_size(VL * 4)));
 typedef int8_t vb __attribute__((vector_size(VL), aligned(1)));
 // NB: output columns per packed panel (kernels.BLOCK); KC: the panel rows (inputs) a register
 // block runs over before the next block of the same rows, so that every block but the first reads
-// them from L1 (4 KiB of int8, 16 KiB of float32 weights); PF: how far ahead in the panel the first
-// block prefetches, in bytes. The hardware prefetchers alone fall behind: they miss the lines of the
-// second half of a float32 panel, which the first half's block skips, and even on a contiguous
-// stream prefetching halves the time of 4 to 12 int8 rows (measured: docs/kernels-avx2.md).
-enum { NB = 32, KC = 128, PF = 2048 };
+// them from L1 (4 KiB of int8, 16 KiB of float32 weights); PF_L1, PF_L2: how far ahead in the panel
+// the first block prefetches into L1 and into L2, in bytes (a panel is contiguous, and the next
+// panel follows it). The hardware prefetchers alone fall behind: they miss the lines of the second
+// half of a float32 panel, which the first half's block skips, and even on a contiguous stream
+// prefetching halves the time of 4 to 12 int8 rows (measured: docs/kernels-avx2.md).
+enum { NB = 32, KC = 128, PF_L1 = 2048, PF_L2 = 8192 };
 
 extern "C" const char* specsample_isa() { return SPECSAMPLE_ISA; }
 
@@ -64,9 +65,9 @@ static inline vf load(const int8_t* w) {
 
 // y[0:MR, panel] (+)= (x[0:MR, :] @ w_panel[K, NB]) * scale (+ bias), scale (one per column) null
 // for float32 weights. Each register block of SUB columns keeps MR x NV accumulators in registers
-// over KC inputs (all K where one block is the panel), parked in `acc` between input chunks. Each
-// output is one chain of multiply-adds over k = 0..K-1 in order, so a row's result does not depend
-// on MR or on the other rows.
+// over KC inputs (all K where one block is the panel), parked in `acc` between input chunks; the
+// first block prefetches the panel ahead. Each output is one chain of multiply-adds over
+// k = 0..K-1 in order, so a row's result does not depend on MR or on the other rows.
 template <typename W, int MR>
 static void panel(const float* __restrict x, long ldx, const W* __restrict w, const float* __restrict scale,
                   long K, float* __restrict y, long ldy, const float* __restrict bias, int ncols, int add) {
@@ -83,7 +84,10 @@ static void panel(const float* __restrict x, long ldx, const W* __restrict w, co
       const W* ws = w + s * SUB;
       for (long k = k0; k < k1; k++) {
         if (s == 0)
-          for (int l = 0; l < (int)(NB * sizeof(W)); l += 64) __builtin_prefetch((const char*)(w + k * NB) + PF + l);
+          for (int l = 0; l < (int)(NB * sizeof(W)); l += 64) {
+            __builtin_prefetch((const char*)(w + k * NB) + PF_L1 + l);
+            __builtin_prefetch((const char*)(w + k * NB) + PF_L2 + l, 0, 1);
+          }
         vf wv[NV];
         for (int v = 0; v < NV; v++) wv[v] = load(ws + k * NB + v * VL);
         for (int m = 0; m < MR; m++) {
