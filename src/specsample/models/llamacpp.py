@@ -1,0 +1,285 @@
+"""The llamacpp Target backend: any GGUF model at its own quantization, run by llama.cpp.
+
+The other backends dequantize a GGUF file to float32 and run Llama-family models only;
+this one hands the file to llama.cpp (through llama-cpp-python's low-level C API, not its
+`Llama` class, whose per-call overhead costs more than a small model's forward pass), so
+a 4-bit model streams a quarter byte per weight, and any architecture llama.cpp knows runs.
+
+One llama.cpp context, one sequence (id 0): `score` puts n tokens in one `llama_decode`
+batch with logits requested for each, `rollback` removes positions [length, inf) from
+the KV cache (`llama_memory_seq_rm`), `prefill` clears it and decodes the prompt in
+chunks of `n_batch` tokens without logits.
+
+Batch invariance: llama.cpp computes a token scored alone with other kernels than the
+same token inside a batch (llamafile's tinyBLAS from 2 rows on, the repacked Q4_0/Q4_K/...
+layouts' gemm instead of gemv, flash attention's query tiles), so its logits would differ
+in the last bits and greedy speculation could leave plain decoding's path at a near-tie.
+`scripts/install.sh` builds llama.cpp without llamafile; this backend never enables the
+extra weight buffer types (repacking, and AMX, which dies with an illegal instruction in
+batched passes on this project's AMX machine) and, by default (`batch_invariant`), not
+flash attention either. Then every output is a dot product of one weight row and one
+activation row, computed the same way whatever the batch, and a position's logits are
+bitwise the same scored alone or in a batch of any size (tests/test_llamacpp.py checks
+it; docs/llamacpp-backend.md has the figures and what it costs).
+
+The build dispatches on the CPU at run time: ggml's CPU backend is built once per x86
+feature level (GGML_BACKEND_DL, GGML_CPU_ALL_VARIANTS) into the package's lib
+directory, and `init_backend` loads the best one this CPU runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+DEFAULT_MAX_LENGTH = 8192
+CACHE_TYPES = {"f16": 1, "f32": 0}  # KV cache element types: ggml_type ids
+N_BATCH = 512  # tokens per llama_decode call: prompts are prefilled in chunks of this many
+
+_errors: deque[str] = deque(maxlen=8)  # llama.cpp's latest error messages, for one-line errors
+_log_callback = None  # the ctypes callback must outlive every call into llama.cpp
+_ready = False
+
+
+def _bindings():
+    """The llama_cpp module; a one-line error when llama-cpp-python is not installed."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise ValueError("the llamacpp backend needs llama-cpp-python: run bash scripts/install.sh") from e
+    return llama_cpp
+
+
+def init_backend() -> None:
+    """Once per process: route llama.cpp's log into `_errors` (warnings and errors only, never
+    printed), load ggml's CPU backend variant best for this CPU from the package's lib
+    directory, and initialize llama.cpp.
+
+    llama.cpp would look for the variants next to the Python executable and in the working
+    directory only, so they are loaded from where the build installed them.
+    """
+    global _ready, _log_callback
+    if _ready:
+        return
+    llama_cpp = _bindings()
+
+    def log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+        if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+            _errors.append(text.decode("utf-8", "replace").strip())
+
+    _log_callback = llama_cpp.llama_log_callback(log)
+    llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+    libggml = ggml_library()
+    libggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+    if not reg_names(libggml):
+        libggml.ggml_backend_load_all_from_path(str(Path(llama_cpp.__file__).parent / "lib").encode())
+    if "CPU" not in reg_names(libggml):
+        raise RuntimeError("llama.cpp found no CPU backend for this CPU in its lib directory (a bad build?)")
+    llama_cpp.llama_backend_init()
+    _ready = True
+
+
+def ggml_library() -> ctypes.CDLL:
+    """The ggml library that libllama links (its soname, libggml.so.0, next to it).
+
+    Not llama_cpp._ggml's `libggml.so`: a wheel holds no symlinks, so that is another copy of
+    the file, loaded as a second library with a backend registry of its own that llama.cpp
+    never reads.
+    """
+    return ctypes.CDLL(str(Path(_bindings().__file__).parent / "lib" / "libggml.so.0"))
+
+
+def reg_names(libggml: ctypes.CDLL) -> list[str]:
+    """Names of the ggml backends registered in this process ("CPU" once one is loaded)."""
+    return [libggml.ggml_backend_reg_name(reg).decode() for reg in regs(libggml)]
+
+
+def regs(libggml: ctypes.CDLL) -> list[int]:
+    """The ggml backend registrations of this process (opaque pointers)."""
+    libggml.ggml_backend_reg_count.restype = ctypes.c_size_t
+    libggml.ggml_backend_reg_get.restype = ctypes.c_void_p
+    libggml.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
+    libggml.ggml_backend_reg_name.restype = ctypes.c_char_p
+    libggml.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
+    return [libggml.ggml_backend_reg_get(i) for i in range(libggml.ggml_backend_reg_count())]
+
+
+class _Feature(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_char_p)]
+
+
+def cpu_features() -> dict[str, str]:
+    """The features the loaded CPU backend variant was built for ({"AVX2": "1", "AVX512": "1", ...}):
+    which of the build's variants ggml picked for this CPU."""
+    init_backend()
+    libggml = ggml_library()
+    libggml.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    libggml.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    get_features = ctypes.CFUNCTYPE(ctypes.POINTER(_Feature), ctypes.c_void_p)
+    for reg in regs(libggml):
+        if libggml.ggml_backend_reg_name(reg) == b"CPU":
+            address = libggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_get_features")
+            features = get_features(address)(reg)
+            out, i = {}, 0
+            while features[i].name:
+                out[features[i].name.decode()] = features[i].value.decode()
+                i += 1
+            return out
+    return {}
+
+
+def system_info() -> str:
+    """The loaded CPU backend's features on one line, e.g. "CPU: SSE3 AVX AVX2 FMA AVX512 ... OPENMP"."""
+    return "CPU: " + " ".join(name if value == "1" else f"{name}={value}" for name, value in cpu_features().items())
+
+
+def default_threads() -> int:
+    """All the cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def last_error() -> str:
+    """llama.cpp's latest error message, or "" (warnings only when there is no error)."""
+    errors = [e for e in _errors if e]
+    return errors[-1] if errors else ""
+
+
+class LlamaCppTarget:
+    """A GGUF model in a llama.cpp context: the Target protocol on the low-level C API.
+
+    `n_threads`: threads for every pass (default: all cores). `max_length`: the context
+    window (default: the model's, at most 8192). `batch_invariant`: no flash
+    attention, so logits do not depend on how positions are batched (see the module
+    docstring); False lets llama.cpp choose. `cache_type`: the KV cache's
+    element type, "f16" (llama.cpp's default: half the memory) or "f32" (keys and values as
+    computed: an F32 file's logits then match transformers' to float32 rounding).
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        n_threads: int | None = None,
+        max_length: int | None = None,
+        batch_invariant: bool = True,
+        cache_type: str = "f16",
+    ) -> None:
+        if cache_type not in CACHE_TYPES:
+            raise ValueError(f"unknown KV cache type {cache_type!r}: expected one of {', '.join(CACHE_TYPES)}")
+        init_backend()
+        self.lib = lib = _bindings()
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise ValueError(f"the llamacpp backend runs GGUF files, and {path} is a directory")
+        if not self.path.is_file():
+            raise FileNotFoundError(f"model file does not exist: {path}")
+        if n_threads is not None and n_threads < 1:
+            raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+        self.n_threads = n_threads or default_threads()
+        self.batch_invariant = batch_invariant
+
+        model_params = lib.llama_model_default_params()
+        model_params.n_gpu_layers = 0
+        model_params.use_extra_bufts = False  # repacked and AMX weights: batch-dependent, and AMX crashes
+        _errors.clear()
+        self.model = lib.llama_model_load_from_file(str(self.path).encode(), model_params)
+        if not self.model:
+            raise ValueError(f"llama.cpp cannot load {path}: {last_error() or 'unknown error'}")
+        self.ctx = None
+        self.batch = None
+        self.vocab_size = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model)))
+        self.max_length = int(max_length or min(lib.llama_model_n_ctx_train(self.model) or DEFAULT_MAX_LENGTH, DEFAULT_MAX_LENGTH))
+
+        ctx_params = lib.llama_context_default_params()
+        ctx_params.n_ctx = self.max_length
+        ctx_params.n_batch = ctx_params.n_ubatch = N_BATCH
+        ctx_params.n_seq_max = 1
+        ctx_params.n_threads = ctx_params.n_threads_batch = self.n_threads
+        ctx_params.no_perf = True
+        ctx_params.type_k = ctx_params.type_v = CACHE_TYPES[cache_type]
+        if batch_invariant:
+            ctx_params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.ctx = lib.llama_init_from_model(self.model, ctx_params)
+        if not self.ctx:
+            raise ValueError(f"llama.cpp cannot make a context for {path}: {last_error() or 'unknown error'}")
+        self.memory = lib.llama_get_memory(self.ctx)
+
+        # One batch for every call: sequence 0 everywhere, set once; tokens, positions and
+        # logit flags written through numpy views of its arrays.
+        self.batch = lib.llama_batch_init(N_BATCH, 0, 1)
+        for i in range(N_BATCH):
+            self.batch.n_seq_id[i] = 1
+            self.batch.seq_id[i][0] = 0
+        self.tokens = np.ctypeslib.as_array(self.batch.token, shape=(N_BATCH,))  # [N_BATCH] int32
+        self.positions = np.ctypeslib.as_array(self.batch.pos, shape=(N_BATCH,))  # [N_BATCH] int32
+        self.wants_logits = np.ctypeslib.as_array(self.batch.logits, shape=(N_BATCH,))  # [N_BATCH] int8
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def prefill(self, token_ids: Tensor) -> None:
+        self.lib.llama_memory_clear(self.memory, True)
+        self._length = 0
+        self._decode(token_ids, logits=False)
+
+    def score(self, token_ids: Tensor) -> Tensor:
+        return self._decode(token_ids, logits=True)  # [n, vocab]
+
+    def rollback(self, length: int) -> None:
+        if length < self._length:
+            if not self.lib.llama_memory_seq_rm(self.memory, 0, length, -1):
+                raise RuntimeError(f"llama.cpp cannot roll this model's cache back to {length} positions")
+            self._length = length
+
+    def _decode(self, token_ids: Tensor, logits: bool) -> Tensor:
+        """Append `token_ids` [n] to the cache, N_BATCH at a time; their logits [n, vocab] float32
+        if `logits`, else an empty [0, vocab]."""
+        ids = token_ids.numpy().astype(np.int32, copy=False) if isinstance(token_ids, Tensor) else np.asarray(token_ids, np.int32)
+        n = ids.shape[0]
+        if self._length + n > self.max_length:
+            raise ValueError(f"{self._length} + {n} positions exceed the context window of {self.max_length}")
+        if logits:
+            out = torch.empty(n, self.vocab_size, dtype=torch.float32)  # [n, vocab]
+        for start in range(0, n, N_BATCH):
+            chunk = ids[start : start + N_BATCH]  # [m]
+            m = chunk.shape[0]
+            self.tokens[:m] = chunk
+            self.positions[:m] = np.arange(self._length, self._length + m, dtype=np.int32)
+            self.wants_logits[:m] = logits
+            self.batch.n_tokens = m
+            status = self.lib.llama_decode(self.ctx, self.batch)
+            if status != 0:
+                # on a fatal error some ubatches may stay in the cache: drop them too
+                self.lib.llama_memory_seq_rm(self.memory, 0, self._length, -1)
+                raise RuntimeError(f"llama_decode failed with status {status}: {last_error()}")
+            if logits:
+                rows = np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx), shape=(m, self.vocab_size))
+                out[start : start + m] = torch.from_numpy(rows)  # copied: the next decode overwrites them
+            self._length += m
+        return out if logits else torch.empty(0, self.vocab_size)
+
+    def close(self) -> None:
+        """Free the batch, the context and the model (also done when garbage collected)."""
+        lib = getattr(self, "lib", None)
+        if lib is None:
+            return
+        if getattr(self, "batch", None) is not None:
+            lib.llama_batch_free(self.batch)
+            self.batch = None
+        if getattr(self, "ctx", None):
+            lib.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            lib.llama_model_free(self.model)
+            self.model = None
+
+    def __del__(self) -> None:
+        self.close()

@@ -1,0 +1,267 @@
+"""The llamacpp backend: tiny random Llama GGUF files written here, run by llama.cpp.
+
+`write_gguf` writes a transformers Llama's float32 weights as an F32 GGUF file the way
+llama.cpp's converter does (Q and K rows permuted for its rotary layout), with a
+byte-level BPE vocabulary, so the same weights run in both and their logits can be
+compared. The bundled model checks a batched pass of 16 tokens (a bad build dies
+there) and batch invariance on a real quantized file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+import test_lossless
+from conftest import tiny_llama
+from specsample.drafters import DraftModelDrafter, NoDrafter
+from specsample.engine import decode
+from specsample.models import load_target, make_target
+from specsample.models.llamacpp import LlamaCppTarget, system_info
+from specsample.models.loading import bundled_gguf, load_model
+from specsample.policy import FixedK
+from specsample.sampling import GeneratorSource, SamplingParams
+from specsample.stats import Stats
+
+VOCAB = 320  # 256 byte tokens, 63 merges, one end-of-text token
+GREEDY = SamplingParams(temperature=0)
+LOGIT_TOLERANCE = 1e-4  # F32 file, F32 KV cache: llama.cpp and transformers differ by float32 rounding only
+F16_CACHE_TOLERANCE = 0.1  # the default F16 KV cache rounds keys and values (logits here reach about 12)
+
+
+def byte_level_vocab(vocab_size: int) -> tuple[list[str], list[str]]:
+    """Tokens and merges of a byte-level BPE vocabulary of `vocab_size` tokens, the last one
+    <|endoftext|>: the 256 byte symbols, then merges of letter pairs ("a b" -> "ab")."""
+    symbols = list(bytes_to_unicode().values())  # the 256 byte symbols, in byte order
+    n_merges = max(vocab_size - 1 - len(symbols), 0)
+    pairs = [(a, b) for a in "abcdefgh" for b in "abcdefgh"][:n_merges]
+    tokens = (symbols + [a + b for a, b in pairs])[: vocab_size - 1] + ["<|endoftext|>"]
+    return tokens, [f"{a} {b}" for a, b in pairs] or ["a b"]
+
+
+def permute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Q or K projection rows [n_head * head_dim, in] from transformers' rotary layout (halves)
+    to llama.cpp's (adjacent pairs), as llama.cpp's convert_hf_to_gguf.py does."""
+    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(model: LlamaForCausalLM, path: Path) -> Path:
+    """`model`'s float32 weights and a byte-level vocabulary as an F32 GGUF file of architecture llama."""
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    tokens, merges = byte_level_vocab(config.vocab_size)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 1) + [gguf.TokenType.CONTROL])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(len(tokens) - 1)
+    writer.add_eos_token_id(len(tokens) - 1)
+    names = {
+        "embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output", "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    }
+    for name, tensor in model.state_dict().items():
+        parts = name.removeprefix("model.").removesuffix(".weight")
+        data = tensor.detach().float().numpy()
+        if parts.startswith("layers."):
+            _, layer, rest = parts.split(".", 2)
+            if rest == "self_attn.q_proj":
+                data = permute_rotary(data, config.num_attention_heads)
+            elif rest == "self_attn.k_proj":
+                data = permute_rotary(data, config.num_key_value_heads)
+            writer.add_tensor(f"blk.{layer}.{names[rest]}.weight", np.ascontiguousarray(data))
+        else:
+            writer.add_tensor(f"{names[parts]}.weight", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> LlamaForCausalLM:
+    return tiny_llama(VOCAB, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_model, tmp_path_factory) -> Path:
+    return write_gguf(tiny_model, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_gguf) -> LlamaCppTarget:
+    return LlamaCppTarget(tiny_gguf, n_threads=1)
+
+
+def random_ids(n: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("cache_type, tolerance", [("f32", LOGIT_TOLERANCE), ("f16", F16_CACHE_TOLERANCE)])
+def test_logits_match_transformers_on_the_same_weights(tiny_model, tiny_gguf, cache_type, tolerance):
+    target = LlamaCppTarget(tiny_gguf, n_threads=1, cache_type=cache_type)
+    ids = random_ids(40, seed=1)
+    with torch.inference_mode():
+        expected = tiny_model(ids[None]).logits[0]  # [40, vocab]
+    target.prefill(ids[:25])
+    got = target.score(ids[25:])  # [15, vocab]
+    assert got.shape == (15, VOCAB) and got.dtype == torch.float32
+    assert target.length == 40
+    torch.testing.assert_close(got, expected[25:], atol=tolerance, rtol=0)
+    target.prefill(ids[:0])
+    torch.testing.assert_close(target.score(ids[:3]), expected[:3], atol=tolerance, rtol=0)
+
+
+def test_rollback_then_scoring_again_gives_the_same_logits(tiny_target):
+    ids = random_ids(30, seed=2)
+    tiny_target.prefill(ids[:20])
+    first = tiny_target.score(ids[20:])  # [10, vocab]
+    tiny_target.rollback(23)
+    assert tiny_target.length == 23
+    other = tiny_target.score(random_ids(5, seed=3))  # rejected positions overwrite the rolled-back ones
+    tiny_target.rollback(23)
+    again = tiny_target.score(ids[23:])  # [7, vocab]
+    assert not torch.equal(other[0], again[0])
+    assert torch.equal(again, first[3:])
+
+
+def scored_one_by_one_and_batched(target: LlamaCppTarget, prefix: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Logits of `ids` after `prefix`, scored one position per pass [n, vocab], and scored in
+    one pass of n tokens for every n in 2..len(ids) (each [n, vocab])."""
+    target.prefill(prefix)
+    alone = torch.cat([target.score(ids[i : i + 1]) for i in range(len(ids))])
+    batched = []
+    for n in range(2, len(ids) + 1):
+        target.rollback(len(prefix))
+        batched.append(target.score(ids[:n]))
+    return alone, batched
+
+
+def test_a_position_has_the_same_logits_alone_and_in_a_batch(tiny_target):
+    alone, batched = scored_one_by_one_and_batched(tiny_target, random_ids(9, seed=4), random_ids(16, seed=5))
+    for logits in batched:
+        assert torch.equal(logits, alone[: len(logits)])
+
+
+@pytest.fixture(scope="module")
+def bundled_target() -> LlamaCppTarget:
+    # One thread: pytest runs two workers on two cores, and llama.cpp's OpenMP threads spin
+    # badly when they outnumber the free cores. Invariance with 2 threads: docs/llamacpp-backend.md.
+    return LlamaCppTarget(bundled_gguf(), n_threads=1)
+
+
+def test_the_cpu_backend_matches_this_cpu():
+    """The build dispatches at run time: the CPU backend loaded uses this CPU's widest vectors."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
+    info = system_info()
+    if "avx512f" in flags:
+        assert "AVX512" in info.split(), info
+    elif "avx2" in flags:
+        assert "AVX2" in info.split() and "AVX512" not in info.split(), info
+
+
+@pytest.mark.parametrize("context", [12, 600])  # from 512 cached positions flash attention would split one token's pass
+def test_bundled_model_batched_pass_of_16_tokens_is_batch_invariant(bundled_target, context):
+    """A batched pass of 16 tokens on the bundled Q4_1 file (the pass a bad build crashed in),
+    and each position's logits bitwise equal to scoring it alone, for batches of 2..16."""
+    assert bundled_target.vocab_size == 49152
+    prefix = random_ids(context, seed=8, vocab=49152)
+    alone, batched = scored_one_by_one_and_batched(bundled_target, prefix, random_ids(16, seed=6, vocab=49152))
+    assert torch.isfinite(batched[-1]).all() and batched[-1].shape == (16, 49152)
+    for logits in batched:
+        assert torch.equal(logits, alone[: len(logits)])
+
+
+def test_flash_attention_would_make_logits_depend_on_the_batch():
+    """Why the backend turns flash attention off: over a long cache, one token's pass and a
+    batch's sum attention in other orders."""
+    target = LlamaCppTarget(bundled_gguf(), n_threads=2, batch_invariant=False)
+    alone, batched = scored_one_by_one_and_batched(target, random_ids(600, seed=8, vocab=49152), random_ids(4, seed=6, vocab=49152))
+    assert not torch.equal(batched[-1], alone)
+    assert (batched[-1] - alone).abs().max() < 2.0  # rounding, not a bug; enough to flip a near-tie
+
+
+def test_tokenizer_only_loading_gives_the_tokenizer_and_a_llamacpp_target(tiny_gguf):
+    loaded, target = load_target(str(tiny_gguf), "llamacpp", threads=1)
+    assert loaded.model is None and loaded.gguf == tiny_gguf
+    assert len(loaded.tokenizer) == VOCAB and loaded.eos_token_ids == frozenset({VOCAB - 1})
+    ids = loaded.tokenizer("abba cafe")["input_ids"]
+    assert loaded.tokenizer.decode(ids) == "abba cafe"
+    assert isinstance(target, LlamaCppTarget) and target.vocab_size == VOCAB and target.n_threads == 1
+    with pytest.raises(ValueError, match="needs the model's weights"):
+        make_target(loaded, "fast")
+
+
+def test_bundled_tokenizer_only_matches_the_full_load():
+    assert load_model(tokenizer_only=True).eos_token_ids == load_model().eos_token_ids
+
+
+@pytest.mark.parametrize("content", [b"not a gguf file at all", b"GGUF\x03\x00\x00\x00truncated"])
+def test_a_file_llama_cpp_cannot_load_is_a_one_line_value_error(tmp_path, content):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="llama.cpp cannot load") as raised:
+        load_target(str(path), "llamacpp")
+    assert "\n" not in str(raised.value)
+    with pytest.raises(ValueError, match="is a directory"):
+        load_target(str(tmp_path), "llamacpp")
+
+
+def run(target, drafter, k: int, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
+    steps = decode(
+        target, drafter, FixedK(k), prompt, GREEDY, max_new_tokens=max_new_tokens,
+        eos_token_ids=frozenset(), random=GeneratorSource(torch.Generator().manual_seed(0)), stats=Stats(),
+    )
+    return [t for step in steps for t in step]
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_speculation_is_token_identical_to_plain_decoding(tiny_target, tmp_path, k):
+    prompt = random_ids(8, seed=7)
+    plain = run(tiny_target, NoDrafter(), 0, prompt, 100)
+    draft = LlamaCppTarget(write_gguf(tiny_llama(VOCAB, seed=1), tmp_path / "draft.gguf"), n_threads=1)
+    assert run(tiny_target, DraftModelDrafter(draft), k, prompt, 100) == plain
+
+
+@pytest.fixture(scope="module")
+def lossless_gguf(tmp_path_factory) -> tuple[Path, LlamaForCausalLM]:
+    """test_lossless's target model (vocabulary 16) as a GGUF file, and the model."""
+    model = tiny_llama(test_lossless.VOCAB, seed=0, init_scale=test_lossless.INIT_SCALE)
+    return write_gguf(model, tmp_path_factory.mktemp("lossless") / "target.gguf"), model
+
+
+@pytest.mark.parametrize("name", ["t1"])  # the other transforms are covered by test_lossless; ~2 min each here
+def test_speculative_sampling_on_llamacpp_matches_the_target_distribution(lossless_gguf, monkeypatch, name):
+    """test_lossless's chi-square test with the target run by llama.cpp and a point-mass drafter
+    (the draft model's argmax), against the exact distribution of the same weights."""
+    path, model = lossless_gguf
+    target = LlamaCppTarget(path, n_threads=1)
+    as_target = test_lossless.as_target
+    monkeypatch.setattr(test_lossless, "as_target", lambda m: target if m is model else as_target(m))
+    draft_model = test_lossless.noisy_copy(model, scale=0.1, seed=1)
+    params = test_lossless.PARAMS[name]
+    drafter = test_lossless.make_drafter("point-mass", draft_model)
+    observed = test_lossless.sampled_counts(model, drafter, params, seed=1234)
+    p = test_lossless.chi_square_p(observed, test_lossless.exact_distribution(model, params))
+    assert p > test_lossless.ALPHA, f"{name}: p = {p:.2e}"
