@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -72,8 +73,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="for both backends (default: all cores)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     loaded = load_model()
     fast = make_target(loaded, "fast")
@@ -81,7 +84,10 @@ def main() -> None:
     llamacpp_flash = LlamaCppTarget(bundled_gguf(), n_threads=args.threads, batch_invariant=False)
     targets = {"llamacpp": llamacpp, "llamacpp, flash attention": llamacpp_flash, "fast (float32)": fast}
 
-    report: dict = {"cpu": cpu_name(), "llama.cpp": system_info(), "threads": llamacpp.n_threads, "model": bundled_gguf().name}
+    report: dict = {
+        "cpu": cpu_name(), "llama.cpp": system_info(), "threads": llamacpp.n_threads, "model": bundled_gguf().name,
+        "load_average": os.getloadavg()[0],  # other processes on the machine, at the start
+    }
     report["plain_tokens_per_second"] = {
         name: round(plain_tokens_per_second(t, loaded.tokenizer, args.new_tokens), 1) for name, t in targets.items()
     }
@@ -97,7 +103,8 @@ def main() -> None:
         for prefix in (torch.tensor(encode_prompt(loaded.tokenizer, PROMPTS[0])), context_tokens(loaded.tokenizer, CONTEXT, 600))
         for name, t in targets.items() if isinstance(t, LlamaCppTarget)
     }
-    print(json.dumps(report, indent=1))
+    report["load_average_at_end"] = os.getloadavg()[0]
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":
