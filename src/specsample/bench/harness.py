@@ -30,6 +30,7 @@ from tqdm import tqdm
 from specsample.api import SpecSampler
 from specsample.bench import baselines
 from specsample.bench.baselines import Output
+from specsample.defaults import given
 from specsample.drafters import REGISTRY, DraftModelDrafter, make_drafter
 from specsample.models import LoadedModel, Target, load_model, make_target
 from specsample.policy import parse_k
@@ -192,8 +193,9 @@ def engine_runner(config: Config, setup: Setup) -> Runner:
     if config.drafter == SELF_DRAFTER:
         drafter = DraftModelDrafter(make_target(setup.model, setup.backend))
     else:
-        drafter = make_drafter(config.drafter, setup.model, setup.target, trust_remote_code=setup.trust_remote_code)
-    return EngineRunner(SpecSampler(setup.model, setup.target, drafter), config)
+        drafter = make_drafter(config.drafter, setup.model, setup.target, backend=setup.backend,
+                               trust_remote_code=setup.trust_remote_code)
+    return EngineRunner(SpecSampler(setup.model, setup.target, drafter, given(config.drafter, config.k)), config)
 
 
 class EngineRunner:

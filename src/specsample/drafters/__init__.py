@@ -20,14 +20,15 @@ from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.none import NoDrafter
 from specsample.drafters.quantized import quantized_drafter
 from specsample.drafters.suffix import SuffixDrafter
-from specsample.models import LoadedModel, Target, load_model, make_target
+from specsample.models import LoadedModel, Target, load_target
+from specsample.models.target import RecordsFeatures, require
 
 # A factory builds a drafter for a loaded target model and its Target backend.
 DrafterFactory = Callable[[LoadedModel, Target], Drafter]
 
 REGISTRY: dict[str, DrafterFactory] = {
     "none": lambda model, target: NoDrafter(),
-    "head": lambda model, target: HeadDrafter.load(model, target, shipped_head_dir(model)),
+    "head": lambda model, target: HeadDrafter.load(model, require_features(target), shipped_head_dir(model)),
     "ngram": lambda model, target: NgramDrafter(),
     "suffix": lambda model, target: SuffixDrafter(),
     "layerskip": LayerSkipDrafter.load,
@@ -36,34 +37,45 @@ REGISTRY: dict[str, DrafterFactory] = {
 
 # Drafters that load their weights from a directory: `--drafter NAME:PATH`.
 PATH_REGISTRY: dict[str, Callable[[LoadedModel, Target, str], Drafter]] = {
-    "head": HeadDrafter.load,
+    "head": lambda model, target, path: HeadDrafter.load(model, require_features(target), path),
 }
 
 
-def make_drafter(spec: str, model: LoadedModel, target: Target, *, trust_remote_code: bool = False) -> Drafter:
-    """A drafter from a registered name, `NAME:PATH`, `A+B`, or the path of a draft model directory or GGUF file."""
+def require_features(target: Target) -> Target:
+    """The target, if it keeps the features a head reads; asked before the head reads the target's weights."""
+    return require(target, RecordsFeatures, "the head drafter")
+
+
+def make_drafter(
+    spec: str, model: LoadedModel, target: Target, *, backend: str = "auto", trust_remote_code: bool = False
+) -> Drafter:
+    """A drafter from a registered name, `NAME:PATH`, `A+B`, or the path of a draft model directory or GGUF
+    file, which runs on llama.cpp too when `backend` (the target's) is `llamacpp`."""
     if spec in REGISTRY:
         return REGISTRY[spec](model, target)
     first, plus, second = spec.partition("+")
     if plus and not Path(spec).expanduser().exists():
-        lookup = make_drafter(first, model, target, trust_remote_code=trust_remote_code)
+        lookup = make_drafter(first, model, target, backend=backend, trust_remote_code=trust_remote_code)
         check_lookup(lookup, first)
-        return FallbackDrafter(lookup, make_drafter(second, model, target, trust_remote_code=trust_remote_code))
+        return FallbackDrafter(
+            lookup, make_drafter(second, model, target, backend=backend, trust_remote_code=trust_remote_code)
+        )
     name, sep, path = spec.partition(":")
     if sep and name in PATH_REGISTRY:
         return PATH_REGISTRY[name](model, target, path)
     if not Path(spec).expanduser().exists():
         names = ", ".join(sorted(REGISTRY))
         raise ValueError(f"unknown drafter {spec!r}: expected one of {names}, or the path of a draft model")
-    draft = load_model(spec, trust_remote_code=trust_remote_code)
-    check_same_vocabulary(model, draft)
-    return DraftModelDrafter(make_target(draft))
+    draft, draft_target = load_target(
+        spec, "llamacpp" if backend == "llamacpp" else "auto", trust_remote_code=trust_remote_code
+    )
+    check_same_vocabulary(model, target, draft, draft_target)
+    return DraftModelDrafter(draft_target)
 
 
-def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+def check_same_vocabulary(target: LoadedModel, target_backend: Target, draft: LoadedModel, draft_backend: Target) -> None:
     """A draft model must share the target's tokenizer vocabulary and logits width."""
-    target_width = target.model.get_output_embeddings().weight.shape[0]
-    draft_width = draft.model.get_output_embeddings().weight.shape[0]
+    target_width, draft_width = target_backend.vocab_size, draft_backend.vocab_size
     if target_width != draft_width or target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
         raise ValueError(
             f"the draft model's vocabulary ({len(draft.tokenizer)} tokens, {draft_width} logits) "
