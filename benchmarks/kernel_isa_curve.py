@@ -8,12 +8,19 @@ so their f(1) compare as well as their ratios. Builds are `kernels.cpp` for each
 instruction set asked for, and optionally other sources (an older kernels.cpp):
 
     python benchmarks/kernel_isa_curve.py --isa native,avx2 --extra before=/tmp/before.cpp
+
+On a machine other jobs load, two OpenMP threads wait for each other whenever one
+is descheduled, and wall times swing tenfold; `--cpu-time` with
+OMP_NUM_THREADS=1 times the process's CPU time on one thread instead, which
+that load barely moves.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import os
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -63,6 +70,7 @@ def main() -> None:
     parser.add_argument("--context-length", type=int, default=200)
     parser.add_argument("--ns", default="1,2,4,8,12,16")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--cpu-time", action="store_true", help="time CPU seconds of this process, not wall time")
     args = parser.parse_args()
 
     libs: dict[str, ctypes.CDLL] = {}
@@ -83,8 +91,12 @@ def main() -> None:
     ns = [int(n) for n in args.ns.split(",")]
     ids = cc.context_tokens(loaded.tokenizer, CONTEXT, args.context_length + max(ns))
     targets = {label: WithKernels(target, lib) for label, lib in libs.items()}
-    curves = cc.measure(targets, ids[: args.context_length], ids[args.context_length :], ns, args.repeats)
-    print(f"{cpu_name()}; {loaded.name}; context {args.context_length}; median of {args.repeats}")
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    with mock.patch.object(cc, "perf_counter", clock):
+        curves = cc.measure(targets, ids[: args.context_length], ids[args.context_length :], ns, args.repeats)
+    threads = os.environ.get("OMP_NUM_THREADS", "all")
+    print(f"{cpu_name()}; {loaded.name}; context {args.context_length}; median of {args.repeats}; "
+          f"{'CPU' if args.cpu_time else 'wall'} time; OMP threads: {threads}")
     print("| build | f(1) ms | " + " | ".join(f"f({n})/f(1)" for n in ns[1:]) + " |")
     print("|---|---|" + "---|" * (len(ns) - 1))
     for curve in curves:

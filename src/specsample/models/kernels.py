@@ -8,8 +8,8 @@ added, so scoring 8 tokens costs 2 to 3 times scoring one. `matmul` reads each
 weight once, in the order it lies in memory, and keeps the results of several
 rows in vector registers, so 12 rows cost little more than one. Weights are
 packed in panels of 32 output columns, [blocks, in, 32]: one panel is a
-contiguous stream, which the kernel prefetches ahead of its reads (the
-hardware prefetchers alone leave 8 rows 1.2 to 1.5 times slower).
+contiguous stream, which the kernel prefetches ahead of its reads (with the
+hardware prefetchers alone, 8 rows took 1.5 to 2.4 times as long).
 
 The register blocking is chosen at compile time for the vector instruction set
 (`instruction_set()`): with AVX-512 the 32 columns of a panel are two registers
