@@ -134,28 +134,53 @@ def test_matmul_rows_do_not_depend_on_row_count(isa, kind):
         assert torch.equal(kernels.matmul(x[29 - rows :], packed, 100, scales=scales), alone[29 - rows :]), rows
 
 
-def tiny_model() -> LlamaForCausalLM:
-    """A random 2-layer Llama with heads of 64 (the vector paths of attention), tied head."""
+# Query heads per KV head 2, 4 and 7 (attention's groups of heads: 7 is 3 + 4), head sizes 64, 32 and
+# 24 (not a whole number of AVX-512 vectors).
+ATTENTION_SHAPES = {
+    "gqa2-d64": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1),
+    "gqa4-d32": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1),
+    "gqa7-d24": dict(hidden_size=168, num_attention_heads=7, num_key_value_heads=1),
+}
+
+
+def tiny_model(shape: str) -> LlamaForCausalLM:
+    """A random 2-layer Llama with a tied head and the attention shape `shape`."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=96, hidden_size=128, intermediate_size=200, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=96, intermediate_size=200, num_hidden_layers=2, max_position_embeddings=256,
+        initializer_range=0.1, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        **ATTENTION_SHAPES[shape],
     )
     return LlamaForCausalLM(config).eval()
 
 
+IDS = torch.randint(0, 96, (86,), generator=torch.Generator().manual_seed(4))
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
+def test_model_matches_transformers(isa, shape):
+    """Logits of 16 positions after 70 cached (past 64: attention's blocks of positions and of
+    values) match the transformers model within float32 rounding."""
+    model = tiny_model(shape)
+    with torch.inference_mode():
+        reference = model(IDS[None]).logits[0, 70:].float()
+    target = LlamaTarget.from_hf(model, max_length=128)
+    assert target.kernels
+    target.prefill(IDS[:70])
+    torch.testing.assert_close(target.score(IDS[70:]), reference, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
 @pytest.mark.parametrize("weight_type", ["float32", "int8"])
-def test_model_rows_do_not_depend_on_row_count(isa, weight_type):
-    """Logits of positions 70..86 (past 64 cached keys: attention's blocks of 4 vectors) scored in
-    passes of n tokens, for several n, equal bitwise those of one pass of 16."""
-    model = tiny_model()
+def test_model_rows_do_not_depend_on_row_count(isa, weight_type, shape):
+    """Logits of positions 70..86 scored in passes of n tokens, for several n, equal bitwise those
+    of one pass of 16."""
+    model = tiny_model(shape)
     target = LlamaTarget.from_hf(model, max_length=128) if weight_type == "float32" else int8_target(model, 128)
     assert target.kernels
-    ids = torch.randint(0, 96, (86,), generator=torch.Generator().manual_seed(4))
-    target.prefill(ids[:70])
-    whole = target.score(ids[70:])
+    target.prefill(IDS[:70])
+    whole = target.score(IDS[70:])
     for n in (1, 3, 5, 7, 12, 13):
         target.rollback(70)
-        passes = torch.cat([target.score(chunk) for chunk in ids[70:].split(n)])
+        passes = torch.cat([target.score(chunk) for chunk in IDS[70:].split(n)])
         assert torch.equal(passes, whole), n

@@ -163,40 +163,109 @@ static inline vf exp_nonpositive(vf x) {
   return p * (vf)bits;
 }
 
-// o[0:G VL] = sum over i < len of p[i] * scale * v[i, 0:G VL], v's rows d apart; G accumulators.
-template <int G>
-static void weighted_sum_v(const float* p, float scale, const float* v, long len, long d, float* o) {
-  vf acc[G] = {};
-  for (long i = 0; i < len; i++) {
-    float s = p[i] * scale;
-    for (int u = 0; u < G; u++) acc[u] += s * load(v + i * d + u * VL);
+// Attention works on the query heads that share a KV head together, up to HEADS of them, so that
+// each key and value vector loaded serves them all; REGS: the vector registers there are.
+#if defined(__AVX512F__)
+enum { REGS = 32 };
+#else
+enum { REGS = 16 };
+#endif
+// IC: positions a block of values columns runs over before the next block; PF_ROWS: how many rows
+// of values ahead the first block prefetches.
+enum { HEADS = 4, IC = 64, PF_ROWS = 8 };
+
+// Vectors of keys or values a register block of G heads covers: G x that accumulators, that many
+// key or value vectors and one broadcast fit in the registers.
+static constexpr int span(int G) { return (REGS - 1) / (G + 1) < 4 ? (REGS - 1) / (G + 1) : 4; }
+
+// scores[h ld + (b + u) VL + l] = q_h . key of position (b + u) VL + l, for heads h < G (q_h at
+// q + h d) and u < B: one chain of multiply-adds over j per score.
+template <int G, int B>
+static void dot_keys(const float* q, const float* kt, long d, long cap, long b, float* scores, long ld) {
+  vf acc[G][B] = {};
+  for (long j = 0; j < d; j++) {
+    vf k[B];
+    for (int u = 0; u < B; u++) k[u] = load(kt + j * cap + (b + u) * VL);
+    for (int h = 0; h < G; h++) {
+      float qj = q[h * d + j];
+      for (int u = 0; u < B; u++) acc[h][u] += qj * k[u];
+    }
   }
-  for (int u = 0; u < G; u++) *(vfu*)(o + u * VL) = acc[u];
+  for (int h = 0; h < G; h++)
+    for (int u = 0; u < B; u++) *(vfu*)(scores + h * ld + (b + u) * VL) = acc[h][u];
 }
 
-// o[0:d] = sum over i < len of p[i] * scale * v[i, 0:d], in column groups of at most 8 registers.
-static void weighted_sum(const float* p, float scale, const float* v, long len, long d, float* o) {
-  if (d % (4 * VL) == 0) {
-    for (long c = 0; c < d; c += 8 * VL) {
-      if (d - c >= 8 * VL) weighted_sum_v<8>(p, scale, v + c, len, d, o + c);
-      else weighted_sum_v<4>(p, scale, v + c, len, d, o + c);
+// o_h[0:C VL] (+)= sum over i0 <= i < i1 of p_h[i] v[i, 0:C VL], for heads h < G (p_h at p + h ld,
+// o_h at o + h d; v's rows d apart), o_h overwritten where i0 = 0: one chain of multiply-adds over i
+// per output, parked in o between calls. With `prefetch`, fetches the rows PF_ROWS ahead.
+template <int G, int C>
+static void weighted_values(const float* p, long ld, const float* v, long i0, long i1, long d, float* o,
+                            bool prefetch) {
+  vf acc[G][C];
+  for (int h = 0; h < G; h++)
+    for (int u = 0; u < C; u++) acc[h][u] = i0 ? load(o + h * d + u * VL) : (vf){};
+  for (long i = i0; i < i1; i++) {
+    if (prefetch)
+      for (long l = 0; l < d; l += 16) __builtin_prefetch(v + (i + PF_ROWS) * d + l);
+    vf x[C];
+    for (int u = 0; u < C; u++) x[u] = load(v + i * d + u * VL);
+    for (int h = 0; h < G; h++) {
+      float s = p[h * ld + i];
+      for (int u = 0; u < C; u++) acc[h][u] += s * x[u];
+    }
+  }
+  for (int h = 0; h < G; h++)
+    for (int u = 0; u < C; u++) *(vfu*)(o + h * d + u * VL) = acc[h][u];
+}
+
+// The attention of G heads of one token to positions 0..len-1 of their KV head (keys kt [d, cap],
+// values v [cap, d]): queries q [G, d], out [G, d]; scores holds G rows of ld floats.
+template <int G>
+static void attend(const float* q, const float* kt, const float* v, long d, long cap, long len, float scale,
+                   float* scores, long ld, float* out) {
+  constexpr int B = span(G);
+  long blocks = (len + VL - 1) / VL, b = 0;
+  for (; b + B <= blocks; b += B) dot_keys<G, B>(q, kt, d, cap, b, scores, ld);
+  for (; b < blocks; b++) dot_keys<G, 1>(q, kt, d, cap, b, scores, ld);
+  for (int h = 0; h < G; h++) {
+    float* row = scores + h * ld;
+    for (long i = len; i < blocks * VL; i++) row[i] = -__builtin_inff();  // not positions of this token
+    vf top = (vf){} - __builtin_inff();
+    for (b = 0; b < blocks; b++) {
+      vf s = load(row + b * VL) * scale;
+      *(vfu*)(row + b * VL) = s;
+      top = s > top ? s : top;
+    }
+    float m = top[0];
+    for (int l = 1; l < VL; l++) m = top[l] > m ? top[l] : m;
+    vf sum = {};
+    for (b = 0; b < blocks; b++) {
+      vf e = exp_nonpositive(load(row + b * VL) - m);
+      *(vfu*)(row + b * VL) = e;
+      sum += e;
+    }
+    float total = 0;
+    for (int l = 0; l < VL; l++) total += sum[l];
+    float inv = 1.0f / total;
+    for (b = 0; b < blocks; b++) *(vfu*)(row + b * VL) = load(row + b * VL) * inv;
+  }
+  if (d % VL) {
+    for (int h = 0; h < G; h++) {
+      float* o = out + h * d;
+      for (long j = 0; j < d; j++) o[j] = 0;
+      for (long i = 0; i < len; i++)
+        for (long j = 0; j < d; j++) o[j] += scores[h * ld + i] * v[i * d + j];
     }
     return;
   }
-  for (long j = 0; j < d; j++) o[j] = 0;
-  for (long i = 0; i < len; i++)
-    for (long j = 0; j < d; j++) o[j] += (p[i] * scale) * v[i * d + j];
-}
-
-// scores[b VL .. (b + G) VL) = q . keys of those positions: G independent accumulators over j.
-template <int G>
-static void dot_keys(const float* q, const float* kt, long d, long cap, long b, float* scores) {
-  vf acc[G] = {};
-  for (long j = 0; j < d; j++) {
-    const float* k = kt + j * cap + b * VL;
-    for (int u = 0; u < G; u++) acc[u] += q[j] * load(k + u * VL);
+  // Column blocks of C vectors, each over IC positions before the next block reads their values
+  // from L1 (on AVX-512, one block is a row of 64).
+  constexpr int C = span(G) == 3 ? 2 : span(G);  // 2 + 2 + ... rather than 3 + 3 + 1 + 1 for d = 8 VL
+  for (long i0 = 0; i0 < len; i0 += IC) {
+    long i1 = i0 + IC < len ? i0 + IC : len, c = 0;
+    for (; c + C * VL <= d; c += C * VL) weighted_values<G, C>(scores, ld, v + c, i0, i1, d, out + c, c == 0);
+    for (; c < d; c += VL) weighted_values<G, 1>(scores, ld, v + c, i0, i1, d, out + c, c == 0);
   }
-  for (int u = 0; u < G; u++) *(vfu*)(scores + (b + u) * VL) = acc[u];
 }
 
 // One layer's attention for n new tokens at positions start..start+n-1.
@@ -205,7 +274,7 @@ static void dot_keys(const float* q, const float* kt, long d, long cap, long b, 
 // and values [kv_heads, cap, d] get positions start.. written and 0..start+n-1 read, cap a
 // multiple of 16 and not of 1024 (rows of keys a power of two apart would share cache sets);
 // out [n, heads d]. Query head h reads KV head h / (heads / kv_heads); token t sees positions
-// 0..start+t.
+// 0..start+t. A job is one token's query heads of one KV head, or HEADS of them if more.
 static void attention(float* qkv, long n, long heads, long kv_heads, long d, const float* cos,
                       const float* sin, float* keys, float* values, long cap, long start, float* out) {
   long width = (heads + 2 * kv_heads) * d, groups = heads / kv_heads, half = d / 2;
@@ -223,38 +292,26 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
       memcpy(values + (g * cap + start + t) * d, row + (heads + kv_heads + g) * d, d * sizeof(float));
     }
   }
-  long end = start + n;
+  long end = start + n, ld = (end + VL - 1) / VL * VL;
+  long parts = (groups + HEADS - 1) / HEADS;  // jobs per token and KV head
   float scale = 1.0f / __builtin_sqrtf((float)d);
 #pragma omp parallel if (n * heads * end * d >= 500000)
   {
-    float* scores = new float[(end + VL - 1) / VL * VL];
+    float* scores = new float[HEADS * ld];
 #pragma omp for schedule(static)
-    for (long job = 0; job < n * heads; job++) {
-      long t = job / heads, h = job % heads, g = h / groups, len = start + t + 1, blocks = (len + VL - 1) / VL;
-      const float* q = qkv + t * width + h * d;
-      const float* kt = keys + g * d * cap;
-      long b = 0;
-      for (; b + 4 <= blocks; b += 4) dot_keys<4>(q, kt, d, cap, b, scores);
-      for (; b < blocks; b++) dot_keys<1>(q, kt, d, cap, b, scores);
-      for (long i = len; i < blocks * VL; i++) scores[i] = -__builtin_inff();  // not positions of this token
-      vf top = (vf){} - __builtin_inff();
-      for (b = 0; b < blocks; b++) {
-        vf s = load(scores + b * VL) * scale;
-        *(vfu*)(scores + b * VL) = s;
-        top = s > top ? s : top;
+    for (long job = 0; job < n * kv_heads * parts; job++) {
+      long t = job / (kv_heads * parts), g = job / parts % kv_heads, part = job % parts;
+      long h0 = g * groups + part * groups / parts, h1 = g * groups + (part + 1) * groups / parts;
+      const float* q = qkv + t * width + h0 * d;
+      const float *kt = keys + g * d * cap, *v = values + g * cap * d;
+      float* o = out + t * heads * d + h0 * d;
+      long len = start + t + 1;
+      switch (h1 - h0) {
+        case 1: attend<1>(q, kt, v, d, cap, len, scale, scores, ld, o); break;
+        case 2: attend<2>(q, kt, v, d, cap, len, scale, scores, ld, o); break;
+        case 3: attend<3>(q, kt, v, d, cap, len, scale, scores, ld, o); break;
+        default: attend<4>(q, kt, v, d, cap, len, scale, scores, ld, o); break;
       }
-      float m = top[0];
-      for (int l = 1; l < VL; l++) m = top[l] > m ? top[l] : m;
-      vf sum = {};
-      for (b = 0; b < blocks; b++) {
-        vf e = exp_nonpositive(load(scores + b * VL) - m);
-        *(vfu*)(scores + b * VL) = e;
-        sum += e;
-      }
-      float total = 0;
-      for (int l = 0; l < VL; l++) total += sum[l];
-      float inv = 1.0f / total;
-      weighted_sum(scores, inv, values + g * cap * d, len, d, out + t * heads * d + h * d);
     }
     delete[] scores;
   }
