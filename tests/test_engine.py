@@ -10,7 +10,7 @@ from specsample.engine import decode
 from specsample.models import TransformersTarget, make_target
 from specsample.models.loading import LoadedModel
 from specsample.policy import FixedK
-from specsample.sampling import SamplingParams
+from specsample.sampling import GeneratorSource, SamplingParams
 from specsample.stats import Stats
 
 from conftest import tiny_llama
@@ -38,7 +38,7 @@ def run(target, drafter, *, k=4, max_new_tokens=20, params=GREEDY, eos=frozenset
     stats = stats if stats is not None else Stats()
     steps = decode(
         target, drafter, FixedK(k), PROMPT, params, max_new_tokens=max_new_tokens,
-        eos_token_ids=eos, generator=torch.Generator().manual_seed(seed), stats=stats,
+        eos_token_ids=eos, random=GeneratorSource(torch.Generator().manual_seed(seed)), stats=stats,
     )
     return [t for step in steps for t in step]
 

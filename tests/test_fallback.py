@@ -21,7 +21,7 @@ from specsample.models import make_target
 from specsample.models.loading import LoadedModel
 from specsample.models.quantize import int8_target
 from specsample.policy import FixedK, HeuristicK
-from specsample.sampling import SamplingParams
+from specsample.sampling import GeneratorSource, SamplingParams
 from specsample.stats import Stats
 from test_head import head_drafter
 from test_lossless_drafters import GREEDY_PROMPT, GREEDY_VOCAB, check_it_drafts, repeating_prompt
@@ -34,13 +34,13 @@ class DrawDependentFallback(FallbackDrafter):
     token, else the lookup draft; the choice reads the draw, so the draft is no longer drawn
     from the draft_probs it carries."""
 
-    def propose(self, k, generator):
-        draft = self.second.propose(k, generator)
+    def propose(self, k, random):
+        draft = self.second.propose(k, random)
         if draft.probs[0, draft.tokens[0]] == draft.probs[0].max():
             self.second_steps += 1
             return draft
         self.first_steps += 1
-        return self.first.propose(k, generator)
+        return self.first.propose(k, random)
 
 
 @pytest.mark.parametrize("broken", [False, True])
@@ -81,7 +81,7 @@ def test_greedy_output_is_the_target_alone(second, policy):
         target = make_target(loaded)
         steps = decode(
             target, drafter(target), policy, GREEDY_PROMPT, SamplingParams(temperature=0), max_new_tokens=60,
-            eos_token_ids=frozenset(), generator=torch.Generator().manual_seed(0), stats=stats,
+            eos_token_ids=frozenset(), random=GeneratorSource(torch.Generator().manual_seed(0)), stats=stats,
         )
         return [t for step in steps for t in step]
 
@@ -106,7 +106,7 @@ def test_a_short_lookup_draft_gives_way_to_the_second_drafter():
         def begin(self, prompt_ids, params):
             pass
 
-        def propose(self, k, generator):
+        def propose(self, k, random):
             return Draft(torch.tensor(self.tokens[:k]), None)
 
         def observe(self, tokens):
@@ -114,11 +114,11 @@ def test_a_short_lookup_draft_gives_way_to_the_second_drafter():
 
     first, second = Fixed([7]), Fixed([1, 2, 3])
     drafter = FallbackDrafter(first, second, min_tokens=2)
-    generator = torch.Generator()
-    assert drafter.propose(4, generator).tokens.tolist() == [1, 2, 3]  # one token is short of 2
-    assert drafter.propose(1, generator).tokens.tolist() == [7]  # but enough when K is 1
+    random = GeneratorSource(torch.Generator())
+    assert drafter.propose(4, random).tokens.tolist() == [1, 2, 3]  # one token is short of 2
+    assert drafter.propose(1, random).tokens.tolist() == [7]  # but enough when K is 1
     first.tokens = [7, 8]
-    assert drafter.propose(4, generator).tokens.tolist() == [7, 8]
+    assert drafter.propose(4, random).tokens.tolist() == [7, 8]
     drafter.observe([7, 5])
     assert first.observed == second.observed == [[7, 5]]
 

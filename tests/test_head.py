@@ -14,7 +14,7 @@ from specsample.drafters.head import CATCH_UP_BATCH, DraftHead, HeadConfig, Head
 from specsample.engine import decode
 from specsample.models import LoadedModel, kernels, load_model, make_target
 from specsample.policy import FixedK
-from specsample.sampling import SamplingParams
+from specsample.sampling import GeneratorSource, SamplingParams
 from specsample.stats import Stats
 from specsample.prompts import read_prompts
 from specsample.training import TrainOptions, data_shards, train
@@ -74,7 +74,7 @@ def test_head_greedy_output_is_the_targets(backend, policy):
         target = make_target(loaded, backend)
         stats.append(Stats())
         steps = decode(target, make(target), policies[policy](), prompt, SamplingParams(temperature=0),
-                       max_new_tokens=40, eos_token_ids=frozenset(), generator=torch.Generator().manual_seed(0),
+                       max_new_tokens=40, eos_token_ids=frozenset(), random=GeneratorSource(torch.Generator().manual_seed(0)),
                        stats=stats[-1])
         outputs.append([t for step in steps for t in step])
     assert outputs[0] == outputs[1]
@@ -88,7 +88,7 @@ def test_head_reports_the_peak_of_its_distribution_as_confidence():
     target.prefill(torch.tensor([5, 9, 2, 33]))
     drafter.begin(torch.tensor([5, 9, 2, 33, 7]), SamplingParams(temperature=0))
     peak = float(drafter.logits.softmax(-1).max())
-    draft = drafter.propose(3, torch.Generator().manual_seed(0))
+    draft = drafter.propose(3, GeneratorSource(torch.Generator().manual_seed(0)))
     assert draft.confidence.shape == (3,) and float(draft.confidence[0]) == pytest.approx(peak)
     assert ((draft.confidence > 0) & (draft.confidence <= 1)).all()
 
@@ -105,12 +105,12 @@ def test_a_head_that_skipped_steps_catches_up_to_the_draft_it_would_have_made():
     eager.begin(prompt, params)
     lazy.begin(prompt, params)
     for pending, accepted in [(7, []), (12, [40, 3]), (8, [21])]:  # the tokens each step emits after `pending`
-        eager.propose(3, generator.manual_seed(0))
+        eager.propose(3, GeneratorSource(generator.manual_seed(0)))
         target.score(torch.tensor([pending, *accepted]))
         eager.observe([pending, *accepted])
         lazy.observe([pending, *accepted])
     assert lazy.decoder.length < eager.decoder.length  # the lazy head has not run since the prompt
-    drafts = [d.propose(4, generator.manual_seed(1)) for d in (eager, lazy)]
+    drafts = [d.propose(4, GeneratorSource(generator.manual_seed(1))) for d in (eager, lazy)]
     assert lazy.decoder.length == eager.decoder.length
     assert drafts[0].tokens.tolist() == drafts[1].tokens.tolist()
     torch.testing.assert_close(drafts[0].probs, drafts[1].probs, rtol=1e-4, atol=1e-5)
@@ -301,7 +301,7 @@ def test_a_head_reading_a_middle_layer_trains_on_data_that_lacks_it(trained_dir,
     for spec in ("none", f"head:{tmp_path}"):
         target = make_target(loaded)
         steps = decode(target, make_drafter(spec, loaded, target), FixedK(3), prompt, SamplingParams(temperature=0),
-                       max_new_tokens=20, eos_token_ids=frozenset(), generator=torch.Generator().manual_seed(0),
+                       max_new_tokens=20, eos_token_ids=frozenset(), random=GeneratorSource(torch.Generator().manual_seed(0)),
                        stats=Stats())
         outputs.append([t for step in steps for t in step])
     assert outputs[0] == outputs[1]

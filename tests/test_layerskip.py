@@ -19,7 +19,7 @@ from specsample.engine import decode
 from specsample.models import TransformersTarget
 from specsample.models.loading import LoadedModel
 from specsample.policy import FixedK
-from specsample.sampling import SamplingParams
+from specsample.sampling import GeneratorSource, SamplingParams
 from specsample.stats import Stats
 from test_lossless_drafters import GREEDY_PROMPT, GREEDY_VOCAB, check_it_drafts
 
@@ -59,7 +59,7 @@ def greedy_decode(target, drafter, policy, stats: Stats) -> list[int]:
     """The engine's greedy tokens for GREEDY_PROMPT, 60 of them."""
     steps = decode(
         target, drafter, policy, GREEDY_PROMPT, SamplingParams(temperature=0),
-        max_new_tokens=60, eos_token_ids=frozenset(), generator=torch.Generator().manual_seed(0), stats=stats,
+        max_new_tokens=60, eos_token_ids=frozenset(), random=GeneratorSource(torch.Generator().manual_seed(0)), stats=stats,
     )
     return [t for step in steps for t in step]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from specsample.drafters.base import Draft
 from specsample.models import make_target
 from specsample.models.loading import LoadedModel
 from specsample.policy import FixedK
-from specsample.sampling import SamplingParams, probs_from_logits, sample
+from specsample.sampling import GeneratorSource, RandomSource, SamplingParams, probs_from_logits, sample
 from specsample.stats import Stats
 from specsample.verify import ChainVerifier, Verdict, leading_true
 from specsample.verify.check import accept_all, chi_square_p
@@ -66,8 +67,8 @@ class PointMassDrafter:
     def begin(self, prompt_ids, params):
         self.inner.begin(prompt_ids, SamplingParams(temperature=0))
 
-    def propose(self, k, generator):
-        return Draft(self.inner.propose(k, generator).tokens, None)
+    def propose(self, k, random):
+        return Draft(self.inner.propose(k, random).tokens, None)
 
     def observe(self, tokens):
         self.inner.observe(tokens)
@@ -94,17 +95,27 @@ def exact_distribution(model, params: SamplingParams) -> np.ndarray:
     return picked.double().prod(-1).numpy()
 
 
+def one_generator(seed: int) -> Iterator[RandomSource]:
+    """Every sample draws from one generator, as requests without a seed do."""
+    return itertools.repeat(GeneratorSource(torch.Generator().manual_seed(seed)))
+
+
 def sampled_counts(
-    target_model, drafter, params: SamplingParams, seed: int, verifier: ChainVerifier = ChainVerifier()
+    target_model,
+    drafter,
+    params: SamplingParams,
+    seed: int,
+    verifier: ChainVerifier = ChainVerifier(),
+    sources: Callable[[int], Iterator[RandomSource]] = one_generator,
 ) -> np.ndarray:
+    """Counts [VOCAB**SEQ_LEN] of N_SAMPLES sequences through the engine, sample i with the i-th of `sources(seed)`."""
     target = as_target(target_model)
-    generator = torch.Generator().manual_seed(seed)
     counts = Counter()
-    for _ in range(N_SAMPLES):
+    for _, random in zip(range(N_SAMPLES), sources(seed)):
         tokens = [
             t for step in engine.decode(
                 target, drafter, FixedK(K), PROMPT, params, max_new_tokens=SEQ_LEN,
-                eos_token_ids=frozenset(), generator=generator, stats=Stats(), verifier=verifier,
+                eos_token_ids=frozenset(), random=random, stats=Stats(), verifier=verifier,
             ) for t in step
         ]
         counts[tuple(tokens)] += 1

@@ -19,7 +19,7 @@ from specsample.engine import decode
 from specsample.models import make_target
 from specsample.models.loading import LoadedModel
 from specsample.policy import FixedK, HeuristicK
-from specsample.sampling import SamplingParams
+from specsample.sampling import GeneratorSource, SamplingParams
 from specsample.stats import Stats
 
 from conftest import drafting_cost_model, tiny_llama
@@ -60,7 +60,7 @@ def check_it_drafts(target_model, drafter, policy, params) -> None:
     for _ in range(200):
         for _ in decode(
             lossless.as_target(target_model), drafter, policy, lossless.PROMPT, params,
-            max_new_tokens=lossless.SEQ_LEN, eos_token_ids=frozenset(), generator=generator, stats=stats,
+            max_new_tokens=lossless.SEQ_LEN, eos_token_ids=frozenset(), random=GeneratorSource(generator), stats=stats,
         ):
             pass
     assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0
@@ -74,7 +74,7 @@ def greedy(model, drafter, policy, stats: Stats) -> list[int]:
     target = make_target(LoadedModel(model, None, "tiny", frozenset(), 0.0))
     steps = decode(
         target, drafter, policy, GREEDY_PROMPT, SamplingParams(temperature=0), max_new_tokens=60,
-        eos_token_ids=frozenset(), generator=torch.Generator().manual_seed(0), stats=stats,
+        eos_token_ids=frozenset(), random=GeneratorSource(torch.Generator().manual_seed(0)), stats=stats,
     )
     return [t for step in steps for t in step]
 
@@ -115,8 +115,8 @@ class DrawnTokenConfidence:
     def begin(self, prompt_ids, params):
         self.inner.begin(prompt_ids, params)
 
-    def propose(self, k, generator):
-        draft = self.inner.propose(k, generator)
+    def propose(self, k, random):
+        draft = self.inner.propose(k, random)
         drawn = draft.probs.gather(1, draft.tokens[:, None])[:, 0]  # [k]
         return Draft(draft.tokens, draft.probs, drawn)
 

@@ -25,7 +25,7 @@ from specsample.models.llama import Linear
 from specsample.models.loading import LoadedModel
 from specsample.models.quantize import Int8Linear, int8_target
 from specsample.policy import FixedK
-from specsample.sampling import SamplingParams
+from specsample.sampling import GeneratorSource, SamplingParams
 from specsample.stats import Stats
 from test_layerskip import generate_greedy, greedy_with
 from test_llama_backend import MODELS, packed, prompt, reference_logits  # noqa: F401  (packed: a fixture)
@@ -104,7 +104,7 @@ def test_the_quantizedstarts_from_the_target_cache(packed):
     target.prefill(GREEDY_PROMPT[:-1])
     drafter.begin(GREEDY_PROMPT, SamplingParams(temperature=0))
     assert drafter.model.length == 0  # nothing before the first draft
-    drafter.propose(3, torch.Generator().manual_seed(0))
+    drafter.propose(3, GeneratorSource(torch.Generator().manual_seed(0)))
     cached = len(GREEDY_PROMPT) - 1
     assert drafter.model.length == cached + 3
     # Its own prefill would give the int8 copy's values, not the target's.

@@ -21,7 +21,7 @@ from specsample.drafters import Drafter, make_drafter
 from specsample.engine import decode
 from specsample.models import LoadedModel, Target, load_target
 from specsample.policy import KPolicy, parse_k
-from specsample.sampling import SamplingParams, make_generator
+from specsample.sampling import SamplingParams, request_source
 from specsample.stats import Stats
 from specsample.text import IncrementalDecoder, Message, StopMatcher, encode_prompt
 from specsample.verify import ChainVerifier
@@ -75,7 +75,7 @@ class Generation:
         steps = decode(
             sampler.target, sampler.drafter, policy, prompt_ids, params,
             max_new_tokens=max_new_tokens, eos_token_ids=model.eos_token_ids,
-            generator=make_generator(seed), stats=stats, verifier=sampler.verifier,
+            random=request_source(seed), stats=stats, verifier=sampler.verifier,
         )
         decoder, matcher = IncrementalDecoder(model.tokenizer), StopMatcher(stop)
         token_ids: list[int] = []
@@ -136,15 +136,21 @@ class SpecSampler:
         """Load a target (None: the bundled model) and a drafter (a name or a draft model path; None:
         the default configuration for the target's backend on this machine, `specsample.defaults`)."""
         loaded, target = load_target(model, backend, trust_remote_code=trust_remote_code, threads=threads)
-        return cls.build(loaded, target, drafter, trust_remote_code=trust_remote_code)
+        return cls.build(loaded, target, drafter, backend=backend, trust_remote_code=trust_remote_code)
 
     @classmethod
     def build(
-        cls, loaded: LoadedModel, target: Target, drafter: str | None = None, *, trust_remote_code: bool = False
+        cls,
+        loaded: LoadedModel,
+        target: Target,
+        drafter: str | None = None,
+        *,
+        backend: str = "auto",
+        trust_remote_code: bool = False,
     ) -> "SpecSampler":
-        """A sampler over a loaded model and its target, with a drafter as for `load`."""
+        """A sampler over a loaded model and its target (on `backend`), with a drafter as for `load`."""
         configuration = default_configuration(target) if drafter is None else given(drafter)
-        made = make_drafter(configuration.drafter, loaded, target, trust_remote_code=trust_remote_code)
+        made = make_drafter(configuration.drafter, loaded, target, backend=backend, trust_remote_code=trust_remote_code)
         return cls(loaded, target, made, configuration)
 
     def policy(self, k: int | str) -> KPolicy:
@@ -176,7 +182,12 @@ class SpecSampler:
         stop: Sequence[str] = (),
         chat: bool = True,
     ) -> Generation:
-        """Start a generation; its chunks carry text that never splits a character or a stop string."""
+        """Start a generation; its chunks carry text that never splits a character or a stop string.
+
+        With a `seed`, the text is the one plain decoding gives with that seed, whatever the drafter,
+        K or K policy, on the same backend (`sampling.CoupledSource`); without one, tokens are drawn
+        from OS entropy and verified by modified rejection sampling (`sampling.request_source`).
+        """
         params = SamplingParams(temperature, top_k, top_p, min_p)
         k = self.configuration.k if k is None else k
         policy = self.policy(k) if isinstance(k, (int, str)) else k

@@ -44,7 +44,7 @@ def generate(
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")] = 0,
     min_p: Annotated[float, typer.Option(help="Drop tokens below min_p times the top probability.")] = 0.0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for a reproducible sample.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed: the text plain decoding gives with it, whatever the drafter and K (same backend).")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the model's chat template.")] = True,
     stream: Annotated[bool, typer.Option(help="Print text as it is generated.")] = False,
@@ -185,13 +185,18 @@ def check(
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")] = 0,
     samples: Annotated[int, typer.Option(help="Token pairs sampled per context.")] = 300,
     context: Annotated[Optional[list[str]], typer.Option(help="A chat prompt to test after (repeatable; default: three built in).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the sampling.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the sampling; with --identity, the first seed.")] = 0,
+    identity: Annotated[bool, typer.Option(help="Check the seed promise instead: over --seeds seeds per context, the configuration's text must be identical to plain decoding's with the same seed.")] = False,
+    seeds: Annotated[int, typer.Option(help="With --identity: seeds per context (--seed, --seed + 1, ...).")] = 20,
+    max_new_tokens: Annotated[int, typer.Option(help="With --identity: tokens generated per seed.")] = 32,
     broken: Annotated[bool, typer.Option(help="Self-test: the same check with a sampler that always accepts; it must reject.")] = False,
     backend: Annotated[str, typer.Option(help=BACKEND_HELP)] = "auto",
     threads: Annotated[Optional[int], typer.Option(help=THREADS_HELP)] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model's own Python code.")] = False,
 ) -> None:
-    """Certify statistically that a configuration preserves the target distribution (chi-square tests)."""
+    """Certify statistically that a configuration preserves the target distribution (chi-square tests), or
+    with --identity that a seed gives it the text plain decoding gives."""
+    from specsample.engine import check_max_new_tokens
     from specsample.policy import parse_k
     from specsample.sampling import SamplingParams
     from specsample.verify import ChainVerifier
@@ -199,15 +204,25 @@ def check(
 
     params = SamplingParams(temperature, top_k, top_p)
     policy = None if k is None else parse_k(k)  # validated before the slow load
+    if identity and seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    check_max_new_tokens(max_new_tokens)
     quiet_transformers()
     sampler = certificate.load_sampler(model, drafter, backend=backend, trust_remote_code=trust_remote_code,
                                        threads=threads)
     policy = policy or parse_k(sampler.configuration.k)
     verifier = certificate.BROKEN if broken else ChainVerifier()
-    result = certificate.certify(sampler, policy, params, contexts=context or certificate.CONTEXTS,
-                                 samples=samples, seed=seed, progress=True, verifier=verifier)
+    contexts = context or certificate.CONTEXTS
+    if identity:
+        result = certificate.check_identity(sampler, policy, params, contexts=contexts, seeds=range(seed, seed + seeds),
+                                            max_new_tokens=max_new_tokens, progress=True, verifier=verifier)
+        report = certificate.render_identity(result, broken)
+    else:
+        result = certificate.certify(sampler, policy, params, contexts=contexts, samples=samples, seed=seed,
+                                     progress=True, verifier=verifier)
+        report = certificate.render(result, broken)
     print(f"drafter {sampler.configuration.drafter} ({sampler.configuration.reason}), K {k or sampler.configuration.k}")
-    print(certificate.render(result, broken))
+    print(report)
     if result.rejected != broken:
         raise Exit(1)
 

@@ -5,6 +5,13 @@ the *pending* token. A step scores [pending, draft_tokens...] in one forward
 pass (k + 1 positions), verifies the draft against those logits and rolls the
 cache back to the accepted length; the recovered or bonus token becomes the
 new pending token. Plain decoding is the same loop with k = 0.
+
+The request's randomness is one `RandomSource`. At each step the engine gives
+the drafter and the verifier the source as seen from the step's first output
+position (`random.at(produced)`), so a source whose numbers are keyed by
+output position (`sampling.CoupledSource`) gives every position the same
+numbers whatever the drafter and K; the engine never asks which source or
+which drafter it holds.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from torch import Tensor
 from specsample.drafters.base import Draft, Drafter
 from specsample.models.target import Target
 from specsample.policy import KPolicy
-from specsample.sampling import SamplingParams
+from specsample.sampling import RandomSource, SamplingParams
 from specsample.stats import Stats, Step
 from specsample.verify import ChainVerifier, Verdict
 
@@ -32,7 +39,7 @@ def decode(
     *,
     max_new_tokens: int,
     eos_token_ids: frozenset[int],
-    generator: torch.Generator,
+    random: RandomSource,
     stats: Stats,
     verifier: ChainVerifier = ChainVerifier(),
 ) -> Iterator[list[int]]:
@@ -49,11 +56,12 @@ def decode(
         while produced < max_new_tokens:
             t_draft = perf_counter()
             k = min(policy.choose(), max_new_tokens - produced - 1)
-            draft = drafter.propose(k, generator) if k > 0 else Draft.empty()
+            numbers = random.at(produced)  # offset i: output position produced + i
+            draft = drafter.propose(k, numbers) if k > 0 else Draft.empty()
             if draft.confidence is not None:
                 draft = draft.prefix(policy.keep(draft.confidence))
             t_verify = perf_counter()
-            verdict = verify(target, pending, draft, params, generator, verifier)
+            verdict = verify(target, pending, draft, params, numbers, verifier)
             t_other = perf_counter()
             emitted = draft.tokens[: verdict.accepted].tolist() + [verdict.next_token]
             drafter.observe(emitted)
@@ -76,13 +84,14 @@ def verify(
     pending: int,
     draft: Draft,
     params: SamplingParams,
-    generator: torch.Generator,
+    random: RandomSource,
     verifier: ChainVerifier,
 ) -> Verdict:
-    """Score [pending, draft_tokens] in one pass, verify, and roll the cache back."""
+    """Score [pending, draft_tokens] in one pass, verify with `random` (offset 0: the first draft
+    position), and roll the cache back."""
     start = target.length
     logits = target.score(torch.cat([torch.tensor([pending]), draft.tokens]))  # [k + 1, vocab]
-    verdict = verifier(draft.tokens, draft.probs, logits, params, generator)
+    verdict = verifier(draft.tokens, draft.probs, logits, params, random)
     target.rollback(start + 1 + verdict.accepted)
     return verdict
 

@@ -1,17 +1,51 @@
-"""Logits to probabilities: temperature, top-k, top-p (nucleus) and min-p.
+"""Logits to probabilities (temperature, top-k, top-p, min-p), and the random numbers tokens are drawn with.
 
 The engine applies the same transformation to the target's and the drafter's
 logits, so speculative sampling reproduces the *transformed* target
 distribution exactly. Temperature 0 means greedy: a point mass on the argmax.
-All functions are pure; randomness comes only from an explicit generator.
+All functions are pure; randomness comes only from an explicit source.
+
+A request's randomness is one `RandomSource`, which the engine hands to its
+drafter and its verifier at every step. There are two:
+
+- `GeneratorSource`: independent draws from one `torch.Generator`, consumed in
+  the order the step asks for them. The drafter's draws and the verifier's are
+  unrelated, and verification is modified rejection sampling
+  (`verify.chain.rejection_sample`).
+- `CoupledSource`: the numbers of output position n (the n-th new token,
+  counting from 0) are a function of (seed, n) alone: a counter-based stream
+  (`position_noise`, Philox keyed by the seed, its counter at the position).
+  A token is the Gumbel-max of its distribution under that position's numbers
+  (`gumbel_max`): plain decoding emits the target's; a drafter with
+  probabilities draws its draft token at that position from its own
+  draft_probs with the same numbers (coupled drafting), so it proposes the
+  target's token wherever the two distributions' Gumbel-max agree; and
+  verification compares tokens (`verify.coupled`). Every emitted token is then
+  the token plain decoding emits at that position: a seeded request gives the
+  same text whatever the drafter, K or K policy.
+
+Why Gumbel-max rather than the inverse CDF of one uniform: both draw exactly
+from a distribution given uniform numbers, but the inverse CDF couples two
+distributions through the order of the vocabulary (a little mass moved
+anywhere before token x shifts every cumulative sum after it, and the draft
+and target tokens part), while argmax(log probs + Gumbel noise) is a function
+of each token's own probability and number: two close distributions pick the
+same token with probability at least (1 - TV) / (1 + TV), TV their total
+variation distance, which is near the 1 - TV of the best coupling
+(rejection sampling's acceptance).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from specsample.verify.chain import ChainVerifier, Verdict
 
 
 @dataclass(frozen=True)
@@ -80,10 +114,12 @@ def sample(probs: Tensor, generator: torch.Generator) -> int:
     """Draw one token id from probabilities [vocab], normalized or not, by inverting their
     cumulative sum: one uniform draw and a binary search. torch.multinomial takes about 0.8 ms
     for one draw over a 49k vocabulary on the development CPU, this about 0.04 ms, and a
-    speculative step draws up to K + 1 tokens."""
-    cdf = probs.double().cumsum(0)  # [vocab]
-    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]  # [1]
-    return int(torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[0] - 1))
+    speculative step draws up to K + 1 tokens. The sum and the search run in numpy, on one
+    thread: torch splits an op over 49k elements across its threads, and on a core another
+    process keeps busy that one op was measured to wait about 6 ms."""
+    cdf = np.cumsum(probs.numpy(), dtype=np.float64)  # [vocab]
+    u = float(torch.rand(1, generator=generator, dtype=torch.float64)) * cdf[-1]
+    return min(int(np.searchsorted(cdf, u, side="right")), probs.shape[0] - 1)
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -94,3 +130,118 @@ def make_generator(seed: int | None) -> torch.Generator:
     else:
         generator.manual_seed(seed)
     return generator
+
+
+def position_noise(seed: int, position: int, vocab: int) -> Tensor:
+    """Standard Gumbel noise [vocab] float64 of output `position` of a request with `seed`.
+
+    A counter-based stream: number j is a pure function of (seed, position, j), computed by
+    Philox4x64 keyed by the seed (mod 2**128) with its counter at (j // 4, position, 0, 0), so no
+    position's numbers depend on how many were drawn before it, and a shorter vocabulary gets a
+    prefix of a longer one's numbers. Uniforms have 53 random bits; one of exactly 0 gives -inf,
+    a token never chosen (probability 2**-53 per token).
+    """
+    bits = np.random.Philox(key=seed % 2**128, counter=position << 64)
+    uniform = np.random.Generator(bits).random(vocab)  # [vocab] in [0, 1)
+    with np.errstate(divide="ignore"):  # log(0) = -inf; in numpy, on one thread, as `sample`
+        return torch.from_numpy(-np.log(-np.log(uniform)))
+
+
+def gumbel_max(probs: Tensor, noise: Tensor) -> Tensor:
+    """The tokens argmax(log probs + noise) [...] of probabilities [..., vocab] (normalized or not) under
+    Gumbel noise [..., vocab]: an exact draw from probs when the noise is standard Gumbel. A token
+    of probability 0 is never chosen. In numpy, on one thread, as `sample`."""
+    with np.errstate(divide="ignore"):  # log(0) = -inf
+        scores = np.log(probs.numpy()) + noise.numpy()  # [..., vocab] float64
+    return torch.as_tensor(scores.argmax(-1))
+
+
+class RandomSource(Protocol):
+    """A request's random numbers, as the engine hands them to its drafter and verifier at each step.
+
+    At each step the engine calls `at(position)`, `position` being the output position of the
+    token after the pending one; offset i of the returned source is output position
+    `position + i`. The drafter draws draft token i at offset i (`draw`); the verifier emits the
+    target's token after i accepted draft tokens at offset i (`verify`).
+    """
+
+    def at(self, position: int) -> RandomSource:
+        """The source as seen from output `position`."""
+        ...
+
+    def draw(self, probs: Tensor, offset: int) -> int:
+        """A token drawn from `probs` [vocab] (normalized or not) at `offset`."""
+        ...
+
+    def verify(
+        self, verifier: ChainVerifier, draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor
+    ) -> Verdict:
+        """Verify a chain draft (`draft_tokens` [k], `draft_probs` [k, vocab] or None, `target_probs`
+        [k + 1, vocab]) with the rule of `verifier` that fits these numbers."""
+        ...
+
+
+@dataclass(frozen=True)
+class GeneratorSource:
+    """Independent draws from one generator, in the order they are asked for; verification by
+    modified rejection sampling (`verifier.sample`). The output is exactly distributed as the
+    target's, but which tokens a seed gives depends on the drafter and K."""
+
+    generator: torch.Generator
+
+    def at(self, position: int) -> GeneratorSource:
+        return self
+
+    def draw(self, probs: Tensor, offset: int) -> int:
+        return sample(probs, self.generator)
+
+    def verify(
+        self, verifier: ChainVerifier, draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor
+    ) -> Verdict:
+        return verifier.sample(draft_tokens, draft_probs, target_probs, self.generator)
+
+
+class CoupledSource:
+    """The numbers of each output position are `position_noise(seed, position)`; a token is their
+    Gumbel-max (`gumbel_max`), and verification compares tokens (`verifier.coupled`).
+
+    The noise of a position is computed once per request and shared by the sources `at` returns
+    (the drafter's draw at a position and the verifier's use the same row); rows of positions
+    before the latest `at` are dropped.
+    """
+
+    def __init__(self, seed: int, position: int = 0, rows: dict[int, Tensor] | None = None) -> None:
+        self.seed = seed
+        self.position = position
+        self.rows = {} if rows is None else rows  # output position -> noise [vocab], shared by one request's sources
+
+    def at(self, position: int) -> CoupledSource:
+        for done in [p for p in self.rows if p < position]:
+            del self.rows[done]
+        return CoupledSource(self.seed, position, self.rows)
+
+    def noise(self, offset: int, vocab: int) -> Tensor:
+        """The Gumbel noise [vocab] of output position `position + offset`."""
+        position = self.position + offset
+        row = self.rows.get(position)
+        if row is None or row.shape[0] < vocab:
+            row = self.rows[position] = position_noise(self.seed, position, vocab)
+        return row[:vocab]
+
+    def draw(self, probs: Tensor, offset: int) -> int:
+        return int(gumbel_max(probs, self.noise(offset, probs.shape[-1])))
+
+    def verify(
+        self, verifier: ChainVerifier, draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor
+    ) -> Verdict:
+        vocab = target_probs.shape[-1]
+        noise = torch.stack([self.noise(i, vocab) for i in range(target_probs.shape[0])])  # [k + 1, vocab]
+        return verifier.coupled(draft_tokens, target_probs, noise)
+
+
+def request_source(seed: int | None) -> RandomSource:
+    """A request's random source: coupled with a seed, so the seed gives the text plain decoding gives
+    with it whatever the drafter and K; without one, independent draws from OS entropy verified by
+    modified rejection sampling, whose acceptance is the best any coupling can have
+    (docs/coupled-sampling.md has the measured difference)."""
+    return GeneratorSource(make_generator(None)) if seed is None else CoupledSource(seed)

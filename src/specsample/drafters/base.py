@@ -6,6 +6,12 @@ grew by (`observe`: the accepted draft tokens, then the recovered or bonus
 token), so that it keeps its own state (a KV cache, an index) in step with the
 text. The tokens need not be its own draft's: a drafter that was not asked to
 propose in a step (see `drafters.fallback`) still observes what the step emitted.
+
+`propose` gets the step's `RandomSource` (`sampling`): a drafter with
+probabilities draws draft token i from its draft_probs with `random.draw(probs, i)`,
+which, for a request with a seed, uses the numbers of that token's output
+position, the ones the target's token there is drawn with (coupled drafting).
+A point-mass drafter needs no numbers.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from specsample.sampling import SamplingParams
+from specsample.sampling import RandomSource, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -54,8 +60,8 @@ class Drafter(Protocol):
         """Start a request: the context is `prompt_ids` [n]; sample with `params`."""
         ...
 
-    def propose(self, k: int, generator: torch.Generator) -> Draft:
-        """Propose up to k tokens continuing the context."""
+    def propose(self, k: int, random: RandomSource) -> Draft:
+        """Propose up to k tokens continuing the context; draft token i is drawn with `random.draw(probs, i)`."""
         ...
 
     def observe(self, tokens: list[int]) -> None:

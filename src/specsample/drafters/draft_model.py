@@ -1,8 +1,10 @@
 """A separate small draft model with its own KV cache.
 
 Any causal LM with the target's vocabulary. It samples k tokens one at a time
-under the same sampling transform as the target and returns the distributions
-it sampled from, so verification stays exact at any temperature.
+under the same sampling transform as the target, draft token i with the step's
+numbers at offset i (`RandomSource.draw`: coupled with the target's token there
+for a request with a seed), and returns the distributions it sampled from, so
+verification stays exact at any temperature.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from torch import Tensor
 
 from specsample.drafters.base import Draft
 from specsample.models.target import Target
-from specsample.sampling import SamplingParams, draft_confidence, probs_from_logits, sample
+from specsample.sampling import RandomSource, SamplingParams, draft_confidence, probs_from_logits
 from specsample.tokens import common_prefix
 
 
@@ -29,13 +31,13 @@ class DraftModelDrafter:
         self.params = params
         self.model.prefill(prompt_ids[:-1])
 
-    def propose(self, k: int, generator: torch.Generator) -> Draft:
+    def propose(self, k: int, random: RandomSource) -> Draft:
         feed = self.context[self.model.length :]  # uncached tail, at least the last token
         tokens, probs, confidence = [], [], []
-        for _ in range(k):
+        for i in range(k):
             logits = self.model.score(torch.tensor(feed))[-1]  # [vocab]
-            step_probs = probs_from_logits(logits, self.params)
-            feed = [sample(step_probs, generator)]
+            step_probs = probs_from_logits(logits, self.params)  # [vocab]
+            feed = [random.draw(step_probs, i)]
             tokens.append(feed[0])
             probs.append(step_probs)
             confidence.append(draft_confidence(logits, step_probs, self.params))

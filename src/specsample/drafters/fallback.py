@@ -15,11 +15,10 @@ never on a draw, and each step verifies a draft exactly as its drafter made it.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from specsample.drafters.base import Draft, Drafter
-from specsample.sampling import SamplingParams
+from specsample.sampling import RandomSource, SamplingParams
 
 MIN_TOKENS = 3  # the shortest draft of `first` that is verified instead of asking `second`
 
@@ -52,13 +51,13 @@ class FallbackDrafter:
         self.first.begin(prompt_ids, params)
         self.second.begin(prompt_ids, params)
 
-    def propose(self, k: int, generator: torch.Generator) -> Draft:
-        draft = self.first.propose(k, generator)
+    def propose(self, k: int, random: RandomSource) -> Draft:
+        draft = self.first.propose(k, random)
         if len(draft) >= min(k, self.min_tokens):
             self.first_steps += 1
             return draft
         self.second_steps += 1
-        return self.second.propose(k, generator)
+        return self.second.propose(k, random)
 
     def observe(self, tokens: list[int]) -> None:
         self.first.observe(tokens)

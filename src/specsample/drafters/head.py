@@ -10,6 +10,9 @@ times on its own predictions; each draft token comes from the target's LM head
 restricted to the N tokens the target produces most often (FR-Spec), so a
 draft step costs one small block plus an [hidden, N] matmul. Tokens outside
 the subset get draft probability 0, which rejection sampling handles exactly.
+At temperature > 0 a draft token is drawn over the whole vocabulary (the subset's
+probabilities in place, zeros elsewhere), so for a request with a seed each
+token id meets the numbers the target's token at that position is drawn with.
 Each draft token carries the head's own probability of it as its confidence;
 `--k auto` verifies only the prefix of the draft those make worth its cost.
 
@@ -57,7 +60,7 @@ from specsample.models.llama import Layer, Linear, LlamaTarget
 from specsample.models.ops import rms_norm, rope_tables, rotate
 from specsample.models.target import RecordsFeatures, require
 from specsample.models.quantize import quantize_layer, quantize_linear
-from specsample.sampling import SamplingParams, draft_confidence, probs_from_logits, sample
+from specsample.sampling import RandomSource, SamplingParams, draft_confidence, probs_from_logits
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "data" / "heads"
 CONFIG_FILE, WEIGHTS_FILE = "head.json", "head.safetensors"
@@ -329,18 +332,19 @@ class HeadDrafter:
             self.advance(self.take_features(prompt_ids.shape[0] - 1), prompt_ids[1:])
 
     @torch.inference_mode()
-    def propose(self, k: int, generator: torch.Generator) -> Draft:
+    def propose(self, k: int, random: RandomSource) -> Draft:
         self.catch_up()
         if self.feature is None:
             return Draft.empty()
         feature, logits, tokens, probs, confidence = self.feature, self.logits, [], [], []
         for i in range(k):
             subset_probs = probs_from_logits(logits, self.params)  # [n], a point mass when greedy
-            index = int(subset_probs.argmax()) if self.params.greedy else sample(subset_probs, generator)
             confidence.append(draft_confidence(logits, subset_probs, self.params))
-            token = int(self.token_ids[index])
-            if not self.params.greedy:
-                probs.append(torch.zeros(self.vocab_size).index_copy_(0, self.token_ids, subset_probs))
+            if self.params.greedy:
+                token = int(self.token_ids[subset_probs.argmax()])
+            else:
+                probs.append(torch.zeros(self.vocab_size).index_copy_(0, self.token_ids, subset_probs))  # [vocab]
+                token = random.draw(probs[-1], i)
             tokens.append(token)
             if i + 1 < k:
                 logits = self.step(feature, torch.tensor([token]))[0]

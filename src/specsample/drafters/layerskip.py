@@ -35,7 +35,7 @@ from specsample.drafters.base import Draft
 from specsample.drafters.draft_model import DraftModelDrafter
 from specsample.models import LoadedModel, Target
 from specsample.models.target import RunsLayerSubsets, require
-from specsample.sampling import SamplingParams, probs_from_logits
+from specsample.sampling import RandomSource, SamplingParams, probs_from_logits
 
 SKIP_FRACTIONS = (0.125, 0.25, 0.375, 0.5, 0.625)  # of the middle layers, one candidate each
 CALIBRATION_POSITIONS = 64  # last prompt positions the acceptance is measured on
@@ -109,12 +109,12 @@ class LayerSkipDrafter(DraftModelDrafter):
             self.skip = best_candidate(self.candidates).skip
             self.model.kept = kept_layers(len(self.target.layers), self.skip)
 
-    def propose(self, k: int, generator: torch.Generator) -> Draft:
+    def propose(self, k: int, random: RandomSource) -> Draft:
         """Draft through the kept layers, then give the target its cache back where it was."""
         if not self.skip:
             return Draft.empty()
         start = self.model.length
-        draft = super().propose(k, generator)
+        draft = super().propose(k, random)
         self.model.rollback(start)
         return draft
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from specsample.drafters.base import Draft
-from specsample.sampling import SamplingParams
+from specsample.sampling import RandomSource, SamplingParams
 
 
 class LookupDrafter:
@@ -25,7 +25,7 @@ class LookupDrafter:
 
     is_lookup = True
 
-    def propose(self, k: int, generator: torch.Generator) -> Draft:
+    def propose(self, k: int, random: RandomSource) -> Draft:
         return Draft(torch.tensor(self.lookup(k), dtype=torch.long), None)
 
     def observe(self, tokens: list[int]) -> None:

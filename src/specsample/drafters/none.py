@@ -6,11 +6,10 @@ every speedup is measured against.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from specsample.drafters.base import Draft
-from specsample.sampling import SamplingParams
+from specsample.sampling import RandomSource, SamplingParams
 
 
 class NoDrafter:
@@ -18,7 +17,7 @@ class NoDrafter:
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         pass
 
-    def propose(self, k: int, generator: torch.Generator) -> Draft:
+    def propose(self, k: int, random: RandomSource) -> Draft:
         return Draft.empty()
 
     def observe(self, tokens: list[int]) -> None:

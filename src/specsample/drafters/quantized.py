@@ -31,7 +31,7 @@ from specsample.drafters.base import Draft
 from specsample.drafters.draft_model import DraftModelDrafter
 from specsample.models import LoadedModel, Target
 from specsample.models.target import AdoptsCache, QuantizedCopies, require
-from specsample.sampling import SamplingParams
+from specsample.sampling import RandomSource, SamplingParams
 
 
 class QuantizedDrafter(DraftModelDrafter):
@@ -44,10 +44,10 @@ class QuantizedDrafter(DraftModelDrafter):
         self.params = params
         self.model.rollback(0)
 
-    def propose(self, k: int, generator: torch.Generator) -> Draft:
+    def propose(self, k: int, random: RandomSource) -> Draft:
         if self.model.length == 0:
             self.fill_cache()
-        return super().propose(k, generator)
+        return super().propose(k, random)
 
     def fill_cache(self) -> None:
         """Cache the context but its last token: the target's K and V where it holds exactly those

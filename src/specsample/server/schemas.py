@@ -29,7 +29,7 @@ class GenerationRequest(BaseModel):
     top_p: float = 1.0
     top_k: int = 0  # not in the OpenAI API; vLLM and others accept it
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # the text plain decoding gives with it, whatever the drafter and K (SpecSampler.stream)
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False

@@ -122,7 +122,7 @@ def engine_acceptance(model: LoadedModel, head_dir: Path, eval_set: list[Sequenc
     """Greedy speculative decoding with the trained head on held-out prompts, K = 4: measured figures."""
     from specsample.engine import decode
     from specsample.policy import FixedK
-    from specsample.sampling import SamplingParams, make_generator
+    from specsample.sampling import GeneratorSource, SamplingParams, make_generator
     from specsample.stats import Stats
 
     target = make_target(model)
@@ -132,7 +132,7 @@ def engine_acceptance(model: LoadedModel, head_dir: Path, eval_set: list[Sequenc
     for prompt in held_out:
         steps = decode(
             target, drafter, FixedK(EVAL_K), prompt, SamplingParams(temperature=0),
-            max_new_tokens=64, eos_token_ids=model.eos_token_ids, generator=make_generator(0), stats=stats,
+            max_new_tokens=64, eos_token_ids=model.eos_token_ids, random=GeneratorSource(make_generator(0)), stats=stats,
         )
         for _ in steps:
             pass

@@ -12,6 +12,10 @@ Terms (Chen et al. 2023; Leviathan et al. 2023):
   *recovered* token is drawn from norm(max(0, target_probs[i] - draft_probs[i]));
   when all k are accepted a *bonus* token is drawn from target_probs[k].
 The emitted tokens then follow the target distribution exactly.
+
+`ChainVerifier` bundles this rule with greedy verification and with coupled
+verification (`verify.coupled`, for requests with a seed); the request's
+`RandomSource` picks the rule that fits its numbers.
 """
 
 from __future__ import annotations
@@ -22,13 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specsample.sampling import SamplingParams, probs_from_logits, sample
-
-
-@dataclass(frozen=True)
-class Verdict:
-    accepted: int  # number of leading draft tokens accepted
-    next_token: int  # the recovered token (on a rejection) or the bonus token
+from specsample.sampling import RandomSource, SamplingParams, probs_from_logits, sample
+from specsample.verify.coupled import coupled_verify
+from specsample.verify.verdict import Verdict, leading_true, match_tokens
 
 
 def rejection_sample(
@@ -63,25 +63,20 @@ def residual(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Ten
 
 
 def greedy_verify(draft_tokens: Tensor, target_logits: Tensor) -> Verdict:
-    """Temperature 0: accept the longest prefix equal to the target's argmax tokens."""
-    target_tokens = target_logits.argmax(-1)  # [k + 1]
-    k = draft_tokens.shape[0]
-    accepted = int(leading_true(draft_tokens == target_tokens[:k]))
-    return Verdict(accepted, int(target_tokens[accepted]))
-
-
-def leading_true(mask: Tensor) -> Tensor:
-    """Number of leading True values of a 1-D bool tensor."""
-    return mask.int().cumprod(0).sum()
+    """Temperature 0: accept the longest prefix equal to the target's argmax tokens [k + 1]."""
+    return match_tokens(draft_tokens, target_logits.argmax(-1))
 
 
 @dataclass(frozen=True)
 class ChainVerifier:
-    """Verifies a chain draft against the target's logits [k + 1, vocab]: `greedy` at temperature 0,
-    else `sample` over the target_probs of the request's sampling transform. The engine takes one
-    as an argument, so a check can pass a verifier broken on purpose (`verify.check.BROKEN`)."""
+    """Verifies a chain draft against the target's logits [k + 1, vocab]: `greedy` at temperature 0;
+    else, over the target_probs of the request's sampling transform, the rule its `RandomSource`
+    picks: `sample` (modified rejection sampling) for independent draws from a generator,
+    `coupled` (token comparison, `verify.coupled`) for numbers keyed by output position. The engine
+    takes one as an argument, so a check can pass a verifier broken on purpose (`verify.check.BROKEN`)."""
 
     sample: Callable[[Tensor, Tensor | None, Tensor, torch.Generator], Verdict] = rejection_sample
+    coupled: Callable[[Tensor, Tensor, Tensor], Verdict] = coupled_verify
     greedy: Callable[[Tensor, Tensor], Verdict] = greedy_verify
 
     def __call__(
@@ -90,8 +85,8 @@ class ChainVerifier:
         draft_probs: Tensor | None,
         target_logits: Tensor,
         params: SamplingParams,
-        generator: torch.Generator,
+        random: RandomSource,
     ) -> Verdict:
         if params.greedy:
             return self.greedy(draft_tokens, target_logits)
-        return self.sample(draft_tokens, draft_probs, probs_from_logits(target_logits, params), generator)
+        return random.verify(self, draft_tokens, draft_probs, probs_from_logits(target_logits, params))

@@ -1,4 +1,5 @@
-"""A statistical certificate that a configuration preserves the target distribution.
+"""A statistical certificate that a configuration preserves the target distribution, and a check that
+a seed gives it the text plain decoding gives.
 
 For a few fixed contexts, sample the first two new tokens many times through
 the speculative path (the engine with the configured drafter and K) and
@@ -16,8 +17,18 @@ Each sample allows a draft of min(K, 2) tokens at its first step, so both
 tested tokens can be accepted draft tokens. Every sample of a context starts
 with the same prefill; `PrefixCache` answers a repeated prefill by rolling the
 target's cache back to it, which halves the time on a real model.
-`BROKEN` is a verifier that accepts every draft token: `certify` with it is the
-self-test that the check rejects it (`specsample check --broken`).
+The certificate draws from one generator (`sampling.GeneratorSource`), as requests
+without a seed do, so it tests modified rejection sampling.
+
+`check_identity` tests the promise of requests with a seed: for each context
+and each of many seeds it generates through plain decoding (no drafter, K = 0)
+and through the configuration, both with the seed's numbers keyed by output
+position (`sampling.CoupledSource`), and requires the two token sequences to be
+identical. One differing pair rejects.
+
+`BROKEN` is a verifier that accepts every draft token: `certify` and
+`check_identity` with it are the self-tests that each check rejects it
+(`specsample check --broken`, `specsample check --identity --broken`).
 """
 
 from __future__ import annotations
@@ -34,11 +45,14 @@ from torch import Tensor
 from tqdm import tqdm
 
 from specsample.api import SpecSampler
+from specsample.drafters import Drafter, NoDrafter
 from specsample.engine import decode
 from specsample.models import Target, load_target
 from specsample.models.target import RecordsFeatures, require
-from specsample.policy import KPolicy
-from specsample.sampling import SamplingParams, probs_from_logits, sample
+from specsample.policy import FixedK, KPolicy
+from specsample.sampling import (
+    CoupledSource, GeneratorSource, RandomSource, SamplingParams, gumbel_max, probs_from_logits, sample,
+)
 from specsample.stats import Stats
 from specsample.verify.chain import ChainVerifier, Verdict
 
@@ -105,7 +119,7 @@ def load_sampler(
     """A SpecSampler (drafter None: the default configuration) whose target, as its drafter sees it
     too, reuses a repeated prefill."""
     loaded, target = load_target(model, backend, trust_remote_code=trust_remote_code, threads=threads)
-    return SpecSampler.build(loaded, PrefixCache(target), drafter, trust_remote_code=trust_remote_code)
+    return SpecSampler.build(loaded, PrefixCache(target), drafter, backend=backend, trust_remote_code=trust_remote_code)
 
 
 def chi_square_p(observed: np.ndarray, probs: np.ndarray) -> float:
@@ -171,12 +185,12 @@ def certify(
     """Sample `samples` token pairs per context through the speculative path and test them."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    generator = torch.Generator().manual_seed(seed)
+    random = GeneratorSource(torch.Generator().manual_seed(seed))
     stats, tests, start = Stats(), [], perf_counter()
     for context in contexts:
         prompt_ids = torch.tensor(sampler.encode(context, chat), dtype=torch.long)
         runs = tqdm(range(samples), desc=context[:24], unit="sample", leave=False, disable=not progress)
-        pairs = [sample_pair(sampler, policy, prompt_ids, params, generator, stats, verifier) for _ in runs]
+        pairs = [sample_pair(sampler, policy, prompt_ids, params, random, stats, verifier) for _ in runs]
         tests += context_tests(sampler, context, prompt_ids, params, pairs, conditionals)
     certificate = Certificate(tests, alpha, stats, perf_counter() - start)
     if stats.drafted_tokens == 0:
@@ -189,14 +203,14 @@ def sample_pair(
     policy: KPolicy,
     prompt_ids: Tensor,
     params: SamplingParams,
-    generator: torch.Generator,
+    random: RandomSource,
     stats: Stats,
     verifier: ChainVerifier,
 ) -> tuple[int, int]:
     """The first two new tokens of one speculative generation (no EOS stop)."""
     steps = decode(
         sampler.target, sampler.drafter, policy, prompt_ids, params,
-        max_new_tokens=3, eos_token_ids=frozenset(), generator=generator, stats=stats, verifier=verifier,
+        max_new_tokens=3, eos_token_ids=frozenset(), random=random, stats=stats, verifier=verifier,
     )
     tokens: list[int] = []
     for new in steps:
@@ -258,7 +272,122 @@ def accept_all_greedy(draft_tokens: Tensor, target_logits: Tensor) -> Verdict:
     return Verdict(k, int(target_logits[k].argmax()))
 
 
-BROKEN = ChainVerifier(sample=accept_all, greedy=accept_all_greedy)  # the `check --broken` self-test
+def accept_all_coupled(draft_tokens: Tensor, target_probs: Tensor, noise: Tensor) -> Verdict:
+    """A broken coupled verifier: accepts every draft token, then the target's coupled token after them."""
+    k = draft_tokens.shape[0]
+    return Verdict(k, int(gumbel_max(target_probs[k], noise[k])))
+
+
+# the `check --broken` self-test, broken in every mode
+BROKEN = ChainVerifier(sample=accept_all, coupled=accept_all_coupled, greedy=accept_all_greedy)
+
+
+@dataclass(frozen=True)
+class SeedRun:
+    context: str
+    seed: int
+    plain: list[int]  # plain decoding's new tokens with the seed
+    speculative: list[int]  # the configuration's
+
+    @property
+    def identical(self) -> bool:
+        return self.plain == self.speculative
+
+    def first_difference(self) -> int:
+        """Index of the first differing token (the shorter length if one is a prefix of the other);
+        for a pair that is not identical."""
+        pairs = zip(self.plain, self.speculative)
+        return next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(self.plain), len(self.speculative)))
+
+
+@dataclass
+class IdentityCheck:
+    runs: list[SeedRun]
+    stats: Stats  # drafting and acceptance of the configuration's runs
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def differing(self) -> list[SeedRun]:
+        return [run for run in self.runs if not run.identical]
+
+    @property
+    def rejected(self) -> bool:
+        """True when some seed's text differs from plain decoding's: the promise is broken."""
+        return bool(self.differing)
+
+
+def check_identity(
+    sampler: SpecSampler,
+    policy: KPolicy,
+    params: SamplingParams,
+    *,
+    contexts: Sequence[str] = CONTEXTS,
+    seeds: Sequence[int] = range(20),
+    max_new_tokens: int = 32,
+    chat: bool = True,
+    progress: bool = False,
+    verifier: ChainVerifier = ChainVerifier(),
+) -> IdentityCheck:
+    """For each context and seed, plain decoding's tokens and the configuration's, both with the seed's
+    numbers keyed by output position (`CoupledSource`): the promise is that they are identical."""
+    if not seeds:
+        raise ValueError("give at least one seed")
+    eos = sampler.model.eos_token_ids
+    stats, runs, start = Stats(), [], perf_counter()
+    for context in contexts:
+        prompt_ids = torch.tensor(sampler.encode(context, chat), dtype=torch.long)
+        for seed in tqdm(seeds, desc=context[:24], unit="seed", leave=False, disable=not progress):
+            plain = new_tokens(sampler.target, NoDrafter(), FixedK(0), prompt_ids, params, CoupledSource(seed),
+                               max_new_tokens, eos, Stats(), ChainVerifier())
+            speculative = new_tokens(sampler.target, sampler.drafter, policy, prompt_ids, params, CoupledSource(seed),
+                                     max_new_tokens, eos, stats, verifier)
+            runs.append(SeedRun(context, seed, plain, speculative))
+    check = IdentityCheck(runs, stats, perf_counter() - start)
+    if stats.drafted_tokens == 0:
+        check.notes.append("the drafter proposed no tokens: only plain decoding was exercised")
+    return check
+
+
+def new_tokens(
+    target: Target,
+    drafter: Drafter,
+    policy: KPolicy,
+    prompt_ids: Tensor,
+    params: SamplingParams,
+    random: RandomSource,
+    max_new_tokens: int,
+    eos_token_ids: frozenset[int],
+    stats: Stats,
+    verifier: ChainVerifier,
+) -> list[int]:
+    """The new tokens of one whole generation."""
+    steps = decode(target, drafter, policy, prompt_ids, params, max_new_tokens=max_new_tokens,
+                   eos_token_ids=eos_token_ids, random=random, stats=stats, verifier=verifier)
+    return [token for step in steps for token in step]
+
+
+def render_identity(check: IdentityCheck, broken: bool = False, shown: int = 5) -> str:
+    """Identical pairs per context, the first `shown` differing ones, and the verdict as text."""
+    lines = [f"{'context':<48} {'identical to plain decoding':>28}"]
+    for context in dict.fromkeys(run.context for run in check.runs):
+        mine = [run for run in check.runs if run.context == context]
+        lines.append(f"{context[:48]:<48} {sum(run.identical for run in mine):>20} of {len(mine):<5}")
+    for run in check.differing[:shown]:
+        lines.append(f"differs: {run.context[:32]!r} seed {run.seed}, from token {run.first_difference()} "
+                     f"({len(run.plain)} and {len(run.speculative)} tokens)")
+    s = check.stats
+    lines.append(f"drafted tokens {s.drafted_tokens}, acceptance rate {s.acceptance_rate:.3f}, "
+                 f"mean accepted length {s.mean_accepted_length:.2f}, {check.seconds:.1f} s")
+    lines += [f"note: {note}" for note in check.notes]
+    if check.rejected:
+        lines.append(f"REJECTED: {len(check.differing)} of {len(check.runs)} seeded outputs differ from plain decoding's")
+    else:
+        lines.append(f"PASS: all {len(check.runs)} seeded outputs are token-identical to plain decoding's")
+    if broken:
+        outcome = "works" if check.rejected else "FAILED: the broken sampler was not caught"
+        lines.append(f"self-test with a sampler that always accepts: {outcome}")
+    return "\n".join(lines)
 
 
 def render(certificate: Certificate, broken: bool = False) -> str:
