@@ -332,3 +332,32 @@ def test_the_identity_check_command_and_its_broken_self_test(capsys, tiny_dir, t
         assert verdict in out and "identical to plain decoding" in out
     code, _, err = cli(capsys, *args, "--seeds", "0")
     assert code == 2 and "seeds" in err
+
+
+# ---- the promise through the Python API and the server ------------------------------------------------
+
+
+def test_a_seed_gets_plain_decodings_text_from_the_api_and_the_server(tiny_dir, tiny_draft_dir):
+    import openai
+
+    from specsample import SpecSampler
+    from specsample.server import create_app
+    from test_server import serving
+
+    plain = SpecSampler.load(str(tiny_dir), "none")
+    speculative = SpecSampler.load(str(tiny_dir), str(tiny_draft_dir))
+    options = dict(max_new_tokens=16, temperature=0.9, top_p=0.95, chat=False)
+    expected = {seed: plain.generate("w5 w9 w7 w3", seed=seed, **options) for seed in range(6)}
+    drafted = 0
+    for seed, reference in expected.items():
+        for k in (1, 4, "auto"):
+            out = speculative.generate("w5 w9 w7 w3", seed=seed, k=k, **options)
+            assert out.token_ids == reference.token_ids, (seed, k)
+            drafted += out.stats.drafted_tokens
+    assert drafted > 0
+    with serving(create_app(speculative, k=4)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        for seed in range(3):
+            response = client.completions.create(model="tiny", prompt="w5 w9 w7 w3", max_tokens=16, temperature=0.9,
+                                                 top_p=0.95, seed=seed)
+            assert response.choices[0].text == expected[seed].text
