@@ -259,7 +259,7 @@ static void attend(const float* q, const float* kt, const float* v, long d, long
     return;
   }
   // Column blocks of C vectors, each over IC positions before the next block reads their values
-  // from L1 (on AVX-512, one block is a row of 64).
+  // from L1 (on AVX-512 a head of 64 is one block).
   constexpr int C = span(G) == 3 ? 2 : span(G);  // 2 + 2 + ... rather than 3 + 3 + 1 + 1 for d = 8 VL
   for (long i0 = 0; i0 < len; i0 += IC) {
     long i1 = i0 + IC < len ? i0 + IC : len, c = 0;
