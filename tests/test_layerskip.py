@@ -123,6 +123,6 @@ def test_a_drafter_that_skips_nothing_drafts_nothing():
 
 def test_the_transformers_backend_is_refused():
     model = tiny_llama(GREEDY_VOCAB, seed=3, layers=4)
-    with pytest.raises(ValueError, match="layerskip needs the fast backend"):
+    with pytest.raises(ValueError, match="layerskip needs a target backend that runs a subset of its layers"):
         LayerSkipDrafter(TransformersTarget(model), model)
 

@@ -23,6 +23,7 @@ from specsample.drafters.quantized import QuantizedDrafter, quantized_drafter
 from specsample.models import kernels
 from specsample.models.llama import Linear
 from specsample.models.loading import LoadedModel
+from specsample.models.hf import TransformersTarget
 from specsample.models.quantize import Int8Linear, int8_target
 from specsample.policy import FixedK
 from specsample.sampling import GeneratorSource, SamplingParams
@@ -133,9 +134,9 @@ def test_int8_product_is_within_the_rounding_bound():
     assert error.max() > 0  # it is quantized
 
 
-def test_a_model_the_fast_backend_refuses_is_refused():
+def test_a_backend_without_quantized_copies_is_refused():
+    """The copy is the backend's to make (`QuantizedCopies`): a target on transformers is refused in one line."""
     model = tiny_llama(GREEDY_VOCAB, seed=3)
-    model.config.hidden_act = "gelu"
     loaded = LoadedModel(model, None, "tiny", frozenset(), 0.0)
-    with pytest.raises(ValueError, match="quantized needs a model the fast backend supports"):
-        quantized_drafter(loaded, lossless.as_target(tiny_llama(GREEDY_VOCAB, seed=3)))
+    with pytest.raises(ValueError, match="quantized needs a target backend that makes a quantized copy of itself"):
+        quantized_drafter(loaded, TransformersTarget(model))
