@@ -42,6 +42,23 @@ def test_splits_select_question_ids_by_parity(spec_bench_file, split, ids):
     assert [p.question_id for p in read_prompts(spec_bench_file, split=split)] == ids
 
 
+def test_skip_drops_the_first_prompts_of_each_category_before_the_split(spec_bench_file):
+    # qa: 1, 2, 4, 5; rag: 3, 6. Skipping 2 per category leaves qa 4, 5 and rag nothing; then the odd ones.
+    assert [p.question_id for p in read_prompts(spec_bench_file, skip=2)] == [4, 5]
+    assert [p.question_id for p in read_prompts(spec_bench_file, skip=2, split="odd")] == [5]
+    with pytest.raises(ValueError, match="no prompts of split even past the first 2 of each category"):
+        read_prompts(spec_bench_file, skip=2, split="even", categories=["rag"])
+    with pytest.raises(ValueError, match="skip must be >= 0"):
+        read_prompts(spec_bench_file, skip=-1)
+
+
+def test_the_never_tuned_split_of_the_packaged_prompts_has_no_tuned_prompt():
+    tuned = {p.question_id for p in read_prompts(packaged_prompts(), limit=6)}
+    untuned = read_prompts(packaged_prompts(), split="odd", skip=6)
+    assert untuned and not tuned & {p.question_id for p in untuned}
+    assert {p.category for p in untuned} == SPEC_BENCH_TASKS  # MT-bench's 5-prompt sub-categories are all tuned
+
+
 def test_a_split_keeps_prompts_without_question_ids_and_refuses_other_names(tmp_path, spec_bench_file):
     text = tmp_path / "own.txt"
     text.write_text("first prompt\n\n  second prompt \n")

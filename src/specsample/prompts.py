@@ -12,6 +12,10 @@ so the benchmarks run from any directory. Held-out halves are made by
 `question_id` parity (`split` "odd" or "even"): the shipped draft head was
 trained on the even half, so it is evaluated on the odd one. Prompts without a
 `question_id` (plain text, `prompt` rows) belong to both halves: they are kept.
+`skip` drops the first prompts of every category, counted in file order before
+the split: the drafters and the K policy were tuned on the first `TUNED_PER_CATEGORY`
+of each category, so `split="odd", skip=TUNED_PER_CATEGORY` is never-tuned data
+(MT-bench's sub-categories have 5 prompts each, all of them tuned on).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 SPLITS = ("all", "odd", "even")
 SPEC_BENCH_FIELDS = "question_id, category, turns"
+TUNED_PER_CATEGORY = 6
 
 
 @dataclass(frozen=True)
@@ -60,16 +65,23 @@ def read_prompts(
     categories: Sequence[str] = (),
     limit: int | None = None,
     spec_bench: bool = False,
+    skip: int = 0,
 ) -> list[Prompt]:
-    """The prompts of these files, in order: those in `split`, of `categories` (all when empty), at most
-    `limit` per category (prompts without one count as one category). `spec_bench` requires every
-    prompt to carry question_id, category and turns, as the benchmark harness does."""
+    """The prompts of these files, in order: past the first `skip` of each category, those in `split`, of
+    `categories` (all when empty), at most `limit` per category (prompts without one count as one
+    category). `spec_bench` requires every prompt to carry question_id, category and turns, as the
+    benchmark harness does."""
     check_split(split)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
-    prompts, per_category = [], {}
+    if skip < 0:
+        raise ValueError(f"skip must be >= 0, got {skip}")
+    prompts, per_category, position = [], {}, {}
     for path in map(Path, paths):
         for prompt in parse_file(path, spec_bench):
+            position[prompt.category] = position.get(prompt.category, 0) + 1
+            if position[prompt.category] <= skip:
+                continue
             if not in_split(prompt.question_id, split) or (categories and prompt.category not in categories):
                 continue
             seen = per_category.get(prompt.category, 0)
@@ -78,6 +90,7 @@ def read_prompts(
                 per_category[prompt.category] = seen + 1
     if not prompts:
         selection = f" of split {split}" if split != "all" else ""
+        selection += f" past the first {skip} of each category" if skip else ""
         selection += f" in categories {', '.join(categories)}" if categories else ""
         raise ValueError(f"no prompts{selection} in {', '.join(map(str, paths))}")
     return prompts

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from specsample.prompts import Prompt, packaged_prompts, read_prompts
+from specsample.prompts import TUNED_PER_CATEGORY, Prompt, packaged_prompts, read_prompts
 
 app = typer.Typer(
     help="Benchmarks: cost curve, decoding speed.", no_args_is_help=True, add_completion=False, rich_markup_mode=None
@@ -18,11 +18,16 @@ PROMPTS_HELP = "Spec-Bench JSONL file (question_id, category, turns); default: t
 SPLIT_HELP = "all, or only the odd or even question_ids (held-out halves: the shipped head trained on the even ones)."
 
 
+SKIP_HELP = (f"Skip the first N prompts of each category (before --split); --split odd --skip {TUNED_PER_CATEGORY} "
+             "leaves only prompts nothing was tuned on.")
+
+
 def read_bench_prompts(path: Optional[Path], split: str, limit: Optional[int] = None,
-                       categories: Optional[list[str]] = None) -> list[Prompt]:
-    """The Spec-Bench prompts of `path` (default: the packaged ones) in `split`, at most `limit` per category."""
+                       categories: Optional[list[str]] = None, skip: int = 0) -> list[Prompt]:
+    """The Spec-Bench prompts of `path` (default: the packaged ones) past the first `skip` of each category,
+    in `split`, at most `limit` per category."""
     return read_prompts(path or packaged_prompts(), split=split, categories=categories or (), limit=limit,
-                        spec_bench=True)
+                        spec_bench=True, skip=skip)
 
 
 def _setup(threads: int | None) -> None:
@@ -124,6 +129,7 @@ def run(
         help="A configuration: a .toml file or 'drafter=ngram,k=4,temperature=0,...' (repeatable).")] = None,
     prompts: Annotated[Optional[Path], typer.Option(help=PROMPTS_HELP)] = None,
     split: Annotated[str, typer.Option(help=SPLIT_HELP)] = "all",
+    skip: Annotated[int, typer.Option(help=SKIP_HELP)] = 0,
     limit: Annotated[Optional[int], typer.Option(help="Prompts per category (default: all).")] = None,
     category: Annotated[Optional[list[str]], typer.Option(help="Only this category (repeatable).")] = None,
     model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2).")] = None,
@@ -156,7 +162,7 @@ def run(
                  "max_new_tokens": max_new_tokens}
     defaults, configs = harness.read_configs(config or [], overrides)
     configs = harness.with_baselines(defaults, configs, baselines)
-    items = read_bench_prompts(prompts, split, limit, category)
+    items = read_bench_prompts(prompts, split, limit, category, skip)
     quiet_transformers()
     loaded = load_model(model, trust_remote_code=trust_remote_code)
     target = make_target(loaded, backend)
@@ -164,7 +170,7 @@ def run(
                           backend=backend)
     meta = {
         "model": loaded.name, "backend": type(target).__name__, "prompts": str(prompts or packaged_prompts()),
-        "split": split, "limit": limit,
+        "split": split, "skip": skip, "limit": limit,
         "categories": category or [], "warmup": warmup, "reference": harness.REFERENCE,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
         "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__},
