@@ -66,6 +66,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 # Flags added for SPECSAMPLE_KERNEL_ISA: each disables the instruction sets above the one asked for.
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx"]}
 ISA_VARIABLE = "SPECSAMPLE_KERNEL_ISA"
+EXTRA_SOURCES = ("kernels_gguf.cpp",)  # compiled into the same library as kernels.cpp
 
 
 def _cache_dir() -> Path:
@@ -84,19 +85,28 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _source() -> str:
-    """The C++ source, shipped as package data."""
-    return resources.files(__package__).joinpath("kernels.cpp").read_text()
+def _source(name: str = "kernels.cpp") -> str:
+    """A C++ source file, shipped as package data."""
+    return resources.files(__package__).joinpath(name).read_text()
 
 
-def _compile(compiler: str, flags: list[str], source: str, target: Path) -> None:
-    """Build the shared library into `target`, atomically (concurrent builds are harmless)."""
+def _sources(source: str) -> dict[str, str]:
+    """The files of one library: `source` as kernels.cpp, and the GGUF block kernels (kernels_gguf.cpp,
+    always today's) that its decoder layer may call."""
+    return {"kernels.cpp": source, **{name: _source(name) for name in EXTRA_SOURCES}}
+
+
+def _compile(compiler: str, flags: list[str], sources: dict[str, str], target: Path) -> None:
+    """Build the shared library of `sources` (file name -> text) into `target`, atomically
+    (concurrent builds are harmless)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source_path = Path(tmp) / "kernels.cpp"
-        source_path.write_text(source)
+        paths = []
+        for name, text in sources.items():
+            paths.append(Path(tmp) / name)
+            paths[-1].write_text(text)
         library = Path(tmp) / target.name
-        subprocess.run([compiler, *flags, str(source_path), "-o", str(library)], check=True, capture_output=True)
+        subprocess.run([compiler, *flags, *map(str, paths), "-o", str(library)], check=True, capture_output=True)
         os.replace(library, target)
 
 
@@ -120,10 +130,11 @@ def _build(source: str, isa: str) -> ctypes.CDLL | None:
     flags = FLAGS + ISA_FLAGS[isa]
     try:
         version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True).stdout
-        key = hashlib.sha256("\0".join([source, *flags, compiler, version, _cpu_id()]).encode()).hexdigest()[:16]
+        sources = _sources(source)
+        key = hashlib.sha256("\0".join([*sources.values(), *flags, compiler, version, _cpu_id()]).encode()).hexdigest()[:16]
         target = _cache_dir() / f"kernels-{key}.so"
         if not target.is_file():
-            _compile(compiler, flags, source, target)
+            _compile(compiler, flags, sources, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", b"") or str(error)
@@ -139,7 +150,19 @@ def _build(source: str, isa: str) -> ctypes.CDLL | None:
     fn.restype = None
     lib.specsample_isa.argtypes = []
     lib.specsample_isa.restype = ctypes.c_char_p
+    _declare_gguf(lib)
     return lib
+
+
+def _declare_gguf(lib: ctypes.CDLL) -> None:
+    """Argument types of kernels_gguf.cpp's functions."""
+    p, n = ctypes.c_void_p, ctypes.c_long
+    lib.specsample_gemm_gguf.argtypes = [ctypes.c_int, p, n, n, n, p, p, n, p, n, p, ctypes.c_int]
+    lib.specsample_gemm_gguf.restype = ctypes.c_int
+    lib.specsample_gguf_quantize.argtypes = [p, n, n, n, p, p, p]
+    lib.specsample_gguf_quantize.restype = None
+    lib.specsample_gguf_isa.argtypes = []
+    lib.specsample_gguf_isa.restype = ctypes.c_char_p
 
 
 @cache
@@ -239,6 +262,62 @@ def matmul(
         out_features, out.data_ptr(), out.stride(0), None if bias is None else bias.data_ptr(), int(add),
     )
     return out
+
+
+def gguf_instruction_set() -> str:
+    """The path of the GGUF block kernels in the loaded library: "avx512vnni", "avx2" or "portable".
+
+    Raises RuntimeError where the kernels are unavailable: check `available()` first.
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the C++ kernels are unavailable (see kernels.available())")
+    return lib.specsample_gguf_isa().decode()
+
+
+def matmul_gguf(
+    x: Tensor,
+    qtype: int,
+    qs: Tensor,
+    scales: Tensor,
+    out_features: int,
+    bias: Tensor | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """x [n, in] @ W.T (+ bias) -> [n, out] for W of GGML type `qtype` (2 Q4_0, 3 Q4_1, 8 Q8_0) in
+    the panels of `gguf_blocks.pack_blocks` (qs uint8, scales float16); with `out`, adds into it.
+
+    The activations are quantized per 32-block to int8 first (`quantize_activations`), so the result
+    is that int8 x times the dequantized W, to float32 rounding of the block sums.
+    """
+    in_features = x.shape[1]
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and in_features % 32 == 0
+    assert qs.dtype == torch.uint8 and scales.dtype == torch.float16 and qs.is_contiguous() and scales.is_contiguous()
+    assert qs.shape[:2] == (-(-out_features // 16), in_features // 32) and (bias is None or bias.dtype == torch.float32)
+    n = x.shape[0]
+    add = out is not None
+    if out is None:
+        out = torch.empty(n, out_features, dtype=torch.float32)
+    assert out.stride(1) == 1 and out.shape == (n, out_features)
+    status = _library().specsample_gemm_gguf(
+        qtype, x.data_ptr(), n, in_features, x.stride(0), qs.data_ptr(), scales.data_ptr(), out_features,
+        out.data_ptr(), out.stride(0), None if bias is None else bias.data_ptr(), int(add),
+    )
+    if status:
+        raise ValueError(f"GGML type {qtype} has no block kernel")
+    return out
+
+
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernels' own quantization of x [n, in] per 32-block, as `matmul_gguf` does it:
+    (int8 [n, in], scales float32 [n, in / 32], sums int32 [n, in / 32])."""
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] % 32 == 0
+    n, in_features = x.shape
+    q = torch.empty(n, in_features, dtype=torch.int8)
+    d = torch.empty(n, in_features // 32, dtype=torch.float32)
+    s = torch.empty(n, in_features // 32, dtype=torch.int32)
+    _library().specsample_gguf_quantize(x.data_ptr(), n, in_features, x.stride(0), q.data_ptr(), d.data_ptr(), s.data_ptr())
+    return q, d, s
 
 
 def capacity(length: int) -> int:

@@ -1,0 +1,316 @@
+// Small-row matrix multiply over GGUF quantized blocks (Q4_0, Q4_1, Q8_0); loaded by kernels.py,
+// compiled there together with kernels.cpp into one library (same flags, same cache key), so that
+// kernels.cpp's decoder layer can call it. docs/kernels-gguf.md says why and how it measures.
+//
+// y[M, N] (+)= x[M, K] @ W^T (+ bias), W [N, K] in blocks of 32 inputs, repacked once at load by
+// gguf_blocks.py into panels of 16 output columns:
+//   qs     [panels, K / 32, QBYTES]  the block integers of the panel's 16 columns, 4 inputs per
+//                                    32-bit lane: chunk c (64 bytes) holds, for column j at bytes
+//                                    4j..4j+3, inputs of group c (Q8_0: inputs 4c..4c+3, int8) or,
+//                                    for Q4, inputs 4c..4c+3 in the low nibbles and 16+4c..16+4c+3
+//                                    in the high nibbles (unsigned 0..15; GGUF's own nibble order)
+//   scales [panels, K / 32, S, 16]   fp16: d of each column (and, Q4_1, its min m after it)
+// Block values: Q4_0 d (u - 8), Q4_1 d u + m, Q8_0 d q.
+//
+// The activations are quantized per 32-block to int8 as llama.cpp's q8_0 does (dx = amax / 127,
+// q = round(x / dx)) with their sums sx, once per call. A block's dot product with a column is then
+// an exact integer t (Q4_0: sum (u - 8) q = sum u q - 8 sx; Q8_0: sum w q; Q4_1: sum u q), and
+// each output accumulates, block after block in input order,
+//   acc = fma(float(t), dw * dx, acc)          (Q4_1 then: acc = fma(mw, dx * float(sx), acc)).
+// Those float operations are the same on every path, and the integers are exact, so a row's output
+// does not depend on the other rows of the pass, nor on the instruction set (bitwise).
+//
+// Each weight block is loaded and unpacked into registers once, then multiplied against every row
+// of the pass (up to 16 at a time): the rows' extra cost is their multiply-adds, never another
+// read or unpacking of the weights.
+//   avx512vnni: 16 columns are one register of 16 int32 lanes; vpdpbusd multiplies 4 unsigned
+//               weight bytes by 4 signed activation bytes per lane (Q8_0's signed weights are
+//               offset by 128 with one xor, and 128 sx taken off after).
+//   avx2:       two halves of 8 columns; vpmaddubsw (unsigned x signed bytes to int16 pairs) and
+//               vpmaddwd. Q4: the 8 groups of a block are summed in int16 (at most
+//               8 * 2 * 15 * 127 = 30480, no saturation) and widened once; Q8_0 uses llama.cpp's
+//               sign trick (|w| times x with w's sign) and widens each group.
+//   portable:   scalar C++, the same integers and float operations.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define GGUF_VNNI 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GGUF_AVX2 1
+#include <immintrin.h>
+#endif
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+namespace {
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // GGML type ids
+enum { QK = 32, COLS = 16, MAX_ROWS = 16, PREFETCH = 1024 };
+
+// Bytes of block integers per panel and block, and fp16 scales per column and block.
+constexpr int qbytes(int type) { return type == Q8_0 ? COLS * QK : COLS * QK / 2; }
+constexpr int nscales(int type) { return type == Q4_1 ? 2 : 1; }
+
+// An IEEE half as a float (exact; subnormals included).
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000 | (man << 13);
+  } else if (exp) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man) {  // subnormal: normalise
+    int shift = 0;
+    while (!(man & 0x400)) man <<= 1, shift++;
+    bits = sign | ((uint32_t)(113 - shift) << 23) | ((man & 0x3ff) << 13);
+  } else {
+    bits = sign;
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Activations of rows m0.. quantized per block: q [rows, K] int8, d and s [rows, K / 32].
+struct Acts {
+  const int8_t* q;
+  const float* d;
+  const int32_t* s;
+  long K;
+};
+
+// x [M, K] (row stride ldx) per 32-block: d = amax / 127, q = round(x / d) (half to even, as
+// x * (1 / d)), s = sum q. The same float operations as gguf_blocks.quantize_activations.
+void quantize_rows(const float* x, long M, long K, long ldx, int8_t* q, float* d, int32_t* s) {
+  long blocks = K / QK;
+  for (long m = 0; m < M; m++)
+    for (long b = 0; b < blocks; b++) {
+      const float* v = x + m * ldx + b * QK;
+      float amax = 0;
+      for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
+      float scale = amax / 127.0f, inverse = scale != 0 ? 1.0f / scale : 0.0f;
+      int8_t* out = q + m * K + b * QK;
+      int sum = 0;
+      for (int i = 0; i < QK; i++) {
+        out[i] = (int8_t)nearbyintf(v[i] * inverse);
+        sum += out[i];
+      }
+      d[m * blocks + b] = scale;
+      s[m * blocks + b] = sum;
+    }
+}
+
+// Rows' accumulators acc [rows, 16] written out: y = acc (+ bias), or y += that.
+void store(const float (*acc)[COLS], int rows, float* y, long ldy, const float* bias, int ncols, int add) {
+  for (int m = 0; m < rows; m++) {
+    float* row = y + m * ldy;
+    for (int j = 0; j < ncols; j++) {
+      float out = bias ? acc[m][j] + bias[j] : acc[m][j];
+      row[j] = add ? row[j] + out : out;
+    }
+  }
+}
+
+#if defined(GGUF_VNNI) || defined(GGUF_AVX2)
+
+#if defined(GGUF_VNNI)
+#define GGUF_ISA "avx512vnni"
+typedef __m512i VI;
+typedef __m512 VF;
+enum { LANES = 16 };
+inline VI load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline VI splat(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+inline VI splat_byte(int v) { return _mm512_set1_epi8((char)v); }
+inline VI nibbles(VI v, int high) { return _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, splat_byte(0x0f)); }
+inline VI minus(VI a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+inline VF halves(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VF mul(VF a, float b) { return _mm512_mul_ps(a, _mm512_set1_ps(b)); }
+inline VF floats(VI v) { return _mm512_cvtepi32_ps(v); }
+inline VF fsplat(float v) { return _mm512_set1_ps(v); }
+inline VF fzero() { return _mm512_setzero_ps(); }
+inline void fstore(float* p, VF v) { _mm512_storeu_ps(p, v); }
+#else
+#define GGUF_ISA "avx2"
+typedef __m256i VI;
+typedef __m256 VF;
+enum { LANES = 8 };
+inline VI load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline VI splat(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+inline VI splat_byte(int v) { return _mm256_set1_epi8((char)v); }
+inline VI nibbles(VI v, int high) { return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, splat_byte(0x0f)); }
+inline VI minus(VI a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+inline VF halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VF mul(VF a, float b) { return _mm256_mul_ps(a, _mm256_set1_ps(b)); }
+inline VF floats(VI v) { return _mm256_cvtepi32_ps(v); }
+inline VF fsplat(float v) { return _mm256_set1_ps(v); }
+inline VF fzero() { return _mm256_setzero_ps(); }
+inline void fstore(float* p, VF v) { _mm256_storeu_ps(p, v); }
+#endif
+
+constexpr int HALVES = COLS / LANES;  // vectors per 16 columns: 1 (AVX-512) or 2 (AVX2)
+
+// The 8 groups of 4 inputs of one block for LANES columns (half h of the panel), as the integer
+// operand of the dot product: Q4 nibbles (unsigned), Q8_0 weights offset by 128 (VNNI) or their
+// absolute values (AVX2, whose signs `dot` reads from memory).
+template <int T>
+inline void unpack(const uint8_t* q, int h, VI w[8]) {
+  const uint8_t* base = q + h * LANES * 4;
+  for (int c = 0; c < (T == Q8_0 ? 8 : 4); c++) {
+    VI v = load(base + c * 64);
+    if (T == Q8_0) {
+#if defined(GGUF_VNNI)
+      w[c] = _mm512_xor_si512(v, splat_byte(0x80));
+#else
+      w[c] = _mm256_abs_epi8(v);
+#endif
+    } else {
+      w[c] = nibbles(v, 0);
+      w[4 + c] = nibbles(v, 1);
+    }
+  }
+}
+
+// The exact integer dot products t of one block with row xm (32 int8, sum sx), per column.
+template <int T>
+inline VI dot(const VI w[8], const uint8_t* q, int h, const int8_t* xm, int32_t sx) {
+#if defined(GGUF_VNNI)
+  (void)q, (void)h;
+  VI acc = _mm512_setzero_si512();
+  for (int g = 0; g < 8; g++) acc = _mm512_dpbusd_epi32(acc, w[g], splat(xm + 4 * g));
+  return T == Q4_0 ? minus(acc, 8 * sx) : T == Q8_0 ? minus(acc, 128 * sx) : acc;
+#else
+  const VI ones = _mm256_set1_epi16(1);
+  if (T == Q8_0) {
+    const uint8_t* base = q + h * LANES * 4;
+    VI acc = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) {
+      VI signs = load(base + g * 64);
+      VI pairs = _mm256_maddubs_epi16(w[g], _mm256_sign_epi8(splat(xm + 4 * g), signs));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
+    }
+    return acc;
+  }
+  VI pairs = _mm256_maddubs_epi16(w[0], splat(xm));
+  for (int g = 1; g < 8; g++) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[g], splat(xm + 4 * g)));
+  VI acc = _mm256_madd_epi16(pairs, ones);
+  return T == Q4_0 ? minus(acc, 8 * sx) : acc;
+#endif
+}
+
+// y[0:rows, panel] (+)= x[0:rows] @ panel^T (+ bias) for one panel of 16 columns over all blocks.
+template <int T>
+void panel(const Acts& a, int rows, const uint8_t* q, const uint16_t* sc, float* y, long ldy,
+           const float* bias, int ncols, int add) {
+  const long blocks = a.K / QK;
+  VF acc[MAX_ROWS][HALVES];
+  for (int m = 0; m < rows; m++)
+    for (int h = 0; h < HALVES; h++) acc[m][h] = fzero();
+  for (long b = 0; b < blocks; b++) {
+    const uint8_t* qb = q + b * qbytes(T);
+    const uint16_t* sb = sc + b * COLS * nscales(T);
+    for (int l = 0; l < qbytes(T); l += 64) __builtin_prefetch(qb + PREFETCH + l);
+    for (int h = 0; h < HALVES; h++) {
+      VI w[8];
+      unpack<T>(qb, h, w);
+      VF dw = halves(sb + h * LANES);
+      VF mw = T == Q4_1 ? halves(sb + COLS + h * LANES) : fzero();
+      for (int m = 0; m < rows; m++) {
+        long i = m * blocks + b;
+        VI t = dot<T>(w, qb, h, a.q + m * a.K + b * QK, a.s[i]);
+        acc[m][h] = fma(floats(t), mul(dw, a.d[i]), acc[m][h]);
+        if (T == Q4_1) acc[m][h] = fma(mw, fsplat(a.d[i] * (float)a.s[i]), acc[m][h]);
+      }
+    }
+  }
+  float out[MAX_ROWS][COLS];
+  for (int m = 0; m < rows; m++)
+    for (int h = 0; h < HALVES; h++) fstore(out[m] + h * LANES, acc[m][h]);
+  store(out, rows, y, ldy, bias, ncols, add);
+}
+
+#else
+#define GGUF_ISA "portable"
+
+// The block integer of column j, input k (Q4_0: u - 8, Q4_1: u, Q8_0: q) of one packed block.
+template <int T>
+inline int weight(const uint8_t* q, int j, int k) {
+  if (T == Q8_0) return (int8_t)q[(k / 4) * 64 + j * 4 + k % 4];
+  uint8_t byte = q[((k % 16) / 4) * 64 + j * 4 + k % 4];
+  int u = k < 16 ? byte & 0x0f : byte >> 4;
+  return T == Q4_0 ? u - 8 : u;
+}
+
+template <int T>
+void panel(const Acts& a, int rows, const uint8_t* q, const uint16_t* sc, float* y, long ldy,
+           const float* bias, int ncols, int add) {
+  const long blocks = a.K / QK;
+  float acc[MAX_ROWS][COLS] = {};
+  for (long b = 0; b < blocks; b++) {
+    const uint8_t* qb = q + b * qbytes(T);
+    const uint16_t* sb = sc + b * COLS * nscales(T);
+    int8_t wb[COLS][QK];
+    for (int j = 0; j < COLS; j++)
+      for (int k = 0; k < QK; k++) wb[j][k] = (int8_t)weight<T>(qb, j, k);  // Q4_1's u fits too
+    for (int m = 0; m < rows; m++) {
+      long i = m * blocks + b;
+      const int8_t* xm = a.q + m * a.K + b * QK;
+      for (int j = 0; j < COLS; j++) {
+        int t = 0;
+        for (int k = 0; k < QK; k++) t += wb[j][k] * xm[k];
+        acc[m][j] = fmaf((float)t, half_to_float(sb[j]) * a.d[i], acc[m][j]);
+        if (T == Q4_1) acc[m][j] = fmaf(half_to_float(sb[COLS + j]), a.d[i] * (float)a.s[i], acc[m][j]);
+      }
+    }
+  }
+  store(acc, rows, y, ldy, bias, ncols, add);
+}
+#endif
+
+template <int T>
+void gemm(const float* x, long M, long K, long ldx, const uint8_t* qs, const uint16_t* scales, long N,
+          float* y, long ldy, const float* bias, int add) {
+  const long blocks = K / QK, panels = (N + COLS - 1) / COLS;
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * blocks);
+  std::vector<int32_t> s(M * blocks);
+  quantize_rows(x, M, K, ldx, q.data(), d.data(), s.data());
+  // Threads pay off only once the weights outgrow the cache of one core.
+#pragma omp parallel for schedule(static) if (N * K >= 65536)
+  for (long p = 0; p < panels; p++) {
+    int ncols = (int)(N - p * COLS < COLS ? N - p * COLS : COLS);
+    const uint8_t* qp = qs + p * blocks * qbytes(T);
+    const uint16_t* sp = scales + p * blocks * COLS * nscales(T);
+    for (long m0 = 0; m0 < M; m0 += MAX_ROWS) {
+      int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
+      Acts a{q.data() + m0 * K, d.data() + m0 * blocks, s.data() + m0 * blocks, K};
+      panel<T>(a, rows, qp, sp, y + m0 * ldy + p * COLS, ldy, bias ? bias + p * COLS : 0, ncols, add);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" const char* specsample_gguf_isa() { return GGUF_ISA; }
+
+// The activation quantization the products use, for tests: q [M, K] int8, d and s [M, K / 32].
+extern "C" void specsample_gguf_quantize(const float* x, long M, long K, long ldx, int8_t* q, float* d,
+                                         int32_t* s) {
+  quantize_rows(x, M, K, ldx, q, d, s);
+}
+
+// y[M, N] (+)= x[M, K] @ W^T (+ bias) for W of GGML type `type` (2 Q4_0, 3 Q4_1, 8 Q8_0) packed
+// as qs and scales (above); K a multiple of 32; row strides ldx, ldy. Returns 0, or -1 for a type
+// it does not know (y untouched).
+extern "C" int specsample_gemm_gguf(int type, const float* x, long M, long K, long ldx, const uint8_t* qs,
+                                    const uint16_t* scales, long N, float* y, long ldy, const float* bias,
+                                    int add) {
+  switch (type) {
+    case Q4_0: gemm<Q4_0>(x, M, K, ldx, qs, scales, N, y, ldy, bias, add); return 0;
+    case Q4_1: gemm<Q4_1>(x, M, K, ldx, qs, scales, N, y, ldy, bias, add); return 0;
+    case Q8_0: gemm<Q8_0>(x, M, K, ldx, qs, scales, N, y, ldy, bias, add); return 0;
+    default: return -1;
+  }
+}
