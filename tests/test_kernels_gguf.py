@@ -1,0 +1,236 @@
+"""The GGUF block kernels (kernels_gguf.cpp) on every instruction set this machine can run.
+
+Each build (native, AVX2, portable) is loaded side by side and swapped in for
+`kernels._library`, as in test_kernels.py. For Q4_0, Q4_1 and Q8_0 and every row
+count 1 to 16, a product must match float64 references within stated bounds:
+
+- exact activations: the `gguf` package's dequantization of W times the float64 of
+  the kernel's own int8 activations (its quantization is checked bitwise against a
+  torch mirror). The block sums are exact integers, so only the float32 chain over
+  the blocks rounds: at most (blocks + 2) roundings of 2^-24 relative to the sum of
+  the products' magnitudes, |xq| @ |W|^T;
+- the float activations x: that bound plus the activation rounding, at most half a
+  quantization step per input, sum over blocks of d_x / 2 * sum |w|.
+
+A row's result must be bitwise the same whatever the rows beside it, and (since the
+integers are exact and the float operations the same on every path) whatever the
+build. A deliberately wrong scale must fail the same bounds.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize, quantize
+
+from specsample.models import gguf_blocks, kernels
+
+FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+OUT, IN = 100, 320  # a partial last panel of 16 columns; 10 blocks
+UNIT = 2.0**-24  # float32 rounding, relative
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it does not exist)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split()[2:])
+
+
+FLAGS = cpu_flags()
+AVX2 = {"avx2", "fma", "f16c"} <= FLAGS
+NATIVE = "avx512vnni" if {"avx512f", "avx512bw", "avx512_vnni"} <= FLAGS else "avx2" if AVX2 else "portable"
+ISAS = {"native": NATIVE if FLAGS else None, "avx2": "avx2" if AVX2 else "portable", "portable": "portable"}
+
+
+def library(isa: str):
+    """The kernels library built for `isa`, or skip."""
+    lib = kernels._load(isa)
+    if lib is None:
+        pytest.skip("the kernels could not be built here")
+    return lib
+
+
+@pytest.fixture(params=list(ISAS))
+def isa(request, monkeypatch) -> str:
+    """Run a test with the kernels built for one instruction set; returns the block kernels' path."""
+    lib = library(request.param)
+    monkeypatch.setattr(kernels, "_library", lambda: lib)
+    built = kernels.gguf_instruction_set()
+    if ISAS[request.param] is not None:
+        assert built == ISAS[request.param]
+    return built
+
+
+def random_raw(qtype: GGMLQuantizationType, out_features: int, in_features: int, seed: int) -> np.ndarray:
+    """A GGUF tensor's bytes [out, blocks * block bytes] of a random weight, with some rows scaled
+    far up or down and, for Q8_0, some weights at -128 (never produced by quantize, legal in a file)."""
+    rng = np.random.default_rng(seed)
+    weight = rng.standard_normal((out_features, in_features)).astype(np.float32)
+    weight[::7] *= 50
+    weight[3::11] *= 1e-3
+    raw = quantize(weight, qtype)
+    if qtype == GGMLQuantizationType.Q8_0:
+        raw[::5, 2 + 34 * np.arange(in_features // 32)] = 0x80  # first int8 of each block
+    return raw
+
+
+def activations(rows: int, in_features: int, seed: int) -> torch.Tensor:
+    """x [rows, in]: normal, with an all-zero block, an outlier and a row of tiny values."""
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed))
+    x[0, 32:64] = 0
+    x[-1, 5] = 40
+    if rows > 2:
+        x[1] *= 1e-4
+    return x
+
+
+def python_quantization(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's q8_0 of x [n, in] per 32-block in torch float32: d = amax / 127, q = round(x * (1 / d))."""
+    blocks = x.view(x.shape[0], -1, 32)  # [n, blocks, 32]
+    d = blocks.abs().amax(-1) / 127  # [n, blocks]
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inverse[..., None]).to(torch.int8)  # half to even, as nearbyintf
+    return q.view_as(x), d, q.int().sum(-1, dtype=torch.int32)
+
+
+def references(x: torch.Tensor, weight: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(float64 reference [n, out], its stated tolerance [n, out]) against the kernel's int8
+    activations ("int8") and against x itself ("float")."""
+    q, d, _ = kernels.quantize_activations(x)
+    blocks = x.shape[1] // 32
+    xq = (q.double().view(len(x), blocks, 32) * d.double()[..., None]).view_as(x)  # [n, in]
+    rounding = (blocks + 2) * UNIT * (xq.abs() @ weight.abs().T)  # float32 chain over the blocks
+    w_block = weight.abs().view(len(weight), blocks, 32).sum(-1)  # [out, blocks]
+    activation = (d.double() / 2) @ w_block.T  # half a step per input
+    return {"int8": (xq @ weight.T, rounding + 1e-30), "float": (x.double() @ weight.T, rounding + activation + 1e-30)}
+
+
+def within(y: torch.Tensor, reference: torch.Tensor, tolerance: torch.Tensor) -> bool:
+    """True if every output is within its tolerance of the reference."""
+    return bool(((y.double() - reference).abs() <= tolerance).all())
+
+
+def test_source_is_package_data():
+    assert "specsample_gemm_gguf" in resources.files("specsample.models").joinpath("kernels_gguf.cpp").read_text()
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_packing_keeps_every_byte(qtype):
+    raw = random_raw(qtype, OUT, IN, seed=1)
+    matrix = gguf_blocks.pack_blocks(raw, qtype)
+    assert matrix.qs.shape[:2] == (-(-OUT // 16), IN // 32) and matrix.in_features == IN
+    assert np.array_equal(matrix.raw_rows(np.arange(OUT)), raw)
+    rows = torch.tensor([99, 0, 17, 17])
+    assert torch.equal(matrix.rows(rows), torch.from_numpy(dequantize(raw, qtype))[rows])
+
+
+def test_unknown_type_is_refused():
+    with pytest.raises(ValueError, match="Q4_K"):
+        gguf_blocks.pack_blocks(np.zeros((16, 144), np.uint8), GGMLQuantizationType.Q4_K)
+
+
+def test_activation_quantization_is_llamacpp_q8_0(isa):
+    x = activations(16, IN, seed=2)
+    q, d, s = kernels.quantize_activations(x)
+    expected = python_quantization(x)
+    for mine, theirs in zip((q, d, s), expected):
+        assert torch.equal(mine, theirs)
+    error = (x.view(16, -1, 32) - q.view(16, -1, 32).float() * d[..., None]).abs()
+    assert (error <= d[..., None] / 2 * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_matmul_matches_float64_references(isa, qtype):
+    raw = random_raw(qtype, OUT, IN, seed=int(qtype))
+    matrix = gguf_blocks.pack_blocks(raw, qtype)
+    weight = torch.from_numpy(dequantize(raw, qtype)).double()  # [out, in]
+    bias = torch.randn(OUT, generator=torch.Generator().manual_seed(3))
+    for rows in range(1, 17):
+        x = activations(rows, IN, seed=rows)
+        y = matrix(x)
+        for name, (reference, tolerance) in references(x, weight).items():
+            assert within(y, reference, tolerance), (name, rows)
+        # The bias and the output added into round once each, relative to what they are added to.
+        reference, tolerance = references(x, weight)["int8"]
+        reference = reference + bias.double()
+        tolerance = tolerance + UNIT * reference.abs()
+        assert within(matrix(x, bias), reference, tolerance)
+        base = torch.randn(rows, OUT, generator=torch.Generator().manual_seed(4)).double()
+        y = matrix(x, bias, out=base.float())
+        assert within(y, reference + base, tolerance + UNIT * (reference + base).abs())
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_a_wrong_scale_fails_the_tolerance(isa, qtype):
+    raw = random_raw(qtype, OUT, IN, seed=5)
+    weight = torch.from_numpy(dequantize(raw, qtype)).double()
+    x = activations(4, IN, seed=6)
+    reference, tolerance = references(x, weight)["int8"]
+    matrix = gguf_blocks.pack_blocks(raw, qtype)
+    assert within(matrix(x), reference, tolerance)
+    matrix.scales[0, 3, 0, 5] *= 1.01  # column 5's d in block 3, one percent off
+    assert not within(matrix(x), reference, tolerance)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_rows_do_not_depend_on_the_rest_of_the_pass(isa, qtype):
+    matrix = gguf_blocks.pack_blocks(random_raw(qtype, OUT, IN, seed=7), qtype)
+    x = activations(40, IN, seed=8)  # more than one chunk of 16 rows
+    full = matrix(x)
+    for rows in range(1, 17):
+        assert torch.equal(matrix(x[:rows]), full[:rows]), rows
+    for start in (3, 15, 16, 33):
+        assert torch.equal(matrix(x[start : start + 5]), full[start : start + 5]), start
+
+
+@pytest.mark.skipif(len({ISAS["native"], ISAS["avx2"], "portable"}) < 2, reason="one instruction set here")
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_every_build_gives_the_same_bits(monkeypatch, qtype):
+    matrix = gguf_blocks.pack_blocks(random_raw(qtype, OUT, IN, seed=9), qtype)
+    x = activations(16, IN, seed=10)
+    results = []
+    for isa in ISAS:
+        lib = library(isa)
+        monkeypatch.setattr(kernels, "_library", lambda lib=lib: lib)
+        results.append(matrix(x))
+    assert all(torch.equal(result, results[0]) for result in results[1:])
+
+
+@pytest.fixture(scope="module")
+def bundled() -> GGUFReader:
+    """The bundled model's GGUF file (Q4_1 layers, a Q8_0 embedding), memory-mapped."""
+    from specsample.models.loading import bundled_gguf
+
+    try:
+        return GGUFReader(bundled_gguf())
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+
+
+@pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "blk.5.attn_q.weight", "token_embd.weight"])
+def test_bundled_tensors(isa, bundled, name):
+    raw, qtype = gguf_blocks.read_raw(bundled, name)
+    raw = raw[:2000]  # the embedding's first 2000 rows are enough
+    matrix = gguf_blocks.pack_blocks(raw, qtype)
+    weight = torch.from_numpy(dequantize(raw, qtype)).double()
+    for rows in (1, 7, 16):
+        x = activations(rows, matrix.in_features, seed=rows)
+        y = matrix(x)
+        for label, (reference, tolerance) in references(x, weight).items():
+            assert within(y, reference, tolerance), (label, rows)
+
+
+def test_llama_permutation_inverts_the_converter():
+    heads, head_dim = 3, 8
+    hf = np.arange(heads * head_dim)
+    # llama.cpp's convert_hf_to_gguf permute: reshape(heads, 2, d / 2).swapaxes(1, 2)
+    file = hf.reshape(heads, 2, head_dim // 2).swapaxes(1, 2).reshape(-1)
+    assert np.array_equal(file[gguf_blocks.llama_permutation(len(file), heads)], hf)
