@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from specsample.models import gguf_blocks, kernels
@@ -205,14 +205,38 @@ def test_every_build_gives_the_same_bits(monkeypatch, qtype):
 
 
 @pytest.fixture(scope="module")
-def bundled() -> GGUFReader:
+def bundled() -> gguf_blocks.TensorIndex:
     """The bundled model's GGUF file (Q4_1 layers, a Q8_0 embedding), memory-mapped."""
     from specsample.models.loading import bundled_gguf
 
     try:
-        return GGUFReader(bundled_gguf())
+        return gguf_blocks.TensorIndex(bundled_gguf())
     except FileNotFoundError as error:
         pytest.skip(str(error))
+
+
+def test_tensor_index_reads_what_gguf_reader_reads(tmp_path):
+    path = tmp_path / "small.gguf"
+    writer = GGUFWriter(path, "llama")
+    writer.add_custom_alignment(64)
+    writer.add_token_list(["a", "bb", "ccc"])
+    writer.add_array("some.floats", [1.5, 2.5])
+    tensors = {
+        "q4_0": (random_raw(GGMLQuantizationType.Q4_0, 48, 64, seed=1), GGMLQuantizationType.Q4_0),
+        "f32": (np.arange(12, dtype=np.float32).reshape(3, 4), None),
+        "q8_0": (random_raw(GGMLQuantizationType.Q8_0, 5, 96, seed=2), GGMLQuantizationType.Q8_0),
+    }
+    for name, (data, qtype) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    index = gguf_blocks.TensorIndex(path)
+    for tensor in GGUFReader(path).tensors:
+        raw, qtype = index.raw(tensor.name)
+        assert qtype == tensor.tensor_type
+        assert np.array_equal(raw, np.asarray(tensor.data).view(np.uint8).reshape(raw.shape))
 
 
 @pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "blk.5.attn_q.weight", "token_embd.weight"])
@@ -234,3 +258,59 @@ def test_llama_permutation_inverts_the_converter():
     # llama.cpp's convert_hf_to_gguf permute: reshape(heads, 2, d / 2).swapaxes(1, 2)
     file = hf.reshape(heads, 2, head_dim // 2).swapaxes(1, 2).reshape(-1)
     assert np.array_equal(file[gguf_blocks.llama_permutation(len(file), heads)], hf)
+
+
+@pytest.fixture(scope="module")
+def bundled_targets():
+    """The bundled model as a fast-backend target on its own GGUF blocks, and in float32."""
+    from specsample.models.llama import LlamaTarget
+    from specsample.models.loading import load_model
+
+    if not kernels.available():
+        pytest.skip("the kernels could not be built here")
+    loaded = load_model()
+    return loaded, gguf_blocks.gguf_target(loaded.model, loaded.gguf), LlamaTarget.from_hf(loaded.model)
+
+
+def greedy(target, drafter, k: int, prompt: torch.Tensor, stats) -> list[int]:
+    """60 greedy tokens of `target` with `drafter` proposing k at a time (0: plain decoding)."""
+    from specsample.engine import decode
+    from specsample.policy import FixedK
+    from specsample.sampling import GeneratorSource, SamplingParams
+
+    steps = decode(
+        target, drafter, FixedK(k), prompt, SamplingParams(temperature=0), max_new_tokens=60,
+        eos_token_ids=frozenset(), random=GeneratorSource(torch.Generator().manual_seed(0)), stats=stats,
+    )
+    return [t for step in steps for t in step]
+
+
+@pytest.mark.slow
+def test_bundled_target_runs_on_its_blocks(bundled_targets):
+    loaded, target, float_target = bundled_targets
+    layer = target.layers[0]
+    assert {layer.qkv.qtype, layer.o.qtype, layer.gate_up.qtype, layer.down.qtype} == {GGMLQuantizationType.Q4_1}
+    assert target.lm_head.qtype == GGMLQuantizationType.Q8_0 and target.embed is None  # tied, read from the blocks
+    ids = torch.tensor(loaded.tokenizer("The capital of France is Paris. The capital of Italy is").input_ids)
+    target.prefill(ids[:4])
+    float_target.prefill(ids[:4])
+    ours, theirs = target.score(ids[4:]), float_target.score(ids[4:])
+    # int8 activations (as llama.cpp's) move the logits, which reach about 27, by about 1 at most
+    assert (ours - theirs).abs().max() < 0.1 * theirs.abs().max()
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["suffix", "ngram"])
+def test_bundled_target_on_blocks_speculates_token_identically(bundled_targets, drafter):
+    from specsample.drafters import NgramDrafter, NoDrafter, SuffixDrafter
+    from specsample.stats import Stats
+
+    loaded, target, _ = bundled_targets
+    text = "Count: one, two, three, four, five, six. Again: one, two, three, four, five, six. Again:"
+    prompt = torch.tensor(loaded.tokenizer(text).input_ids)
+    plain = greedy(target, NoDrafter(), 0, prompt, Stats())
+    stats = Stats()
+    speculative = greedy(target, {"suffix": SuffixDrafter, "ngram": NgramDrafter}[drafter](), 4, prompt, stats)
+    assert stats.accepted_tokens > 0
+    assert speculative == plain

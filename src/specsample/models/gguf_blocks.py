@@ -15,12 +15,13 @@ Layout (kernels_gguf.cpp's header comment has it from the kernel's side):
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import Tensor
 
@@ -116,27 +117,188 @@ def llama_permutation(rows: int, heads: int) -> np.ndarray:
     return file_index.transpose(0, 2, 1).reshape(rows)
 
 
-def read_raw(reader: GGUFReader, name: str, permute_heads: int | None = None) -> tuple[np.ndarray, GGMLQuantizationType]:
+# GGUF metadata value types with a fixed size, by type id (8 is a string, 9 an array).
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+class TensorIndex:
+    """Where each tensor of a GGUF file lies, read from its header alone.
+
+    `gguf.GGUFReader` turns every metadata value into numpy views first, which takes about 8 s for
+    the bundled model's 49152-token vocabulary; this skips the metadata (keeping only the alignment)
+    and memory-maps the tensors: the file's bytes, never copied until packed.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.tensors: dict[str, tuple[list[int], GGMLQuantizationType, int]] = {}  # name -> (dims, type, offset)
+        with open(self.path, "rb") as f:
+            magic, _version, n_tensors, n_kv = struct.unpack("<IIQQ", f.read(24))
+            if magic != 0x46554747:  # "GGUF"
+                raise ValueError(f"{self.path} is not a GGUF file")
+            alignment = 32
+            for _ in range(n_kv):
+                key = self._string(f)
+                kind = self._u32(f)
+                if key == "general.alignment" and kind == 4:
+                    alignment = self._u32(f)
+                else:
+                    self._skip(f, kind)
+            for _ in range(n_tensors):
+                name = self._string(f)
+                dims = [self._u64(f) for _ in range(self._u32(f))]
+                kind, offset = self._u32(f), self._u64(f)
+                self.tensors[name] = (dims, GGMLQuantizationType(kind), offset)
+            self.data_start = -(-f.tell() // alignment) * alignment
+
+    @staticmethod
+    def _u32(f) -> int:
+        return struct.unpack("<I", f.read(4))[0]
+
+    @staticmethod
+    def _u64(f) -> int:
+        return struct.unpack("<Q", f.read(8))[0]
+
+    @classmethod
+    def _string(cls, f) -> str:
+        return f.read(cls._u64(f)).decode("utf-8", "replace")
+
+    def _skip(self, f, kind: int) -> None:
+        """Skip one metadata value of type `kind`."""
+        if kind in _SCALAR_BYTES:
+            f.seek(_SCALAR_BYTES[kind], 1)
+        elif kind == 8:
+            f.seek(self._u64(f), 1)
+        elif kind == 9:
+            element, count = self._u32(f), self._u64(f)
+            if element in _SCALAR_BYTES:
+                f.seek(_SCALAR_BYTES[element] * count, 1)
+            else:
+                for _ in range(count):
+                    self._skip(f, element)
+        else:
+            raise ValueError(f"{self.path}: unknown GGUF metadata type {kind}")
+
+    def raw(self, name: str) -> tuple[np.ndarray, GGMLQuantizationType]:
+        """A tensor's bytes, uint8 [rows, bytes per row] (memory-mapped), and its type."""
+        if name not in self.tensors:
+            raise KeyError(f"no tensor {name!r} in {self.path}")
+        dims, kind, offset = self.tensors[name]
+        block_size, type_bytes = gguf_quant_sizes(kind)
+        rows = int(np.prod(dims[1:], dtype=np.int64))
+        row_bytes = dims[0] // block_size * type_bytes
+        return np.memmap(self.path, np.uint8, "r", self.data_start + offset, (rows, row_bytes)), kind
+
+
+def gguf_quant_sizes(kind: GGMLQuantizationType) -> tuple[int, int]:
+    """(values per block, bytes per block) of a GGML type."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES[kind]
+
+
+def read_raw(index: TensorIndex, name: str, permute_heads: int | None = None) -> tuple[np.ndarray, GGMLQuantizationType]:
     """A tensor's bytes [out, blocks * block bytes] and type, rows in transformers order (Q and K
     rows un-permuted with `permute_heads` heads)."""
-    tensor = next((t for t in reader.tensors if t.name == name), None)
-    if tensor is None:
-        raise KeyError(f"no tensor {name!r} in the GGUF file")
-    raw = np.asarray(tensor.data)
+    raw, kind = index.raw(name)
     if permute_heads:
         raw = raw[llama_permutation(raw.shape[0], permute_heads)]
-    return raw, GGMLQuantizationType(tensor.tensor_type)
+    return raw, kind
 
 
-def read_matrix(path: str | Path | GGUFReader, names: list[str], permute_heads: list[int | None] | None = None) -> BlockMatrix:
+def read_matrix(path: str | Path | TensorIndex, names: list[str], permute_heads: list[int | None] | None = None) -> BlockMatrix:
     """Tensors `names` of a GGUF file, stacked along their output rows (a fused QKV or gate/up), packed.
 
     Raises ValueError where they are of different types or of a type without a block kernel.
     """
-    reader = path if isinstance(path, GGUFReader) else GGUFReader(path)
+    reader = path if isinstance(path, TensorIndex) else TensorIndex(path)
     permute_heads = permute_heads or [None] * len(names)
     parts = [read_raw(reader, name, heads) for name, heads in zip(names, permute_heads)]
     types = {qtype for _, qtype in parts}
     if len(types) != 1:
         raise ValueError(f"tensors {names} mix the types {sorted(t.name for t in types)}")
     return pack_blocks(np.concatenate([raw for raw, _ in parts]), types.pop())
+
+
+# Architectures whose GGUF converter permutes the Q and K rows (llama.cpp's LlamaModel and its kin).
+PERMUTED_QK = {"llama", "mistral"}
+
+
+def as_matrix(linear) -> BlockMatrix:
+    """The BlockMatrix of a llama.Linear holding GGUF blocks (weight: qs, scales: fp16 scales)."""
+    return BlockMatrix(GGMLQuantizationType(linear.qtype), linear.weight, linear.scales, linear.out_features,
+                       linear.weight.shape[1] * QK)
+
+
+def linear_rows(linear, rows: Tensor) -> Tensor:
+    """Rows `rows` [n] of a GGUF-block llama.Linear's weight, float32 [n, in]: the embedding of a
+    tied LM head, dequantized by the `gguf` package as transformers does it."""
+    return as_matrix(linear).rows(rows)
+
+
+def block_linear(matrix: BlockMatrix, bias: Tensor | None):
+    """A llama.Linear that runs `matrix` on the block kernels."""
+    from specsample.models.llama import Linear
+
+    return Linear(matrix.qs, bias, matrix.out_features, True, matrix.scales, int(matrix.qtype))
+
+
+def _blocks_or(reader: TensorIndex, names: list[str], heads: list[int | None] | None, fallback):
+    """The tensors `names` as a GGUF-block Linear with fallback's bias, or `fallback` (a float32
+    Linear) where their types have no block kernel."""
+    try:
+        return block_linear(read_matrix(reader, names, heads), fallback.bias)
+    except ValueError:
+        return fallback
+
+
+def _check_rows(linear, reference: Tensor, rows: list[int], what: str) -> None:
+    """Raise UnsupportedModel unless rows `rows` of a block Linear equal the transformers weight's."""
+    from specsample.models.llama import UnsupportedModel
+
+    if not linear.qtype:
+        return
+    ours = linear_rows(linear, torch.tensor(rows))
+    if not torch.allclose(ours, reference[rows].float(), rtol=1e-6, atol=1e-7):
+        raise UnsupportedModel(f"the GGUF file's {what} rows do not match the model's weights")
+
+
+def gguf_target(model, path: str | Path, max_length: int | None = None):
+    """A float32 LlamaTarget of a transformers model converted from the GGUF file `path` whose
+    linear maps run on the file's own blocks (Q4_0, Q4_1, Q8_0; others stay float32 panels).
+
+    Norms, biases, rotary tables and an untied embedding come from `model`. Raises
+    UnsupportedModel where the fast backend or its kernels cannot run it, or where the file's
+    rows do not match the model's (a converter permutation this does not know).
+    """
+    from dataclasses import replace
+
+    from specsample.models import kernels
+    from specsample.models.llama import LlamaTarget, UnsupportedModel
+
+    if not kernels.available():
+        raise UnsupportedModel("GGUF blocks need the C++ kernels")
+    base = LlamaTarget.from_hf(model, max_length)
+    config, reader = model.config, TensorIndex(path)
+    heads = [base.heads, base.kv_heads, None] if config.model_type in PERMUTED_QK else None
+    layers = []
+    for i, layer in enumerate(base.layers):
+        p = f"blk.{i}."
+        layers.append(replace(
+            layer,
+            qkv=_blocks_or(reader, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], heads, layer.qkv),
+            o=_blocks_or(reader, [p + "attn_output.weight"], None, layer.o),
+            gate_up=_blocks_or(reader, [p + "ffn_gate.weight", p + "ffn_up.weight"], None, layer.gate_up),
+            down=_blocks_or(reader, [p + "ffn_down.weight"], None, layer.down),
+        ))
+    head = "output.weight" if "output.weight" in reader.tensors else "token_embd.weight"
+    lm_head = _blocks_or(reader, [head], None, base.lm_head)
+    attention = model.model.layers[0].self_attn
+    q_rows, k_rows = attention.q_proj.weight.shape[0], attention.k_proj.weight.shape[0]
+    reference = torch.cat([attention.q_proj.weight, attention.k_proj.weight]).detach()
+    _check_rows(layers[0].qkv, reference, [0, 1, base.head_dim // 2, q_rows - 1, q_rows + 1, q_rows + k_rows - 1], "Q and K")
+    _check_rows(lm_head, model.lm_head.weight.detach(), [0, 1, base.vocab_size - 1], "LM head")
+    return LlamaTarget(
+        layers, base.embed, base.norm, lm_head, base.cos, base.sin,
+        heads=base.heads, kv_heads=base.kv_heads, head_dim=base.head_dim, eps=base.eps, source=model,
+    )

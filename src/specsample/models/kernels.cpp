@@ -351,8 +351,9 @@ static void silu_mul(const float* gu, long M, long I, float* act) {
   }
 }
 
-// Weights and cache of one decoder layer; matrices packed as by `pack` (scales null) or by
-// `pack_int8` (each with its column scales).
+// Weights and cache of one decoder layer; matrices packed as by `pack` (scales null), by
+// `pack_int8` (each with its column scales), or, where its GGML type fqkv, fo, fgu or fdown is not
+// 0, in GGUF blocks (gguf_blocks.pack_blocks: the blocks, and their fp16 scales as the "scales").
 struct Layer {
   long hidden, heads, kv_heads, d, inter, cap;
   float eps;
@@ -364,7 +365,20 @@ struct Layer {
   const void *wgu, *wdown;
   const float *sqkv, *so, *sgu, *sdown, *cos, *sin;
   float *keys, *values;
+  int fqkv, fo, fgu, fdown;
 };
+
+extern "C" int specsample_gemm_gguf(int type, const float* x, long M, long K, long ldx, const uint8_t* qs,
+                                    const uint16_t* scales, long N, float* y, long ldy, const float* bias,
+                                    int add);
+
+// y[M, N] (+)= x[M, K] @ w (+ bias), rows contiguous: GGUF blocks of GGML type `type` (kernels_gguf.cpp),
+// or packed panels where type is 0.
+static void linear(int type, const float* x, long M, long K, const void* w, const float* scale, long N,
+                   float* y, const float* bias, int add) {
+  if (type) specsample_gemm_gguf(type, x, M, K, K, (const uint8_t*)w, (const uint16_t*)scale, N, y, N, bias, add);
+  else specsample_gemm(x, M, K, K, w, scale, N, y, N, bias, add);
+}
 
 // One decoder layer over x [M, hidden] (the residual stream, updated in place) at positions
 // start..start+M-1. scratch holds M (hidden + (heads + 2 kv_heads) d + heads d + 3 inter) floats.
@@ -374,12 +388,12 @@ extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, f
   float *h = scratch, *qkv = h + M * H, *att = qkv + M * qkv_width, *gu = att + M * att_width;
   float* act = gu + M * 2 * I;
   rms_norm(x, L->attn_norm, M, H, L->eps, h);
-  specsample_gemm(h, M, H, H, L->wqkv, L->sqkv, qkv_width, qkv, qkv_width, L->bqkv, 0);
+  linear(L->fqkv, h, M, H, L->wqkv, L->sqkv, qkv_width, qkv, L->bqkv, 0);
   attention(qkv, M, L->heads, L->kv_heads, L->d, L->cos + start * L->d, L->sin + start * L->d,
             L->keys, L->values, L->cap, start, att);
-  specsample_gemm(att, M, att_width, att_width, L->wo, L->so, H, x, H, L->bo, 1);
+  linear(L->fo, att, M, att_width, L->wo, L->so, H, x, L->bo, 1);
   rms_norm(x, L->mlp_norm, M, H, L->eps, h);
-  specsample_gemm(h, M, H, H, L->wgu, L->sgu, 2 * I, gu, 2 * I, 0, 0);
+  linear(L->fgu, h, M, H, L->wgu, L->sgu, 2 * I, gu, 0, 0);
   silu_mul(gu, M, I, act);
-  specsample_gemm(act, M, I, I, L->wdown, L->sdown, H, x, H, 0, 1);
+  linear(L->fdown, act, M, I, L->wdown, L->sdown, H, x, 0, 1);
 }

@@ -55,14 +55,16 @@ class UnsupportedModel(ValueError):
 class Linear:
     """A linear map in the layout of the fastest kernel available: packed panels, else [in, out].
 
-    Packed panels are float32, or int8 with per-column `scales` (`kernels.pack_int8`).
+    Packed panels are float32, or int8 with per-column `scales` (`kernels.pack_int8`), or a GGUF
+    file's blocks of GGML type `qtype` (`gguf_blocks.pack_blocks`: weight its qs, scales its fp16 scales).
     """
 
-    weight: Tensor  # [blocks, in, 32] when packed, else [in, out]
+    weight: Tensor  # [blocks, in, 32] when packed, else [in, out]; GGUF blocks: uint8 [panels, blocks, bytes]
     bias: Tensor | None  # [out]
     out_features: int
     packed: bool
-    scales: Tensor | None = None  # [out] float32 when the packed weight is int8
+    scales: Tensor | None = None  # [out] float32 when the packed weight is int8; GGUF blocks: their fp16 scales
+    qtype: int = 0  # GGML type of GGUF blocks, 0 otherwise
 
     @classmethod
     def from_weight(cls, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, packed: bool) -> Linear:
@@ -74,6 +76,8 @@ class Linear:
 
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """x [n, in] -> [n, out]; with `residual` [n, out], adds into it in place and returns it."""
+        if self.qtype:
+            return kernels.matmul_gguf(x, self.qtype, self.weight, self.scales, self.out_features, self.bias, residual)
         if self.packed:
             return kernels.matmul(x, self.weight, self.out_features, self.bias, residual, self.scales)
         y = torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
@@ -384,12 +388,17 @@ class LlamaTarget:
             wo=ptr(w.o.weight), bo=ptr(w.o.bias), wgu=ptr(w.gate_up.weight), wdown=ptr(w.down.weight),
             sqkv=ptr(w.qkv.scales), so=ptr(w.o.scales), sgu=ptr(w.gate_up.scales), sdown=ptr(w.down.scales),
             cos=ptr(self.cos), sin=ptr(self.sin), keys=ptr(self.k_cache[i]), values=ptr(self.v_cache[i]),
+            fqkv=w.qkv.qtype, fo=w.o.qtype, fgu=w.gate_up.qtype, fdown=w.down.qtype,
         )
 
     def _embed(self, token_ids: Tensor) -> Tensor:
         """Input embeddings [n, hidden]; a tied LM head doubles as the embedding table."""
         if self.embed is not None:
             return self.embed[token_ids]
+        if self.lm_head.qtype:
+            from specsample.models.gguf_blocks import linear_rows
+
+            return linear_rows(self.lm_head, token_ids)
         if self.lm_head.packed:
             return kernels.unpack_rows(self.lm_head.weight, token_ids, self.lm_head.scales)
         return self.lm_head.weight.index_select(1, token_ids).t().contiguous()
