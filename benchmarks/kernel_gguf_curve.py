@@ -1,0 +1,147 @@
+"""f(n)/f(1) of the GGUF block kernels (kernels_gguf.cpp) next to the float32 kernel, interleaved in one run.
+
+Two measurements, each over the builds asked for (`--isa native,avx2`):
+
+- `matmul`: one pass of products over the bundled model's weight shapes (576x576, 1536x576,
+  576x1536, 49152x576; out x in), with random blocks of each format (Q4_0, Q4_1, Q8_0) and a
+  float32 copy packed as `kernels.pack` does, for n = 1, 2, 4, 8, 16 rows;
+- `target` (with --target): a whole forward pass of the bundled model on the fast backend, on
+  its own GGUF blocks (`gguf_blocks.gguf_target`) and in float32, after a context of 200
+  tokens (bench.cost_curve's measurement, as benchmarks/kernel_isa_curve.py does it).
+
+Every configuration runs in the same rounds, so other jobs' load falls on all of them alike.
+On a loaded machine two OpenMP threads wait for each other whenever one is descheduled;
+`--cpu-time` with OMP_NUM_THREADS=1 times one thread's CPU time instead.
+
+    nice -n 19 python benchmarks/kernel_gguf_curve.py --isa native,avx2 --target
+    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/kernel_gguf_curve.py --cpu-time
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from unittest import mock
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from specsample.models import gguf_blocks, kernels
+
+SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]  # [out, in]
+FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+
+
+def random_blocks(qtype: GGMLQuantizationType, out_features: int, in_features: int, rng) -> gguf_blocks.BlockMatrix:
+    """Random integers with small fp16 scales (and mins) in the file layout, packed: timing needs no real weights."""
+    block_bytes, halves = gguf_blocks.FORMATS[qtype]
+    raw = rng.integers(0, 256, (out_features, in_features // 32, block_bytes), dtype=np.uint8)
+    scales = np.full((out_features, in_features // 32, halves), 0.01, dtype=np.float16)
+    raw[..., : 2 * halves] = scales.view(np.uint8)
+    return gguf_blocks.pack_blocks(raw.reshape(out_features, -1), qtype)
+
+
+def matmul_passes(rng) -> dict[str, Callable[[list[torch.Tensor]], None]]:
+    """Label -> a pass of products over SHAPES for inputs xs [n, in] (one per shape)."""
+    passes = {}
+    for qtype in FORMATS:
+        matrices = [random_blocks(qtype, o, i, rng) for o, i in SHAPES]
+        passes[qtype.name] = lambda xs, ms=matrices: [m(x) for m, x in zip(ms, xs)]
+    packed = [kernels.pack(torch.randn(o, i)) for o, i in SHAPES]
+    passes["float32"] = lambda xs: [kernels.matmul(x, p, o) for p, x, (o, _) in zip(packed, xs, SHAPES)]
+    return passes
+
+
+def time_rounds(jobs: dict[tuple, Callable[[], None]], repeats: int, clock) -> dict[tuple, float]:
+    """Median seconds of each job, all jobs run once per round in `repeats` rounds (after one warm-up)."""
+    times: dict[tuple, list[float]] = {key: [] for key in jobs}
+    for round_ in range(repeats + 1):
+        for key, job in jobs.items():
+            start = clock()
+            job()
+            if round_:
+                times[key].append(clock() - start)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def matmul_curve(libs: dict[str, object], ns: list[int], repeats: int, clock) -> None:
+    """Print f(1) and f(n)/f(1) of a pass of products over SHAPES, per build and format."""
+    passes = matmul_passes(np.random.default_rng(0))
+    inputs = {n: [torch.randn(n, i) for _, i in SHAPES] for n in ns}
+    jobs = {}
+    for build, lib in libs.items():
+        for label, run in passes.items():
+            for n in ns:
+                def job(run=run, xs=inputs[n], lib=lib):
+                    with mock.patch.object(kernels, "_library", lambda: lib):
+                        run(xs)
+                jobs[(build, label, n)] = job
+    medians = time_rounds(jobs, repeats, clock)
+    print(f"\nmatmul pass over {', '.join(f'{o}x{i}' for o, i in SHAPES)} (out x in)")
+    table(((f"{build} {label}", [medians[(build, label, n)] for n in ns]) for build in libs for label in passes), ns)
+
+
+def table(rows, ns: list[int]) -> None:
+    """A markdown table of f(1) in ms and the ratios f(n)/f(1)."""
+    print("| build, weights | f(1) ms | " + " | ".join(f"f({n})/f(1)" for n in ns[1:]) + " |")
+    print("|---|---|" + "---|" * (len(ns) - 1))
+    for label, seconds in rows:
+        print(f"| {label} | {seconds[0] * 1e3:.2f} | " + " | ".join(f"{s / seconds[0]:.2f}" for s in seconds[1:]) + " |")
+
+
+def target_curve(libs: dict[str, object], ns: list[int], repeats: int, clock, context: int) -> None:
+    """Print f(n)/f(1) of whole forward passes of the bundled model, on its blocks and in float32."""
+    from kernel_isa_curve import WithKernels
+
+    from specsample.bench import cost_curve as cc
+    from specsample.models.llama import LlamaTarget
+    from specsample.models.loading import load_model
+
+    loaded = load_model(None)
+    first = next(iter(libs.values()))
+    with mock.patch.object(kernels, "_library", lambda: first):
+        models = {"GGUF blocks": gguf_blocks.gguf_target(loaded.model, loaded.gguf), "float32": LlamaTarget.from_hf(loaded.model)}
+    ids = cc.context_tokens(loaded.tokenizer, CONTEXT, context + max(ns))
+    targets = {f"{build} {label}": WithKernels(model, lib) for build, lib in libs.items() for label, model in models.items()}
+    with mock.patch.object(cc, "perf_counter", clock):
+        curves = cc.measure(targets, ids[:context], ids[context:], ns, repeats)
+    print(f"\nwhole forward pass of {loaded.name} (Q4_1 layers, Q8_0 tied head), context {context}")
+    table(((curve.backend, [ms / 1e3 for ms in curve.ms]) for curve in curves), ns)
+
+
+CONTEXT = "Speculative decoding drafts a few tokens cheaply and verifies them in one pass of the target. " * 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--isa", default="native,avx2", help="builds: " + ", ".join(kernels.ISA_FLAGS))
+    parser.add_argument("--ns", default="1,2,4,8,16")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--target", action="store_true", help="also whole forward passes of the bundled model")
+    parser.add_argument("--context-length", type=int, default=200)
+    parser.add_argument("--cpu-time", action="store_true", help="time this process's CPU seconds, not wall time")
+    args = parser.parse_args()
+
+    from kernel_isa_curve import cpu_name
+
+    libs = {}
+    for isa in args.isa.split(","):
+        lib = kernels._load(isa)
+        libs[f"{lib.specsample_gguf_isa().decode()} ({isa})"] = lib
+    ns = [int(n) for n in args.ns.split(",")]
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    threads = os.environ.get("OMP_NUM_THREADS", "all")
+    print(f"{cpu_name()}; median of {args.repeats}; {'CPU' if args.cpu_time else 'wall'} time; OMP threads: {threads}; "
+          f"load average {os.getloadavg()[0]:.1f} at start")
+    matmul_curve(libs, ns, args.repeats, clock)
+    if args.target:
+        target_curve(libs, ns, args.repeats, clock, args.context_length)
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
+if __name__ == "__main__":
+    main()
