@@ -29,7 +29,12 @@ class Output:
     text: str
     prompt_tokens: int
     wall_seconds: float  # the whole call: prefill, decoding, text
-    stats: Stats | None  # engine statistics; None for transformers baselines
+    stats: Stats | None  # engine statistics (and the llama.cpp baselines'); None for transformers baselines
+    generated_tokens: int | None = None  # tokens generated and timed, where more than token_ids (llama-lookup)
+
+    @property
+    def timed_tokens(self) -> int:
+        return len(self.token_ids) if self.generated_tokens is None else self.generated_tokens
 
 
 class TransformersRunner:

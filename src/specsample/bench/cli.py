@@ -47,29 +47,36 @@ def cost_curve(
     context_length: Annotated[int, typer.Option(help="Cached tokens each forward pass attends over.")] = 200,
     max_n: Annotated[int, typer.Option(help="Largest number of new tokens per pass.")] = 16,
     repeats: Annotated[int, typer.Option(help="Repetitions; each f(n) is their median.")] = 7,
-    backends: Annotated[str, typer.Option(help="Comma-separated Target backends: fast, transformers.")] = "fast,transformers",
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: torch's, one per core).")] = None,
+    backends: Annotated[str, typer.Option(help="Comma-separated Target backends: fast, transformers, llamacpp.")] = "fast,transformers",
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads of every backend (default: one per core).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
 ) -> None:
-    """f(n)/f(1): the cost of one forward pass over n new tokens, for n = 1..max_n."""
+    """f(n)/f(1): the cost of one forward pass over n new tokens, for n = 1..max_n (llamacpp: the GGUF
+    file at its own quantization on llama.cpp; the other backends: its float32 weights)."""
     import json
 
     from rich.console import Console
     from rich.table import Table
 
     from specsample.bench import cost_curve as cc
-    from specsample.models import load_model, make_target
+    from specsample.models import check_backend, load_model
 
     names = [b.strip() for b in backends.split(",") if b.strip()]
     if max_n < 1 or context_length < 1 or repeats < 1 or not names:
         raise ValueError("--max-n, --context-length and --repeats must be positive, --backends non-empty")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    for name in names:
+        check_backend(name)
     _setup(threads)
-    loaded = load_model(model)
+    # llama.cpp runs the file itself: without another backend, only the tokenizer is loaded
+    loaded = load_model(model, tokenizer_only=set(names) == {"llamacpp"})
     text = "\n".join(p.turns[0] for p in read_bench_prompts(None, "all"))
     ids = cc.context_tokens(loaded.tokenizer, text, context_length + max_n)
-    targets = {name: make_target(loaded, name) for name in names}
+    targets = cc.targets(loaded, names, threads)
     curves = cc.measure(targets, ids[:context_length], ids[context_length:], range(1, max_n + 1), repeats)
-    table = Table(title=f"f(n): one forward pass over n new tokens after {context_length} cached ({loaded.name})")
+    table = Table(title=f"f(n): one forward pass over n new tokens after {context_length} cached ({loaded.name})",
+                  caption="\n".join(cc.describe(targets)))
     table.add_column("n", justify="right")
     for curve in curves:
         table.add_column(f"{curve.backend} ms", justify="right")
@@ -78,7 +85,8 @@ def cost_curve(
         table.add_row(str(n), *[cell for c in curves for cell in (f"{c.ms[i]:.1f}", f"{c.ratios[i]:.2f}")])
     Console(width=None if sys.stdout.isatty() else 120).print(table)
     if json_path is not None:
-        json_path.write_text(json.dumps({"model": loaded.name, "curves": [c.to_dict() for c in curves]}, indent=2))
+        json_path.write_text(json.dumps({"model": loaded.name, "threads": threads, "backends": cc.describe(targets),
+                                         "curves": [c.to_dict() for c in curves]}, indent=2))
 
 
 @app.command("decode")
@@ -92,11 +100,14 @@ def decode(
         help="Also run speculative decoding with this drafter (repeatable): a drafter name, a draft model "
         "path, or 'self' for the target as its own draft model.")] = None,
     k: Annotated[int, typer.Option("--k", help="Speculation length for --drafter runs.")] = 4,
-    backend: Annotated[str, typer.Option(help="Target backend of the engine: auto, fast or transformers.")] = "auto",
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: torch's, one per core).")] = None,
+    backend: Annotated[str, typer.Option(help="Target backend of the engine: auto, fast, transformers or llamacpp "
+                                         "(then llama.cpp's own plain decoding runs too).")] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core); llamacpp: "
+                                                   "threads per pass, of the engine and of llama.cpp's decoding.")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
 ) -> None:
-    """Greedy decoding tokens/s: our engine against transformers generate, on the same prompts."""
+    """Greedy decoding tokens/s: our engine against transformers generate (and on the llamacpp backend,
+    llama.cpp's own plain decoding), on the same prompts."""
     from rich.console import Console
     from rich.table import Table
 
@@ -108,7 +119,9 @@ def decode(
     items = read_bench_prompts(prompts, split)[:limit]
     _setup(threads)
     loaded = load_model(model)
-    records = bench_decode.run(loaded, make_target(loaded, backend), items, drafter or (), k, max_new_tokens, backend)
+    unavailable: dict[str, str] = {}
+    records = bench_decode.run(loaded, make_target(loaded, backend, threads=threads), items, drafter or (), k,
+                               max_new_tokens, backend, threads=threads, unavailable=unavailable)
     summaries = bench_decode.summarize(records)
     table = Table(title=f"Greedy decoding, {len(items)} prompts, up to {max_new_tokens} new tokens")
     table.add_column("system", no_wrap=True)
@@ -119,6 +132,8 @@ def decode(
         table.add_row(s.system, str(s.tokens), f"{s.tokens_per_second:.1f}", f"{s.median_tokens_per_second:.1f}",
                       decode_rate, f"{s.speedup_vs_transformers:.2f}x", f"{s.matches_transformers}/{s.prompts}")
     Console(width=None if sys.stdout.isatty() else 120).print(table)
+    for name, reason in unavailable.items():
+        print(f"{name}: not available: {reason}")
     if json_path is not None:
         bench_decode.save(json_path, summaries, records)
 
@@ -133,7 +148,9 @@ def run(
     limit: Annotated[Optional[int], typer.Option(help="Prompts per category (default: all).")] = None,
     category: Annotated[Optional[list[str]], typer.Option(help="Only this category (repeatable).")] = None,
     model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2).")] = None,
-    backend: Annotated[str, typer.Option(help="Target backend of the engine: auto, fast or transformers.")] = "auto",
+    backend: Annotated[str, typer.Option(help="Target backend of the engine: auto, fast, transformers or llamacpp.")] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core); llamacpp: threads "
+                                                   "per pass, of the engine and of llama.cpp's baselines.")] = None,
     k: Annotated[Optional[str], typer.Option("--k", help="Default K (or K policy) of configurations.")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="Default temperature (built-in: 0).")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="Default top-p.")] = None,
@@ -141,8 +158,11 @@ def run(
     seed: Annotated[Optional[int], typer.Option(help="Default seed.")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Default most new tokens per answer (built-in: 128).")] = None,
     baselines: Annotated[bool, typer.Option(help="Also run transformers generate, prompt lookup and assisted generation.")] = True,
+    llamacpp_baselines: Annotated[Optional[bool], typer.Option(
+        help="Also run llama.cpp's plain decoding, llama-lookup and (with a draft GGUF among the configurations) "
+        "llama-speculative-simple (default: with --backend llamacpp; tools: scripts/build_llamacpp_tools.sh).")] = None,
     warmup: Annotated[int, typer.Option(help="Warm-up generations of every configuration (on a prompt not measured).")] = 1,
-    out: Annotated[Path, typer.Option(help="Directory for results.json, table.md and plot.png.")] = Path("bench-results"),
+    out: Annotated[Path, typer.Option(help="Directory for results.json, table.md, plot.png and notes.md.")] = Path("bench-results"),
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model's own Python code.")] = False,
 ) -> None:
     """Spec-Bench style run: speedup over plain decoding per category, mean accepted length, mismatches."""
@@ -152,33 +172,45 @@ def run(
 
     import torch
 
-    from specsample.bench import harness, report
+    from specsample.bench import harness, report, run_notes
     from specsample.cli import quiet_transformers
     from specsample.models import load_model, make_target
 
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
     overrides = {"k": k, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                  "max_new_tokens": max_new_tokens}
     defaults, configs = harness.read_configs(config or [], overrides)
-    configs = harness.with_baselines(defaults, configs, baselines)
+    with_llamacpp = backend == "llamacpp" if llamacpp_baselines is None else llamacpp_baselines
+    configs = harness.with_baselines(defaults, configs, baselines, llamacpp=with_llamacpp)
     items = read_bench_prompts(prompts, split, limit, category, skip)
+    if threads is not None:
+        torch.set_num_threads(threads)
     quiet_transformers()
-    loaded = load_model(model, trust_remote_code=trust_remote_code)
-    target = make_target(loaded, backend)
+    # on llama.cpp without transformers baselines (or engine drafters that need them) only the tokenizer is read
+    needs_weights = backend != "llamacpp" or any(c.kind.startswith("hf-") for c in configs)
+    loaded = load_model(model, trust_remote_code=trust_remote_code, tokenizer_only=not needs_weights)
+    target = make_target(loaded, backend, threads=threads)
+    unavailable: dict[str, str] = {}
     records = harness.run(loaded, target, configs, items, warmup=warmup, trust_remote_code=trust_remote_code,
-                          backend=backend)
+                          backend=backend, threads=threads, unavailable=unavailable)
     meta = {
         "model": loaded.name, "backend": type(target).__name__, "prompts": str(prompts or packaged_prompts()),
         "split": split, "skip": skip, "limit": limit,
         "categories": category or [], "warmup": warmup, "reference": harness.REFERENCE,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
         "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__},
+        "threads": threads, "unavailable": unavailable, **run_notes.backend_meta(target),
     }
     results = {"schema": report.SCHEMA, "meta": meta, "configs": harness.config_dicts(configs),
                "records": harness.record_dicts(records)}
     results["summary"] = report.summarize(results["records"], [c.name for c in configs])
     print(report.write(results, out), end="")
+    notes = run_notes.markdown(results)
+    (out / run_notes.NOTES_FILE).write_text(notes)
+    print("\n" + notes, end="", file=sys.stderr)
     print(f"[{len(items)} prompts, {len(configs)} configurations; results in {out}]", file=sys.stderr)
 
 

@@ -5,7 +5,9 @@ K+1 tokens) costs about one plain decoding step. This measures f(n)/f(1) for
 n = 1..16 over a realistic cache: the context is prefilled once, each
 measurement scores n tokens and rolls back. Backends and values of n are
 interleaved within each repetition, so background load hits them alike, and
-each f(n) is the median over repetitions.
+each f(n) is the median over repetitions. The llamacpp backend times the GGUF
+file at its own quantization on llama.cpp (its own threads, `threads`), the
+others its float32 weights on torch's threads.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from time import perf_counter
 import torch
 from torch import Tensor
 
+from specsample.models import LoadedModel, make_target
 from specsample.models.target import Target
 
 
@@ -77,6 +80,24 @@ def measure(
         CostCurve(name, context_length, list(ns), [1000 * statistics.median(times[name][n]) for n in ns])
         for name in targets
     ]
+
+
+def targets(loaded: LoadedModel, backends: Sequence[str], threads: int | None = None) -> dict[str, Target]:
+    """A target per backend name, of the one model; `threads` for llama.cpp's passes (None: all cores)."""
+    return {name: make_target(loaded, name, threads=threads) for name in backends}
+
+
+def describe(targets: dict[str, Target]) -> list[str]:
+    """One line per target: its class and threads (and llama.cpp's CPU variant)."""
+    lines = []
+    for name, target in targets.items():
+        if hasattr(target, "n_threads"):  # LlamaCppTarget
+            from specsample.models.llamacpp import system_info
+
+            lines.append(f"{name}: {type(target).__name__}, {target.n_threads} threads, {system_info()}")
+        else:
+            lines.append(f"{name}: {type(target).__name__}, {torch.get_num_threads()} torch threads")
+    return lines
 
 
 def context_tokens(tokenizer, text: str, length: int) -> Tensor:

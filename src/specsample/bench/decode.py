@@ -8,7 +8,9 @@ speed against plain decoding is the overhead of drafting and verifying). Each
 prompt's first turn is answered; the harness warms every system up, runs them
 prompt by prompt, interleaved, and times every call end to end, prefill
 included. The engine's decode-only rate is also kept. Greedy outputs must agree
-with transformers' token for token.
+with transformers' token for token. On the llamacpp backend llama.cpp's own
+plain decoding runs too ("llama.cpp", `llamacpp_baselines`), on the same GGUF
+file at the same thread count.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from specsample.prompts import Prompt
 
 TRANSFORMERS = "transformers"
 PLAIN = "specsample"
+LLAMACPP = "llama.cpp"
 
 
 @dataclass
@@ -43,13 +46,15 @@ class Summary:
     prompts: int
 
 
-def configs(drafters: Sequence[str], k: int, max_new_tokens: int) -> list[Config]:
-    """transformers `generate` (the reference), plain decoding, and speculative decoding with each drafter."""
+def configs(drafters: Sequence[str], k: int, max_new_tokens: int, llamacpp: bool = False) -> list[Config]:
+    """transformers `generate` (the reference), plain decoding, speculative decoding with each drafter,
+    and with `llamacpp`, llama.cpp's own plain decoding."""
     common = {"k": str(k), "temperature": 0.0, "max_new_tokens": max_new_tokens}
     return [
         harness.make_config({**common, "name": TRANSFORMERS, "kind": "hf-generate"}),
         harness.make_config({**common, "name": PLAIN, "drafter": "none", "k": "0"}),
         *(harness.make_config({**common, "name": f"{PLAIN}+{spec}", "drafter": spec}) for spec in drafters),
+        *([harness.make_config({**common, "name": LLAMACPP, "kind": "llamacpp-plain", "k": "0"})] if llamacpp else []),
     ]
 
 
@@ -61,10 +66,14 @@ def run(
     k: int = 4,
     max_new_tokens: int = 128,
     backend: str = "auto",
+    threads: int | None = None,
+    unavailable: dict[str, str] | None = None,
 ) -> list[Record]:
-    """The harness's records of every system on the first turn of every prompt."""
+    """The harness's records of every system on the first turn of every prompt (on the llamacpp
+    backend, llama.cpp's plain decoding too; `unavailable` gets the systems that cannot run here)."""
     first_turns = [replace(p, turns=p.turns[:1]) for p in prompts]
-    return harness.run(model, target, configs(drafters, k, max_new_tokens), first_turns, backend=backend)
+    systems = configs(drafters, k, max_new_tokens, llamacpp=backend == "llamacpp")
+    return harness.run(model, target, systems, first_turns, backend=backend, threads=threads, unavailable=unavailable)
 
 
 def summarize(records: Sequence[Record]) -> list[Summary]:

@@ -2,9 +2,13 @@
 
 Prompts are Spec-Bench's (`specsample.prompts`); a multi-turn prompt is fed
 turn by turn, each turn after the configuration's own earlier answers. A
-configuration is the engine with a drafter and K, or a transformers baseline
-(`generate`, prompt lookup, assisted generation). Every configuration shares
-the one loaded target (its KV cache is per-request state, reset by prefill).
+configuration is the engine with a drafter and K, a transformers baseline
+(`generate`, prompt lookup, assisted generation), or, on the llamacpp backend,
+a llama.cpp baseline (its plain decoding, `llama-lookup`,
+`llama-speculative-simple`: `llamacpp_baselines`). Every engine configuration
+shares the one loaded target (its KV cache is per-request state, reset by
+prefill). A baseline that cannot run here (a llama.cpp tool not built) is left
+out of the run and reported as not available.
 After a warm-up on a prompt of its own (a measured prompt would let drafters
 that remember earlier requests, such as `suffix`, learn its answer), all
 configurations run prompt by prompt, in an order that
@@ -13,7 +17,8 @@ them alike. The reference is the first configuration (for `bench run`, plain
 decoding through the engine, "plain"); at temperature 0 every configuration's
 tokens are compared with its tokens. Every answer is timed the same way, by
 its runner, end to end (prefill included); the engine's statistics add its
-decoding time alone.
+decoding time alone (the llama.cpp baselines' statistics too, from their own
+timings, model loading excluded).
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ from tqdm import tqdm
 
 from specsample.api import SpecSampler
 from specsample.bench import baselines
+from specsample.bench import llamacpp_baselines as llamacpp
 from specsample.bench.baselines import Output
 from specsample.defaults import given
 from specsample.drafters import REGISTRY, DraftModelDrafter, make_drafter
 from specsample.models import LoadedModel, Target, load_model, make_target
-from specsample.policy import parse_k
+from specsample.policy import KPolicy, parse_k
 from specsample.prompts import Prompt
 from specsample.sampling import SamplingParams
 from specsample.text import Message
@@ -50,9 +56,10 @@ class Config:
     """One way of decoding: the engine with a drafter and K, or a transformers baseline."""
 
     name: str
-    kind: str = "engine"  # engine, hf-generate, hf-lookup, hf-assisted
-    drafter: str = "none"  # engine: a registered drafter, "self" or a draft model path; hf-assisted: a draft model path
-    k: str = "4"  # engine: an integer or a K policy; hf-lookup / hf-assisted: an integer
+    kind: str = "engine"  # engine, hf-generate, hf-lookup, hf-assisted, llamacpp-plain, llamacpp-lookup, llamacpp-speculative
+    # engine: a registered drafter, "self" or a draft model path; hf-assisted, llamacpp-speculative: a draft model path
+    drafter: str = "none"
+    k: str = "4"  # engine: an integer or a K policy; hf-lookup / hf-assisted / llamacpp-lookup / -speculative: an integer
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -87,12 +94,14 @@ class Runner(Protocol):
 @dataclass(frozen=True)
 class Setup:
     """What every configuration of a run shares: the target model, its Target backend (and the
-    backend's name, for a second target of the same kind), and whether models may run their own code."""
+    backend's name, for a second target of the same kind), whether models may run their own code,
+    and the threads of a llamacpp target (None: all cores)."""
 
     model: LoadedModel
     target: Target
     backend: str = "auto"
     trust_remote_code: bool = False
+    threads: int | None = None
 
 
 FIELD_TYPES: dict[str, type] = get_type_hints(Config)  # str, int or float
@@ -160,11 +169,22 @@ def default_name(values: dict) -> str:
     return f"{label}-k{values['k']}" + (f"-t{values['temperature']:g}" if values["temperature"] else "")
 
 
-def with_baselines(defaults: dict, configs: Sequence[Config], transformers: bool = True) -> list[Config]:
+def with_baselines(defaults: dict, configs: Sequence[Config], transformers: bool = True,
+                   llamacpp: bool = False) -> list[Config]:
     """Plain decoding first, the configurations, then transformers generate, prompt lookup and,
-    for each draft model among the configurations, assisted generation with it."""
+    for each draft model among the configurations, assisted generation with it; with `llamacpp`,
+    then llama.cpp's plain decoding, its prompt lookup and, for each draft GGUF file among the
+    configurations, its speculative decoding with it."""
     reference = make_config({**defaults, "name": REFERENCE, "drafter": "none", "k": "0"})
     extra = []
+    if llamacpp:
+        k = fixed_k(defaults["k"])
+        extra += [make_config({**defaults, "name": "llamacpp-plain", "kind": "llamacpp-plain", "k": "0"}),
+                  make_config({**defaults, "name": f"llamacpp-lookup-k{k}", "kind": "llamacpp-lookup", "k": k})]
+        drafts = {c.drafter: c for c in configs
+                  if c.kind == "engine" and is_draft_model(c.drafter) and c.drafter.endswith(".gguf")}
+        extra += [replace(c, name=f"llamacpp-speculative-{Path(path).name}-k{fixed_k(c.k)}", kind="llamacpp-speculative",
+                          k=fixed_k(c.k)) for path, c in drafts.items()]
     if transformers:
         k = fixed_k(defaults["k"])
         extra += [make_config({**defaults, "name": "hf-generate", "kind": "hf-generate"}),
@@ -191,11 +211,38 @@ def is_draft_model(drafter: str) -> bool:
 def engine_runner(config: Config, setup: Setup) -> Runner:
     """The engine with the configuration's drafter ("self": the target again, on the same backend)."""
     if config.drafter == SELF_DRAFTER:
-        drafter = DraftModelDrafter(make_target(setup.model, setup.backend))
+        drafter = DraftModelDrafter(make_target(setup.model, setup.backend, threads=setup.threads))
     else:
         drafter = make_drafter(config.drafter, setup.model, setup.target, backend=setup.backend,
                                trust_remote_code=setup.trust_remote_code)
     return EngineRunner(SpecSampler(setup.model, setup.target, drafter, given(config.drafter, config.k)), config)
+
+
+class ChoiceCounter:
+    """A K policy that counts the K its policy chooses at each step of a request; its estimates add
+    them as `chosen_k` ({K: steps}), so a run's records show what `--k auto` picked."""
+
+    def __init__(self, policy: KPolicy) -> None:
+        self.policy = policy
+        self.chosen: dict[int, int] = {}
+
+    def begin(self) -> None:
+        self.chosen = {}
+        self.policy.begin()
+
+    def choose(self) -> int:
+        k = self.policy.choose()
+        self.chosen[k] = self.chosen.get(k, 0) + 1
+        return k
+
+    def keep(self, confidence) -> int:
+        return self.policy.keep(confidence)
+
+    def observe(self, step) -> None:
+        self.policy.observe(step)
+
+    def estimates(self) -> dict:
+        return {**self.policy.estimates(), "chosen_k": dict(sorted(self.chosen.items()))}
 
 
 class EngineRunner:
@@ -204,7 +251,7 @@ class EngineRunner:
     def __init__(self, sampler: SpecSampler, config: Config) -> None:
         self.sampler = sampler
         self.config = config
-        self.policy = parse_k(config.k)
+        self.policy = ChoiceCounter(parse_k(config.k))
 
     def run(self, messages: Sequence[Message]) -> Output:
         c = self.config
@@ -223,6 +270,30 @@ def hf_k(config: Config) -> int:
         raise ValueError(f"configuration {config.name}: transformers needs an integer k, got {config.k!r}") from None
 
 
+def llamacpp_runner(config: Config, setup: Setup) -> Runner:
+    """A llama.cpp baseline on the target's GGUF file, with the target's threads and context window."""
+    if setup.model.gguf is None:
+        raise llamacpp.Unavailable(f"the llama.cpp baselines run GGUF files, and {setup.model.name} is not one")
+    threads = getattr(setup.target, "n_threads", None) or setup.threads or default_threads()
+    common = dict(model=setup.model, path=setup.model.gguf, threads=threads, n_ctx=setup.target.max_length,
+                  params=config.params, max_new_tokens=config.max_new_tokens, seed=config.seed)
+    if config.kind == "llamacpp-plain":
+        return llamacpp.LlamaCppPlainRunner(**common)
+    if config.kind == "llamacpp-lookup":
+        return llamacpp.LlamaCppToolRunner(tool=llamacpp.LOOKUP_TOOL, k=hf_k(config), **common)
+    draft = Path(config.drafter).expanduser()
+    if draft.suffix != ".gguf" or not draft.is_file():
+        raise llamacpp.Unavailable(f"configuration {config.name}: llama.cpp's speculative decoding needs a draft "
+                                   f"GGUF file as its drafter, got {config.drafter!r}")
+    return llamacpp.LlamaCppToolRunner(tool=llamacpp.SPECULATIVE_TOOL, k=hf_k(config), draft=draft, **common)
+
+
+def default_threads() -> int:
+    from specsample.models.llamacpp import default_threads as all_cores
+
+    return all_cores()
+
+
 RunnerFactory = Callable[[Config, Setup], Runner]
 
 RUNNERS: dict[str, RunnerFactory] = {
@@ -231,6 +302,7 @@ RUNNERS: dict[str, RunnerFactory] = {
     "hf-lookup": lambda c, setup: baselines.prompt_lookup_runner(setup.model, c.params, c.max_new_tokens, hf_k(c)),
     "hf-assisted": lambda c, setup: baselines.assisted_runner(
         setup.model, c.params, c.max_new_tokens, hf_k(c), load_model(c.drafter, trust_remote_code=setup.trust_remote_code)),
+    **{kind: llamacpp_runner for kind in llamacpp.KINDS},
 }
 
 
@@ -256,11 +328,24 @@ def run(
     progress: bool = True,
     trust_remote_code: bool = False,
     backend: str = "auto",
+    threads: int | None = None,
+    unavailable: dict[str, str] | None = None,
 ) -> list[Record]:
     """Run every configuration on every prompt, interleaved; the first configuration is the reference.
-    `backend` names `target`'s backend, for drafters that need a second target of the same kind."""
-    setup = Setup(model, target, backend, trust_remote_code)
-    runners = {c.name: RUNNERS[c.kind](c, setup) for c in configs}
+    `backend` names `target`'s backend, for drafters that need a second target of the same kind;
+    `threads`, a llamacpp target's threads. A configuration that cannot run here (`Unavailable`)
+    gets no records, and its reason goes to `unavailable` (by name)."""
+    setup = Setup(model, target, backend, trust_remote_code, threads)
+    runners = {}
+    for c in configs:
+        try:
+            runners[c.name] = RUNNERS[c.kind](c, setup)
+        except llamacpp.Unavailable as e:
+            if c is configs[0]:
+                raise
+            if unavailable is not None:
+                unavailable[c.name] = str(e)
+    configs = [c for c in configs if c.name in runners]
     for _ in range(warmup):
         for c in configs:
             runners[c.name].run([{"role": "user", "content": WARMUP_PROMPT}])
@@ -272,7 +357,7 @@ def run(
             for turn, out in enumerate(converse(runners[c.name], prompt)):
                 stats = out.stats.to_dict() if out.stats is not None else None
                 records.append(Record(c.name, prompt.question_id, prompt.category, turn, out.prompt_tokens,
-                                      len(out.token_ids), out.wall_seconds, stats))
+                                      out.timed_tokens, out.wall_seconds, stats))
                 tokens[c.name, prompt.question_id, turn] = out.token_ids
             bar.update(1)
     bar.close()

@@ -1,0 +1,334 @@
+"""llama.cpp's own decoding, as baselines of a benchmark run on the llamacpp backend.
+
+Three baselines, each answering the same prompts as the engine (the chat template applied
+by the same tokenizer) on the same GGUF file at the same thread count:
+
+- `llamacpp-plain`: llama.cpp's plain decoding, a loop over llama-cpp-python's low-level API
+  in this process (`llama_decode` of one token, then llama.cpp's own sampler,
+  `llama_sampler_init_greedy` at temperature 0), with llama.cpp's default model and context
+  settings (flash attention as llama.cpp decides; its extra weight buffer types, repacked and
+  AMX layouts, unless a probe in a child process finds that they crash a batched pass here),
+  except the context window, which is the engine's, and the threads.
+- `llamacpp-lookup`: `llama-lookup`, llama.cpp's prompt-lookup decoding (n-gram drafts from
+  the prompt and the output), K draft tokens at most (`--spec-draft-n-max`).
+- `llamacpp-speculative`: `llama-speculative-simple`, llama.cpp's draft-model speculative
+  decoding, with a draft GGUF file (the configuration's `drafter`) and K draft tokens at most.
+
+The two tools are built by `scripts/build_llamacpp_tools.sh` into `tools_dir()`; where they are
+not, the run reports those baselines as not available. Each tool call loads the model anew
+(a process per answer), which is not timed: the rates are the tools' own timings of their
+prompt processing ("encoded ... in S seconds") and decoding ("decoded N tokens in S seconds").
+
+Timing, as the engine's: the engine's prefill is the prompt but its last token, and its
+decoding starts with the pass over the last prompt token, so decode tokens/s = generated
+tokens / decode seconds counts a pass per output token. `llamacpp-plain` is timed the same way.
+`llama-speculative-simple` splits the prompt the same way. `llama-lookup` decodes the whole
+prompt before its timer and samples its first token from that pass, so its decode rate counts
+the tokens after the first (generated - 1) over its decode time. End-to-end time (the
+`speedup` column) is prefill plus decoding for every baseline, without model loading.
+
+Output tokens: `llamacpp-plain` keeps the token ids it sampled. The tools print text only,
+so their tokens are the tokenizer's encoding of that text (special tokens included; an
+end-of-generation token that `llama-speculative-simple` does not print is appended), cut at
+the run's max_new_tokens (`llama-lookup` may run past it by one accepted draft); a mismatch with
+plain decoding can then be a tokenization artifact and not a different text.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from time import perf_counter
+
+import numpy as np
+
+from specsample.bench.baselines import Output
+from specsample.models import LoadedModel
+from specsample.sampling import SamplingParams
+from specsample.stats import Stats
+from specsample.text import Message, encode_prompt
+
+TOOLS_ENV = "SPECSAMPLE_LLAMACPP_TOOLS"
+BUILD_COMMAND = "bash scripts/build_llamacpp_tools.sh"
+LOOKUP_TOOL = "llama-lookup"
+SPECULATIVE_TOOL = "llama-speculative-simple"
+KINDS = ("llamacpp-plain", "llamacpp-lookup", "llamacpp-speculative")
+TOOL_TIMEOUT = 1800  # seconds per answer
+CRASH_CODES = (132, 134, 139, -4, -6, -11)  # SIGILL, SIGABRT, SIGSEGV as an exit status or a signal
+
+
+class Unavailable(ValueError):
+    """A baseline that cannot run here (a tool not built, no GGUF file, no draft GGUF): the run
+    reports it as not available and goes on."""
+
+
+def tools_dir() -> Path:
+    """Where scripts/build_llamacpp_tools.sh puts the tools (`$SPECSAMPLE_LLAMACPP_TOOLS`, else
+    ~/.cache/specsample/llamacpp-tools)."""
+    env = os.environ.get(TOOLS_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specsample" / "llamacpp-tools"
+
+
+def tool_path(name: str) -> Path:
+    """The executable of a llama.cpp tool, or Unavailable naming the build command."""
+    path = tools_dir() / "bin" / name
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise Unavailable(f"{name} is not built (no {path}): run {BUILD_COMMAND}")
+    return path
+
+
+def prompt_text(tokenizer, messages: Sequence[Message]) -> str:
+    """The text whose tokens `encode_prompt` gives: the chat template applied, or the messages joined."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return "\n".join(m["content"] for m in messages)
+
+
+def check_greedy_or_sampling(params: SamplingParams) -> None:
+    if params.min_p:
+        raise Unavailable("the llama.cpp baselines take temperature, top-k and top-p, not min-p")
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's plain decoding, in this process
+
+
+_extra_bufts_ok: dict[str, bool] = {}
+
+PROBE = """
+import sys
+import numpy as np
+import llama_cpp
+from specsample.models.llamacpp import init_backend
+init_backend()
+params = llama_cpp.llama_model_default_params()
+params.n_gpu_layers = 0
+model = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), params)
+ctx_params = llama_cpp.llama_context_default_params()
+ctx_params.n_threads = ctx_params.n_threads_batch = int(sys.argv[2])
+ctx = llama_cpp.llama_init_from_model(model, ctx_params)
+n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+ids = (llama_cpp.llama_token * 16)(*[int(i) % n_vocab for i in range(1000, 1016)])
+sys.exit(llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(ids, 16)))
+"""
+
+
+def extra_buffer_types_work(path: Path, threads: int) -> bool:
+    """Whether llama.cpp's default extra weight buffer types (repacked, AMX) survive a batched pass
+    of 16 tokens on this CPU: tried once per file in a child process, since on the project's AMX
+    machine they die with an illegal instruction (docs/llamacpp-backend.md)."""
+    key = str(Path(path).resolve())
+    if key not in _extra_bufts_ok:
+        probe = subprocess.run([sys.executable, "-c", PROBE, key, str(threads)], capture_output=True, timeout=600)
+        _extra_bufts_ok[key] = probe.returncode == 0
+    return _extra_bufts_ok[key]
+
+
+class LlamaCppPlainRunner:
+    """Plain decoding by llama.cpp itself: one `llama_decode` per token and llama.cpp's sampler."""
+
+    def __init__(self, model: LoadedModel, path: Path, threads: int, n_ctx: int, params: SamplingParams,
+                 max_new_tokens: int, seed: int = 0) -> None:
+        from specsample.models.llamacpp import _bindings, init_backend, last_error
+
+        check_greedy_or_sampling(params)
+        init_backend()
+        self.lib = lib = _bindings()
+        self.model, self.max_new_tokens = model, max_new_tokens
+        self.extra_bufts = extra_buffer_types_work(path, threads)
+        model_params = lib.llama_model_default_params()
+        model_params.n_gpu_layers = 0
+        model_params.use_extra_bufts = self.extra_bufts
+        self.llama = lib.llama_model_load_from_file(str(path).encode(), model_params)
+        if not self.llama:
+            raise ValueError(f"llama.cpp cannot load {path}: {last_error() or 'unknown error'}")
+        ctx_params = lib.llama_context_default_params()  # flash attention, batch sizes: llama.cpp's defaults
+        ctx_params.n_ctx = n_ctx
+        ctx_params.n_threads = ctx_params.n_threads_batch = threads
+        self.ctx = lib.llama_init_from_model(self.llama, ctx_params)
+        if not self.ctx:
+            raise ValueError(f"llama.cpp cannot make a context for {path}: {last_error() or 'unknown error'}")
+        self.n_batch = int(lib.llama_n_batch(self.ctx))
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.vocab = lib.llama_model_get_vocab(self.llama)
+        self.sampler = self._sampler(params, seed)
+        self.label = ("llama.cpp plain, " + ("extra buffer types (repacked/AMX weights) on" if self.extra_bufts
+                      else "extra buffer types off (they crash a batched pass here)"))
+
+    def _sampler(self, params: SamplingParams, seed: int):
+        lib = self.lib
+        if params.greedy:
+            return lib.llama_sampler_init_greedy()
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        if params.top_k:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(params.top_k))
+        if params.top_p < 1.0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(params.top_p, 1))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(params.temperature))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed))
+        return chain
+
+    def _decode(self, ids: np.ndarray) -> None:
+        for start in range(0, len(ids), self.n_batch):
+            chunk = ids[start : start + self.n_batch]
+            array = (self.lib.llama_token * len(chunk))(*chunk.tolist())
+            status = self.lib.llama_decode(self.ctx, self.lib.llama_batch_get_one(array, len(chunk)))
+            if status != 0:
+                raise RuntimeError(f"llama_decode failed with status {status}")
+
+    def run(self, messages: Sequence[Message]) -> Output:
+        lib = self.lib
+        start = perf_counter()
+        prompt = np.array(encode_prompt(self.model.tokenizer, messages), dtype=np.int32)
+        lib.llama_memory_clear(self.memory, True)
+        lib.llama_sampler_reset(self.sampler)
+        t_prefill = perf_counter()
+        self._decode(prompt[:-1])
+        t_decode = perf_counter()
+        tokens, last = [], int(prompt[-1])
+        one = (lib.llama_token * 1)()
+        while len(tokens) < self.max_new_tokens:
+            one[0] = last
+            status = lib.llama_decode(self.ctx, lib.llama_batch_get_one(one, 1))
+            if status != 0:
+                raise RuntimeError(f"llama_decode failed with status {status}")
+            last = int(lib.llama_sampler_sample(self.sampler, self.ctx, -1))
+            tokens.append(last)
+            if lib.llama_vocab_is_eog(self.vocab, last):
+                break
+        t_end = perf_counter()
+        text = self.model.tokenizer.decode(tokens, skip_special_tokens=True)
+        stats = Stats(drafter=self.label, prompt_tokens=len(prompt), prefill_seconds=t_decode - t_prefill,
+                      decode_seconds=t_end - t_decode, verify_seconds=t_end - t_decode, steps=len(tokens),
+                      generated_tokens=len(tokens))
+        return Output(tokens, text, len(prompt), perf_counter() - start, stats)
+
+    def close(self) -> None:
+        lib = getattr(self, "lib", None)
+        if lib is None:
+            return
+        if getattr(self, "sampler", None):
+            lib.llama_sampler_free(self.sampler)
+            self.sampler = None
+        if getattr(self, "ctx", None):
+            lib.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "llama", None):
+            lib.llama_model_free(self.llama)
+            self.llama = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's tools, one process per answer
+
+
+@dataclass
+class ToolRun:
+    """What a llama.cpp tool reported about one answer."""
+
+    prompt_tokens: int  # "encoded N tokens"
+    encode_seconds: float
+    generated: int  # "decoded N tokens": n_predict, every sampled token
+    decode_seconds: float
+    drafted: int
+    accepted: int
+    text: str  # the generated text as printed (special tokens as text)
+
+
+ENCODED = re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
+ACCEPTED = re.compile(r"n_accept\s*=\s*(\d+)")
+
+
+def parse_tool_output(stdout: str, stderr: str, prompt: str) -> ToolRun:
+    """The figures of `llama-lookup`/`llama-speculative-simple` (their log, on stderr) and the text
+    they generated: stdout is "\\n\\n", the prompt's tokens printed back, the generated tokens,
+    then blank lines."""
+    encoded, decoded = ENCODED.search(stderr), DECODED.search(stderr)
+    drafted, accepted = DRAFTED.search(stderr), ACCEPTED.search(stderr)
+    if not (encoded and decoded and drafted and accepted):
+        tail = " | ".join(line.strip() for line in stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"no timings in the llama.cpp tool's output: {tail or 'nothing on stderr'}")
+    start = stdout.find(prompt)
+    if start < 0:
+        raise RuntimeError("the llama.cpp tool printed its prompt back differently: the prompt's tokens differ")
+    text = stdout[start + len(prompt) :]
+    text = text[:-4] if text.endswith("\n\n\n\n") else text  # the tools end stdout with two LOG("\n\n")
+    return ToolRun(int(encoded.group(1)), float(encoded.group(2)), int(decoded.group(1)), float(decoded.group(2)),
+                   int(drafted.group(1)), int(accepted.group(1)), text)
+
+
+class LlamaCppToolRunner:
+    """`llama-lookup` or `llama-speculative-simple` on one chat prompt, in a process of its own.
+
+    At temperature 0 the tools sample greedily (`--temp 0`). llama.cpp's extra weight buffer
+    types are tried first; if the tool crashes with them (the AMX layouts on the project's
+    machine), it runs with `--no-repack` from then on, and the statistics say which."""
+
+    def __init__(self, model: LoadedModel, tool: str, path: Path, threads: int, n_ctx: int,
+                 params: SamplingParams, max_new_tokens: int, k: int, seed: int = 0,
+                 draft: Path | None = None) -> None:
+        check_greedy_or_sampling(params)
+        self.executable = tool_path(tool)
+        self.tool, self.model, self.max_new_tokens = tool, model, max_new_tokens
+        if tool == SPECULATIVE_TOOL and draft is None:
+            raise Unavailable(f"{tool} needs a draft GGUF file")
+        sampling = ["--temp", "0"] if params.greedy else [
+            "--temp", f"{params.temperature}", "--top-k", str(params.top_k), "--top-p", f"{params.top_p}",
+            "--min-p", "0"]
+        # -n N - 1: both tools stop once they have more than -n tokens
+        self.args = [str(self.executable), "-m", str(path), "-c", str(n_ctx), "-n", str(max(max_new_tokens - 1, 0)),
+                     "-t", str(threads), "-tb", str(threads), "--seed", str(seed), "--no-escape",
+                     "--spec-draft-n-max", str(k), *sampling]
+        if draft is not None:
+            self.args += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
+        self.no_repack = False
+        self.eos = model.tokenizer.eos_token_id
+
+    @property
+    def label(self) -> str:
+        return f"{self.tool}, " + ("--no-repack (repacked weights crashed here)" if self.no_repack
+                                   else "extra buffer types (repacked/AMX weights) on")
+
+    def call(self, prompt: str) -> subprocess.CompletedProcess:
+        with tempfile.NamedTemporaryFile("wb", suffix=".txt") as f:
+            f.write(prompt.encode())
+            f.flush()
+            args = [*self.args, "-bf", f.name, *(["--no-repack"] if self.no_repack else [])]
+            return subprocess.run(args, capture_output=True, timeout=TOOL_TIMEOUT)
+
+    def run(self, messages: Sequence[Message]) -> Output:
+        tokenizer = self.model.tokenizer
+        prompt = prompt_text(tokenizer, messages)
+        done = self.call(prompt)
+        if done.returncode in CRASH_CODES and not self.no_repack:
+            self.no_repack = True
+            done = self.call(prompt)
+        stdout, stderr = (s.decode("utf-8", "replace") for s in (done.stdout, done.stderr))
+        if done.returncode != 0:
+            tail = " | ".join(line.strip() for line in stderr.strip().splitlines()[-3:])
+            raise RuntimeError(f"{self.tool} failed with exit status {done.returncode}: {tail}")
+        tool_run = parse_tool_output(stdout, stderr, prompt)
+        tokens = tokenizer(tool_run.text, add_special_tokens=False).input_ids
+        unended = not tokens or tokens[-1] not in self.model.eos_token_ids
+        if unended and len(tokens) < tool_run.generated < self.max_new_tokens and self.eos is not None:
+            tokens.append(self.eos)  # it stopped early, at an end token: speculative-simple does not print it
+        tokens = tokens[: self.max_new_tokens]
+        # llama-lookup samples its first token from the prompt pass, before its decoding timer
+        decoded = tool_run.generated - (self.tool == LOOKUP_TOOL)
+        stats = Stats(drafter=self.label, prompt_tokens=tool_run.prompt_tokens,
+                      prefill_seconds=tool_run.encode_seconds, decode_seconds=tool_run.decode_seconds,
+                      verify_seconds=tool_run.decode_seconds, steps=max(decoded - tool_run.accepted, 0),
+                      drafted_tokens=tool_run.drafted, accepted_tokens=tool_run.accepted, generated_tokens=decoded)
+        return Output(tokens, tokenizer.decode(tokens, skip_special_tokens=True), tool_run.prompt_tokens,
+                      tool_run.encode_seconds + tool_run.decode_seconds, stats, generated_tokens=tool_run.generated)

@@ -1,0 +1,180 @@
+"""`specsample bench` on the llamacpp backend, on tiny random GGUF files written by test_llamacpp's
+`write_gguf`: cost curve, decode, run with llama.cpp's own baselines, the K policy's record.
+
+llama.cpp's tools (llama-lookup, llama-speculative-simple) are built by
+scripts/build_llamacpp_tools.sh, not by install.sh or CI: without them the run must say they are
+not available; with them (SPECSAMPLE_LLAMACPP_TOOLS or the default cache directory), the last
+tests run them for real.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_llama
+from specsample.bench import harness, llamacpp_baselines, report, run_notes
+from specsample.models import load_model, load_target
+from specsample.prompts import read_prompts
+from test_cli import cli
+from test_llamacpp import VOCAB, write_gguf
+
+# byte-level vocabulary: any text; short, so that prompt + answer fit the tiny model's 128 positions
+PROMPTS = [
+    {"question_id": 1, "category": "writing", "turns": ["abba cafe abba", "dead beef"]},
+    {"question_id": 3, "category": "qa", "turns": ["face bead face bead"]},
+]
+TOOLS_BUILT = all((llamacpp_baselines.tools_dir() / "bin" / tool).is_file()
+                  for tool in (llamacpp_baselines.LOOKUP_TOOL, llamacpp_baselines.SPECULATIVE_TOOL))
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny target GGUF and a draft GGUF of the same vocabulary."""
+    directory = tmp_path_factory.mktemp("bench-gguf")
+    return (write_gguf(tiny_llama(VOCAB, seed=0), directory / "target.gguf"),
+            write_gguf(tiny_llama(VOCAB, seed=1), directory / "draft.gguf"))
+
+
+@pytest.fixture
+def prompts_file(tmp_path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """The float32 conversion of a tiny GGUF (transformers baselines, the fast backend) goes here."""
+    monkeypatch.setenv("SPECSAMPLE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def no_tools(tmp_path, monkeypatch):
+    monkeypatch.setenv(llamacpp_baselines.TOOLS_ENV, str(tmp_path / "no-tools"))
+
+
+def test_cost_curve_on_llamacpp_alone_and_beside_fast(capsys, tmp_path, ggufs, cache):
+    out = tmp_path / "curve.json"
+    code, stdout, err = cli(capsys, "bench", "cost-curve", "--model", str(ggufs[0]), "--backends", "llamacpp",
+                            "--threads", "1", "--context-length", "40", "--max-n", "16", "--repeats", "1",
+                            "--json", str(out))
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    (curve,) = result["curves"]
+    assert curve["backend"] == "llamacpp" and curve["ns"] == list(range(1, 17)) and curve["ratios"][0] == 1.0
+    assert all(ms > 0 for ms in curve["ms"]) and "LlamaCppTarget, 1 threads" in result["backends"][0]
+    assert "llamacpp f(n)/f(1)" in stdout
+    code, stdout, err = cli(capsys, "bench", "cost-curve", "--model", str(ggufs[0]), "--backends", "fast,llamacpp",
+                            "--threads", "1", "--context-length", "40", "--max-n", "4", "--repeats", "1",
+                            "--json", str(out))
+    assert code == 0, err
+    assert [c["backend"] for c in json.loads(out.read_text())["curves"]] == ["fast", "llamacpp"]
+
+
+def test_cost_curve_rejects_an_unknown_backend(capsys, ggufs):
+    code, _, err = cli(capsys, "bench", "cost-curve", "--model", str(ggufs[0]), "--backends", "llamacpp,vllm")
+    assert code == 2 and "unknown backend 'vllm'" in err
+
+
+def test_bench_decode_on_llamacpp_runs_llama_cpp_plain_decoding_too(capsys, tmp_path, prompts_file, ggufs, cache):
+    out = tmp_path / "decode.json"
+    code, stdout, err = cli(capsys, "bench", "decode", "--model", str(ggufs[0]), "--prompts", str(prompts_file),
+                            "--backend", "llamacpp", "--threads", "1", "--limit", "2", "--max-new-tokens", "12",
+                            "--drafter", "suffix", "--drafter", "self", "--drafter", str(ggufs[1]), "--k", "3",
+                            "--json", str(out))
+    assert code == 0, err
+    summaries = {s["system"]: s for s in json.loads(out.read_text())["summaries"]}
+    assert list(summaries) == ["transformers", "specsample", "specsample+suffix", "specsample+self",
+                               f"specsample+{ggufs[1]}", "llama.cpp"]
+    for s in summaries.values():  # greedy: every system gives transformers' tokens (F32 file, F16 cache: no near-ties here)
+        assert s["matches_transformers"] == 2 and s["tokens"] == summaries["transformers"]["tokens"], s
+    assert summaries["llama.cpp"]["decode_tokens_per_second"] > 0
+
+
+def run_on_llamacpp(capsys, out: Path, prompts_file: Path, ggufs, *extra: str) -> dict:
+    code, stdout, err = cli(capsys, "bench", "run", "--model", str(ggufs[0]), "--prompts", str(prompts_file),
+                            "--backend", "llamacpp", "--threads", "1", "--max-new-tokens", "10", "--no-baselines",
+                            "--config", "name=suffix-auto,drafter=suffix,k=auto",
+                            "--config", f"name=draft-k3,drafter={ggufs[1]},k=3", "--out", str(out), *extra)
+    assert code == 0, err
+    results = json.loads((out / "results.json").read_text())
+    assert stdout == (out / "table.md").read_text()
+    assert (out / "notes.md").read_text() in err
+    return results
+
+
+def test_bench_run_on_llamacpp_says_which_llama_cpp_tools_are_not_available(capsys, tmp_path, prompts_file,
+                                                                           ggufs, cache, no_tools):
+    results = run_on_llamacpp(capsys, tmp_path / "run", prompts_file, ggufs)
+    names = [c["name"] for c in results["configs"]]
+    assert names == ["plain", "suffix-auto", "draft-k3", "llamacpp-plain", "llamacpp-lookup-k4",
+                     "llamacpp-speculative-draft.gguf-k3"]
+    unavailable = results["meta"]["unavailable"]
+    assert set(unavailable) == {"llamacpp-lookup-k4", "llamacpp-speculative-draft.gguf-k3"}
+    assert all("scripts/build_llamacpp_tools.sh" in reason for reason in unavailable.values())
+    assert {r["config"] for r in results["records"]} == {"plain", "suffix-auto", "draft-k3", "llamacpp-plain"}
+    overall = {r["config"]: r for r in results["summary"] if r["category"] == report.OVERALL}
+    assert overall["llamacpp-lookup-k4"]["answers"] == 0 and overall["llamacpp-lookup-k4"]["speedup"] is None
+    for name in ("plain", "suffix-auto", "draft-k3", "llamacpp-plain"):
+        assert overall[name]["checked"] == 3 and overall[name]["mismatches"] == 0, overall[name]
+        assert overall[name]["decode_tokens_per_second"] > 0
+    assert results["meta"]["llamacpp"]["threads"] == 1 and results["meta"]["llamacpp"]["cpu"].startswith("CPU:")
+    table, notes = ((tmp_path / "run" / name).read_text() for name in ("table.md", "notes.md"))
+    assert "| llamacpp-plain | " in table and "| llamacpp-lookup-k4 | n/a |" in table
+    assert "llamacpp-lookup-k4: not available: llama-lookup is not built" in notes
+    assert "| llamacpp-plain | " in notes and "llama.cpp plain, extra buffer types" in notes
+    assert "K policy (`--k auto`)" in notes and "- suffix-auto: " in notes
+
+
+def test_the_k_policy_records_the_k_it_chose_and_the_llamacpp_cost_curve(ggufs, prompts_file, cache):
+    loaded, target = load_target(str(ggufs[0]), "llamacpp", threads=1)
+    defaults, configs = harness.read_configs([f"name=draft-auto,drafter={ggufs[1]},k=auto"], {"max_new_tokens": 12})
+    configs = harness.with_baselines(defaults, configs, transformers=False)
+    records = harness.run(loaded, target, configs, read_prompts(prompts_file, spec_bench=True), warmup=0,
+                          progress=False, backend="llamacpp", threads=1)
+    mine = [r for r in records if r.config == "draft-auto"]
+    for r in mine:
+        chosen = r.stats["policy"]["chosen_k"]
+        assert sum(chosen.values()) == r.stats["steps"]  # a K per step, 0 for a plain step
+        assert r.stats["policy"]["target_ms"][1] > 0  # f(1), measured on llama.cpp
+    assert all(r.matches_plain for r in records)
+    notes = run_notes.k_policy(harness.record_dicts(records), ["draft-auto"])
+    assert notes.startswith("K policy") and "K chosen (K: steps)" in notes
+
+
+def test_a_non_gguf_target_has_no_llama_cpp_baselines(tiny_dir):
+    loaded = load_model(tiny_dir)
+    config = harness.make_config({**harness.DEFAULTS, "name": "llamacpp-plain", "kind": "llamacpp-plain"})
+    with pytest.raises(llamacpp_baselines.Unavailable, match="run GGUF files"):
+        harness.llamacpp_runner(config, harness.Setup(loaded, None))
+
+
+def test_tool_output_is_parsed_into_timings_and_text():
+    prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    stdout = "\n\n" + prompt + "Hello there.\n<|im_end|>" + "\n\n" + "\n\n"
+    stderr = ("load ...\nencoded   31 tokens in    0.120 seconds, speed:  258.333 t/s\n"
+              "decoded   12 tokens in    0.250 seconds, speed:   48.000 t/s\n\nn_draft   = 4\n"
+              "n_predict = 12\nn_drafted = 9\nn_accept  = 5\naccept    = 55.556%\n")
+    run = llamacpp_baselines.parse_tool_output(stdout, stderr, prompt)
+    assert (run.prompt_tokens, run.encode_seconds, run.generated, run.decode_seconds) == (31, 0.12, 12, 0.25)
+    assert (run.drafted, run.accepted, run.text) == (9, 5, "Hello there.\n<|im_end|>")
+    with pytest.raises(RuntimeError, match="no timings"):
+        llamacpp_baselines.parse_tool_output(stdout, "error: bad flag\n", prompt)
+
+
+@pytest.mark.skipif(not TOOLS_BUILT, reason="llama.cpp tools not built (scripts/build_llamacpp_tools.sh)")
+def test_bench_run_on_llamacpp_runs_llama_cpp_lookup_and_speculative(capsys, tmp_path, prompts_file, ggufs, cache):
+    results = run_on_llamacpp(capsys, tmp_path / "run", prompts_file, ggufs)
+    assert results["meta"]["unavailable"] == {}
+    overall = {r["config"]: r for r in results["summary"] if r["category"] == report.OVERALL}
+    for name in ("llamacpp-lookup-k4", "llamacpp-speculative-draft.gguf-k3"):
+        row = overall[name]
+        assert row["answers"] == 3 and row["decode_tokens_per_second"] > 0 and row["checked"] == 3
+        # llama.cpp's own kernels and settings (flash attention): the same greedy text on this tiny F32 model
+        assert row["mismatches"] == 0, row
+    records = [r for r in results["records"] if r["config"] == "llamacpp-speculative-draft.gguf-k3"]
+    assert sum(r["stats"]["drafted_tokens"] for r in records) > 0
+    assert all(r["stats"]["drafter"].startswith("llama-speculative-simple") for r in records)
