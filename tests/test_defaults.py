@@ -102,3 +102,28 @@ def test_readme_first_command_speculates_and_matches_plain_decoding(capsys):
     code, plain, err = cli(capsys, *args, "--drafter", "none")
     assert code == 0, err
     assert json.loads(plain)["token_ids"] == result["token_ids"]
+
+
+class DeclaredCopy:
+    """A target stub declaring a quantized copy on AVX-512 and what the copy costs (`CopyCost`)."""
+
+    vocab_size, max_length, length = 8, 8, 0
+    instruction_set = "avx512"
+
+    def __init__(self, copy_cost: float | None) -> None:
+        self.copy_cost = copy_cost
+
+    def quantized_copy(self):
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("cost", [None, 1.0, 0.5])
+def test_a_copy_declared_not_cheap_gives_a_lookup_drafter(cost):
+    """The llamacpp backend's case: its copy runs on AVX-512 too, but costs about a target pass."""
+    configuration = default_configuration(DeclaredCopy(cost))
+    assert (configuration.drafter, configuration.k) == ("suffix", "auto")
+    assert ("not measured" if cost is None else f"{cost:.2f} of a target pass") in configuration.reason
+
+
+def test_a_copy_declared_as_cheap_as_the_int8_one_drafts_by_default():
+    assert default_configuration(DeclaredCopy(0.29)).drafter == "suffix+quantized"

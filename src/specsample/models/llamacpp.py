@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
+import tempfile
 from collections import deque
 from pathlib import Path
 
@@ -42,7 +44,8 @@ DEFAULT_MAX_LENGTH = 8192
 CACHE_TYPES = {"f16": 1, "f32": 0}  # KV cache element types: ggml_type ids
 N_BATCH = 512  # tokens per llama_decode call: prompts are prefilled in chunks of this many
 
-_errors: deque[str] = deque(maxlen=8)  # llama.cpp's latest error messages, for one-line errors
+_errors: deque[tuple[int, str]] = deque(maxlen=32)  # llama.cpp's latest (level, message), for one-line errors
+LOG_WARN, LOG_ERROR = 3, 4  # ggml_log_level
 _log_callback = None  # the ctypes callback must outlive every call into llama.cpp
 _ready = False
 
@@ -70,8 +73,8 @@ def init_backend() -> None:
     llama_cpp = _bindings()
 
     def log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-        if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
-            _errors.append(text.decode("utf-8", "replace").strip())
+        if level in (LOG_WARN, LOG_ERROR):
+            _errors.append((level, text.decode("utf-8", "replace").strip()))
 
     _log_callback = llama_cpp.llama_log_callback(log)
     llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
@@ -145,9 +148,92 @@ def default_threads() -> int:
 
 
 def last_error() -> str:
-    """llama.cpp's latest error message, or "" (warnings only when there is no error)."""
-    errors = [e for e in _errors if e]
+    """llama.cpp's latest error message (its latest warning if it logged no error), or ""."""
+    errors = [text for level, text in _errors if text and level == LOG_ERROR] or [text for _, text in _errors if text]
     return errors[-1] if errors else ""
+
+
+def cause() -> str:
+    """The first error llama.cpp logged since `_errors` was cleared, without the names of the C functions
+    it passed through ("invalid magic characters: 'not ', expected 'GGUF'"): a failed load logs its
+    cause first, then each caller's "failed to load model"."""
+    errors = [text for level, text in _errors if text and level == LOG_ERROR]
+    return re.sub(r"^(\w+: )+", "", errors[0]) if errors else last_error() or "unknown error"
+
+
+# The `quantized` drafter's copy (`LlamaCppTarget.quantized_copy`): the file type llama.cpp's
+# quantizer writes it at, by the source's file type (llama_ftype names without "MOSTLY_").
+# Files of 5 bits a weight or more get Q4_0, the 4-bit type with ggml's cheapest dot product;
+# 4-bit files get Q2_K (fewer bits than any 4-bit type; the IQ1/IQ2 types need an importance
+# matrix). Tensors whose rows do not fit the type's blocks (Q2_K: multiples of 256) fall back to
+# a wider type, as llama.cpp decides. Files below 4 bits have no cheaper copy.
+COPY_TYPES = {
+    **dict.fromkeys(("ALL_F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K_S", "Q5_K_M"), "Q4_0"),
+    **dict.fromkeys(("Q4_0", "Q4_1", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS", "MXFP4_MOE"), "Q2_K"),
+}
+
+# f(1) of the quantized copy over f(1) of the target (one thread, single-token passes over a
+# 256-position cache, CPU time), as measured on this project's machines for a source of this
+# file type (docs/llamacpp-backend.md, "The quantized drafter"). What `copy_cost` declares.
+MEASURED_COPY_COST: dict[str, float] = {}
+
+
+def ftype_id(name: str) -> int:
+    """llama.cpp's llama_ftype value of a file type name ("Q4_0", "ALL_F32", ...)."""
+    lib = _bindings()
+    full = f"LLAMA_FTYPE_{name}" if hasattr(lib, f"LLAMA_FTYPE_{name}") else f"LLAMA_FTYPE_MOSTLY_{name}"
+    return getattr(lib, full)
+
+
+def ftype_name(ftype: int) -> str:
+    """The name of a llama_ftype value, as in COPY_TYPES ("Q4_1"), or "type N" if unnamed."""
+    lib = _bindings()
+    for attr in dir(lib):
+        if attr.startswith("LLAMA_FTYPE_") and attr != "LLAMA_FTYPE_GUESSED" and getattr(lib, attr) == ftype:
+            return attr.removeprefix("LLAMA_FTYPE_").removeprefix("MOSTLY_")
+    return f"type {ftype}"
+
+
+def copy_type(source: str) -> str:
+    """The file type of the quantized copy of a file of type `source` (COPY_TYPES), or a one-line error."""
+    if source not in COPY_TYPES:
+        raise ValueError(
+            f"the quantized drafter needs a cheaper copy of the target, and llama.cpp has no type below {source} "
+            "to quantize it to (try another drafter)"
+        )
+    return COPY_TYPES[source]
+
+
+def copy_path(source: Path, type_name: str) -> Path:
+    """Where the `type_name` copy of the GGUF file `source` is cached: beside its float32
+    conversion (models/loading.py), named by the source's path, size and modification time."""
+    from specsample.models.loading import conversion_dir
+
+    directory = conversion_dir(source)
+    return directory.with_name(f"{directory.name}-{type_name}.gguf")
+
+
+def quantize(source: Path, out: Path, type_name: str, threads: int) -> Path:
+    """`source` quantized to `type_name` by llama.cpp's own quantizer into `out`, written to a
+    temporary file renamed into place (concurrent processes never see half of it)."""
+    lib = _bindings()
+    init_backend()
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = ftype_id(type_name)
+    params.allow_requantize = True  # the source may be quantized already
+    params.nthread = threads
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tmp-", suffix=".gguf")
+    os.close(fd)
+    try:
+        _errors.clear()
+        if lib.llama_model_quantize(str(source).encode(), tmp.encode(), ctypes.byref(params)) != 0:
+            raise ValueError(f"llama.cpp cannot quantize {source} to {type_name}: {cause()}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
 
 
 class LlamaCppTarget:
@@ -159,6 +245,9 @@ class LlamaCppTarget:
     docstring); False lets llama.cpp choose. `cache_type`: the KV cache's
     element type, "f16" (llama.cpp's default: half the memory) or "f32" (keys and values as
     computed: an F32 file's logits then match transformers' to float32 rounding).
+
+    Capabilities (models/target.py): `QuantizedCopies`, a lower-bit copy of the same file made
+    by llama.cpp's quantizer, with `copy_cost` declaring what its pass costs (specsample.defaults).
     """
 
     def __init__(
@@ -183,6 +272,7 @@ class LlamaCppTarget:
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
         self.n_threads = n_threads or default_threads()
         self.batch_invariant = batch_invariant
+        self.cache_type = cache_type
 
         model_params = lib.llama_model_default_params()
         model_params.n_gpu_layers = 0
@@ -190,7 +280,7 @@ class LlamaCppTarget:
         _errors.clear()
         self.model = lib.llama_model_load_from_file(str(self.path).encode(), model_params)
         if not self.model:
-            raise ValueError(f"llama.cpp cannot load {path}: {last_error() or 'unknown error'}")
+            raise ValueError(f"llama.cpp cannot load {path}: {cause()}")
         self.ctx = None
         self.batch = None
         self.vocab_size = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model)))
@@ -205,9 +295,10 @@ class LlamaCppTarget:
         ctx_params.type_k = ctx_params.type_v = CACHE_TYPES[cache_type]
         if batch_invariant:
             ctx_params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        _errors.clear()
         self.ctx = lib.llama_init_from_model(self.model, ctx_params)
         if not self.ctx:
-            raise ValueError(f"llama.cpp cannot make a context for {path}: {last_error() or 'unknown error'}")
+            raise ValueError(f"llama.cpp cannot make a context for {path}: {cause()}")
         self.memory = lib.llama_get_memory(self.ctx)
 
         # One batch for every call: sequence 0 everywhere, set once; tokens, positions and
@@ -238,6 +329,56 @@ class LlamaCppTarget:
             if not self.lib.llama_memory_seq_rm(self.memory, 0, length, -1):
                 raise RuntimeError(f"llama.cpp cannot roll this model's cache back to {length} positions")
             self._length = length
+
+    @property
+    def file_type(self) -> str:
+        """The model file's type as llama.cpp reads it ("Q4_1", "Q8_0", "ALL_F32", ...)."""
+        return ftype_name(self.lib.llama_model_ftype(self.model) & ~self.lib.LLAMA_FTYPE_GUESSED)
+
+    @property
+    def instruction_set(self) -> str:
+        """The widest vector set of the ggml CPU variant llama.cpp loaded for this CPU, which runs
+        this target and its quantized copy ("avx512", "avx2", "portable"; `QuantizedCopies`)."""
+        features = cpu_features()
+        return "avx512" if features.get("AVX512") == "1" else "avx2" if features.get("AVX2") == "1" else "portable"
+
+    @property
+    def copy_cost(self) -> float | None:
+        """f(1) of the quantized copy over this target's, as measured for a file of this type
+        (MEASURED_COPY_COST), or None where not measured: what specsample.defaults reads to decide
+        whether the copy is cheap enough to draft by default."""
+        return MEASURED_COPY_COST.get(self.file_type)
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache of the context window: keys and values of every layer and position,
+        as a model of plain attention keeps them (llama.cpp allocates and clears them at the start)."""
+        lib, model = self.lib, self.model
+        heads = lib.llama_model_n_head(model)
+        key, value = (self._metadata_int(f"attention.{name}_length") or lib.llama_model_n_embd(model) // heads
+                      for name in ("key", "value"))
+        element = 4 if self.cache_type == "f32" else 2
+        return self.max_length * lib.llama_model_n_layer(model) * lib.llama_model_n_head_kv(model) * (key + value) * element
+
+    def _metadata_int(self, key: str) -> int | None:
+        """An integer of the file's architecture keys ("attention.key_length" -> llama.attention.key_length), or None."""
+        buffer = ctypes.create_string_buffer(256)
+        size = self.lib.llama_model_meta_val_str(self.model, b"general.architecture", buffer, len(buffer))
+        if size < 0:
+            return None
+        size = self.lib.llama_model_meta_val_str(self.model, f"{buffer.value.decode()}.{key}".encode(), buffer, len(buffer))
+        return int(buffer.value) if size > 0 else None
+
+    def quantized_copy(self) -> LlamaCppTarget:
+        """A lower-bit copy of this target's file (type by COPY_TYPES), made once by llama.cpp's
+        quantizer and cached (`copy_path`), in a context of its own with this target's settings."""
+        type_name = copy_type(self.file_type)
+        path = copy_path(self.path, type_name)
+        if not path.is_file():
+            quantize(self.path, path, type_name, self.n_threads)
+        return LlamaCppTarget(
+            path, n_threads=self.n_threads, max_length=self.max_length,
+            batch_invariant=self.batch_invariant, cache_type=self.cache_type,
+        )
 
     def _decode(self, token_ids: Tensor, logits: bool) -> Tensor:
         """Append `token_ids` [n] to the cache, N_BATCH at a time; their logits [n, vocab] float32
