@@ -91,15 +91,18 @@ def test_the_choice_reads_capabilities_not_types(tiny_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not kernels.available() or kernels.instruction_set() != "avx512", reason="needs AVX-512 kernels")
 def test_readme_first_command_speculates_and_matches_plain_decoding(capsys):
     args = ("generate", "Explain speculative decoding in two sentences.", "--temperature", "0",
             "--max-new-tokens", "64", "--json")
     code, out, err = cli(capsys, *args)
     assert code == 0, err
     result = json.loads(out)
-    assert result["drafter"] == "suffix+quantized" and result["stats"]["drafted_tokens"] > 0
-    code, plain, err = cli(capsys, *args, "--drafter", "none")
+    # the bundled GGUF runs where it measured faster (models/choice.py), with that backend's default
+    assert result["backend"] in ("llamacpp", "auto") and result["backend_reason"].startswith("auto: ")
+    plain_only = result["backend"] == "auto" and kernels.instruction_set() != "avx512"  # AVX2 kernels: plain
+    assert (result["drafter"] == "none") == plain_only
+    assert plain_only or result["stats"]["drafted_tokens"] > 0
+    code, plain, err = cli(capsys, *args, "--drafter", "none", "--backend", result["backend"])
     assert code == 0, err
     assert json.loads(plain)["token_ids"] == result["token_ids"]
 

@@ -20,6 +20,7 @@ from specsample.defaults import Configuration, default_configuration, given
 from specsample.drafters import Drafter, make_drafter
 from specsample.engine import decode
 from specsample.models import LoadedModel, Target, load_target
+from specsample.models.choice import resolve
 from specsample.policy import KPolicy, parse_k
 from specsample.sampling import SamplingParams, request_source
 from specsample.stats import Stats
@@ -109,7 +110,8 @@ class SpecSampler:
     """A target model with its tokenizer and a drafter, ready to generate.
 
     `configuration` names the drafter, the K policy used when a call gives none, and why they
-    were chosen; `verifier` verifies every draft (a check passes one broken on purpose).
+    were chosen; `backend` and `backend_reason` the target's backend as `load` resolved it
+    (`models.choice`); `verifier` verifies every draft (a check passes one broken on purpose).
     """
 
     verifier: ChainVerifier = ChainVerifier()
@@ -121,6 +123,7 @@ class SpecSampler:
         self.target = target
         self.drafter = drafter
         self.configuration = configuration or given(type(drafter).__name__)
+        self.backend, self.backend_reason = type(target).__name__, "a target given directly"
         self.policies: dict[str, KPolicy] = {}
 
     @classmethod
@@ -134,9 +137,13 @@ class SpecSampler:
         threads: int | None = None,
     ) -> "SpecSampler":
         """Load a target (None: the bundled model) and a drafter (a name or a draft model path; None:
-        the default configuration for the target's backend on this machine, `specsample.defaults`)."""
+        the default configuration for the target's backend on this machine, `specsample.defaults`).
+        `backend` "auto" runs a GGUF file where it measures faster on this machine (`models.choice`)."""
+        backend, reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
         loaded, target = load_target(model, backend, trust_remote_code=trust_remote_code, threads=threads)
-        return cls.build(loaded, target, drafter, backend=backend, trust_remote_code=trust_remote_code)
+        sampler = cls.build(loaded, target, drafter, backend=backend, trust_remote_code=trust_remote_code)
+        sampler.backend, sampler.backend_reason = backend, reason
+        return sampler
 
     @classmethod
     def build(

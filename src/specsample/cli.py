@@ -82,6 +82,7 @@ def generate(
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                           "model": sampler.model.name, "drafter": configuration.drafter,
                           "k": configuration.k if k is None else k, "drafter_reason": configuration.reason,
+                          "backend": sampler.backend, "backend_reason": sampler.backend_reason,
                           "stats": out.stats.to_dict()}))
         return
     print("" if stream else out.text)
@@ -221,7 +222,8 @@ def check(
         result = certificate.certify(sampler, policy, params, contexts=contexts, samples=samples, seed=seed,
                                      progress=True, verifier=verifier)
         report = certificate.render(result, broken)
-    print(f"drafter {sampler.configuration.drafter} ({sampler.configuration.reason}), K {k or sampler.configuration.k}")
+    print(f"backend {sampler.backend} ({sampler.backend_reason}); drafter {sampler.configuration.drafter} "
+          f"({sampler.configuration.reason}), K {k or sampler.configuration.k}")
     print(report)
     if result.rejected != broken:
         raise Exit(1)

@@ -17,7 +17,8 @@ def check_backend(backend: str) -> None:
 
 
 def make_target(loaded: LoadedModel, backend: str = "auto", *, threads: int | None = None) -> Target:
-    """The fast Llama-family backend when it supports the architecture, else transformers;
+    """A loaded model's target. `auto` (and `fast`): the fast Llama-family backend when it supports the
+    architecture, else (`auto` only) transformers: a model already in memory stays in float32;
     `llamacpp` runs the GGUF file `loaded` came from on llama.cpp (`threads`: default all cores)."""
     check_backend(backend)
     if backend == "llamacpp":
@@ -46,8 +47,12 @@ def load_target(
     threads: int | None = None,
 ) -> tuple[LoadedModel, Target]:
     """A model (None: the bundled one) and its target on `backend`: for `llamacpp` the GGUF
-    file's tokenizer only (the weights stay in the file, run by llama.cpp), else the whole model."""
+    file's tokenizer only (the weights stay in the file, run by llama.cpp), else the whole model.
+    `auto` on a GGUF file runs it where it measures faster on this machine (`models.choice`)."""
+    from specsample.models.choice import resolve
+
     check_backend(backend)  # before the slow load
+    backend, _ = resolve(path, backend, threads=threads, trust_remote_code=trust_remote_code)
     if backend == "llamacpp":
         from specsample.models.llamacpp import LlamaCppTarget
 

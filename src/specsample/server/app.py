@@ -66,7 +66,8 @@ def create_app(
         app.add_middleware(BearerAuth, api_key=api_key)
     add_error_handlers(app, metrics)
     name, created = sampler.model.name, int(time.time())
-    configuration = asdict(sampler.configuration)  # the drafter, its K policy and why they were chosen
+    # the drafter, its K policy and why they were chosen; the backend and why
+    configuration = {**asdict(sampler.configuration), "backend": sampler.backend, "backend_reason": sampler.backend_reason}
 
     @app.get("/health")
     async def health() -> dict:

@@ -1,0 +1,125 @@
+"""`--backend auto` for a GGUF file: the backend that decodes this model faster on this machine.
+
+A GGUF file can run two ways: dequantized to float32 on the fast backend (or transformers,
+for an architecture the fast backend does not cover), or at its own quantization on llama.cpp
+(the llamacpp backend, when llama-cpp-python is installed). Which is faster depends on the
+model, its quantization and the CPU (llama.cpp's kernels against the project's, AVX-512
+against AVX2), so it is measured rather than assumed: the median time of one single-token
+pass over a 64-token cache, plain decoding's cost per token, on each backend with the same
+threads. The faster one is remembered in the cache directory per file, CPU and thread count,
+so only the first run on a machine pays for the measurement (a few seconds, plus the float32
+conversion if it is not cached yet). Speculation on top is then chosen for the backend picked
+(`specsample.defaults`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from time import perf_counter
+
+import torch
+
+from specsample.models.target import Target
+
+CONTEXT = 64  # cached tokens under each timed pass
+PASSES = 12  # timed single-token passes per backend (after 2 untimed)
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    backend: str  # "llamacpp", or "auto": the fast backend where it supports the model, else transformers
+    seconds_per_token: dict[str, float]  # the measured single-token pass of each candidate
+    reason: str
+
+
+def llamacpp_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def seconds_per_token(target: Target, context: int = CONTEXT, passes: int = PASSES) -> float:
+    """The median time of scoring one token after `context` cached ones (the pass is then rolled back)."""
+    ids = torch.arange(context + 1) % target.vocab_size  # [context + 1]
+    target.prefill(ids[:context])
+    times = []
+    for _ in range(passes + 2):
+        start = perf_counter()
+        target.score(ids[context:])
+        times.append(perf_counter() - start)
+        target.rollback(context)
+    target.rollback(0)
+    return statistics.median(times[2:])
+
+
+def choose(seconds: dict[str, float]) -> BackendChoice:
+    """The candidate with the cheaper single-token pass (ties to "auto", the float32 path)."""
+    best = min(seconds, key=lambda name: (seconds[name], name != "auto"))
+    other = max(seconds, key=seconds.get)
+    ratio = seconds[other] / seconds[best]
+    label = {"auto": "float32 backend", "llamacpp": "llamacpp"}
+    reason = (f"auto: {label[best]} measured {ratio:.2f}x faster per token than the {label[other]} "
+              f"({1000 * seconds[best]:.1f} vs {1000 * seconds[other]:.1f} ms)") if best != other else "auto: one candidate"
+    return BackendChoice(best, seconds, reason)
+
+
+def choice_path(gguf: Path, threads: int | None) -> Path:
+    """Where the choice for this file (path, size, modification time), CPU and thread count is kept."""
+    from specsample.models.kernels import _cpu_id
+    from specsample.models.loading import conversion_dir
+
+    key = hashlib.sha256(f"{conversion_dir(gguf).name}|{_cpu_id()}|{threads}".encode()).hexdigest()[:16]
+    return conversion_dir(gguf).parent / "backend-choice" / f"{key}.json"
+
+
+def backend_for(gguf: Path, threads: int | None, measure) -> BackendChoice:
+    """The remembered choice for `gguf`, else `measure()`'s (seconds per token by candidate), remembered."""
+    path = choice_path(gguf, threads)
+    if path.is_file():
+        return BackendChoice(**json.loads(path.read_text()))
+    made = choose(measure())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(made)))
+    tmp.replace(path)
+    return made
+
+
+def gguf_file(path: str | Path | None) -> Path | None:
+    """The GGUF file `path` names (None: the bundled one), or None for a model directory."""
+    from specsample.models.loading import bundled_gguf
+
+    file = bundled_gguf() if path is None else Path(path).expanduser()
+    return file if file.is_file() and file.suffix == ".gguf" else None
+
+
+def resolve(path: str | Path | None, backend: str, *, threads: int | None = None,
+            trust_remote_code: bool = False) -> tuple[str, str]:
+    """The backend to load `path` on, and why: `backend` itself unless it is "auto"; for a GGUF file with
+    llama-cpp-python installed, the measured faster of llamacpp and the float32 path ("auto")."""
+    if backend != "auto":
+        return backend, "given"
+    gguf = gguf_file(path)
+    if gguf is None or not llamacpp_installed():
+        why = "not a GGUF file" if gguf is None else "llama-cpp-python is not installed"
+        return "auto", f"auto: the fast backend where it supports the model, else transformers ({why})"
+    made = backend_for(gguf, threads, lambda: measure(path, gguf, threads, trust_remote_code))
+    return made.backend, made.reason
+
+
+def measure(path: str | Path | None, gguf: Path, threads: int | None, trust_remote_code: bool) -> dict[str, float]:
+    """Seconds per single-token pass of `gguf` on llama.cpp and on the float32 path."""
+    from specsample.models import load_model, make_target
+    from specsample.models.llamacpp import LlamaCppTarget
+
+    llama = LlamaCppTarget(gguf, n_threads=threads)
+    try:
+        seconds = {"llamacpp": seconds_per_token(llama)}
+    finally:
+        llama.close()
+    seconds["auto"] = seconds_per_token(make_target(load_model(path, trust_remote_code=trust_remote_code), "auto"))
+    return seconds

@@ -1,0 +1,57 @@
+"""`--backend auto` on a GGUF file: the faster of llama.cpp and the float32 path, measured once and remembered."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specsample import SpecSampler
+from specsample.models import choice
+from specsample.models.llama import LlamaTarget
+from specsample.models.llamacpp import LlamaCppTarget
+
+from test_llamacpp import tiny_gguf, tiny_model  # noqa: F401  (fixtures)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSAMPLE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_the_cheaper_pass_wins_and_ties_stay_on_the_float32_path():
+    made = choice.choose({"llamacpp": 0.010, "auto": 0.025})
+    assert made.backend == "llamacpp" and "2.50x faster" in made.reason
+    assert choice.choose({"llamacpp": 0.030, "auto": 0.020}).backend == "auto"
+    assert choice.choose({"llamacpp": 0.020, "auto": 0.020}).backend == "auto"
+
+
+def test_a_given_backend_and_a_model_directory_are_not_measured(tiny_dir, monkeypatch):
+    monkeypatch.setattr(choice, "measure", lambda *a: pytest.fail("measured"))
+    assert choice.resolve(tiny_dir, "fast") == ("fast", "given")
+    backend, reason = choice.resolve(tiny_dir, "auto")
+    assert backend == "auto" and "not a GGUF file" in reason
+
+
+def test_a_gguf_file_is_measured_once_per_machine_and_thread_count(tiny_gguf, cache, monkeypatch):
+    backend, reason = choice.resolve(tiny_gguf, "auto", threads=1)
+    assert backend in ("llamacpp", "auto") and reason.startswith("auto: ")
+    [kept] = (cache / "backend-choice").glob("*.json")
+    seconds = json.loads(kept.read_text())["seconds_per_token"]
+    assert set(seconds) == {"llamacpp", "auto"} and all(0 < s < 1 for s in seconds.values())
+    monkeypatch.setattr(choice, "measure", lambda *a: pytest.fail("measured again"))
+    assert choice.resolve(tiny_gguf, "auto", threads=1) == (backend, reason)
+    monkeypatch.setattr(choice, "measure", lambda *a: {"llamacpp": 1.0, "auto": 2.0})
+    assert choice.resolve(tiny_gguf, "auto", threads=2)[0] == "llamacpp"  # another thread count: measured anew
+
+
+@pytest.mark.parametrize("winner, target_type", [("llamacpp", LlamaCppTarget), ("auto", LlamaTarget)])
+def test_the_sampler_loads_on_the_remembered_choice_and_says_why(tiny_gguf, cache, winner, target_type):
+    seconds = {"llamacpp": 0.01, "auto": 0.02} if winner == "llamacpp" else {"llamacpp": 0.02, "auto": 0.01}
+    choice.backend_for(tiny_gguf, None, lambda: seconds)
+    sampler = SpecSampler.load(str(tiny_gguf), "none")
+    assert isinstance(sampler.target, target_type)
+    assert sampler.backend == winner and sampler.backend_reason.startswith("auto: ")
+    out = sampler.generate("ab", chat=False, temperature=0, max_new_tokens=4)
+    assert len(out.token_ids) == 4 or out.finish_reason == "stop"
