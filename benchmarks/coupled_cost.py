@@ -127,7 +127,7 @@ def main() -> None:
     from specsample.cli import quiet_transformers
 
     quiet_transformers()
-    loaded, target = load_target(None, "auto")
+    loaded, target = load_target(None, "fast")  # the drafters measured (quantized, head) need the fast backend
     names = [d.strip() for d in args.drafters.split(",") if d.strip()]
     drafters = {name: make_drafter(name, loaded, target) for name in names}
     prompts = read_prompts(packaged_prompts(), split="odd", skip=TUNED_PER_CATEGORY, limit=args.limit, spec_bench=True)
