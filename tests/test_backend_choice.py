@@ -20,10 +20,13 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def test_the_cheaper_pass_wins_and_ties_stay_on_the_float32_path():
-    made = choice.choose({"llamacpp": 0.010, "auto": 0.025})
-    assert made.backend == "llamacpp" and "2.50x faster" in made.reason
+def test_the_cheapest_pass_wins_and_ties_go_to_the_project_kernels():
+    made = choice.choose({"llamacpp": 0.010, "auto": 0.025, "gguf": 0.012})
+    assert made.backend == "llamacpp"
+    assert made.reason == ("auto: the cheapest single-token pass on this machine: llamacpp 10.0 ms, "
+                           "fast backend on the GGUF blocks 12.0 ms, float32 fast backend 25.0 ms")
     assert choice.choose({"llamacpp": 0.030, "auto": 0.020}).backend == "auto"
+    assert choice.choose({"llamacpp": 0.020, "auto": 0.020, "gguf": 0.020}).backend == "gguf"
     assert choice.choose({"llamacpp": 0.020, "auto": 0.020}).backend == "auto"
 
 
@@ -36,22 +39,31 @@ def test_a_given_backend_and_a_model_directory_are_not_measured(tiny_dir, monkey
 
 def test_a_gguf_file_is_measured_once_per_machine_and_thread_count(tiny_gguf, cache, monkeypatch):
     backend, reason = choice.resolve(tiny_gguf, "auto", threads=1)
-    assert backend in ("llamacpp", "auto") and reason.startswith("auto: ")
+    assert backend in ("llamacpp", "gguf", "auto") and reason.startswith("auto: ")
     [kept] = (cache / "backend-choice").glob("*.json")
     seconds = json.loads(kept.read_text())["seconds_per_token"]
-    assert set(seconds) == {"llamacpp", "auto"} and all(0 < s < 1 for s in seconds.values())
+    assert set(seconds) == {"llamacpp", "gguf", "auto"} and all(0 < s < 1 for s in seconds.values())
     monkeypatch.setattr(choice, "measure", lambda *a: pytest.fail("measured again"))
     assert choice.resolve(tiny_gguf, "auto", threads=1) == (backend, reason)
     monkeypatch.setattr(choice, "measure", lambda *a: {"llamacpp": 1.0, "auto": 2.0})
     assert choice.resolve(tiny_gguf, "auto", threads=2)[0] == "llamacpp"  # another thread count: measured anew
 
 
-@pytest.mark.parametrize("winner, target_type", [("llamacpp", LlamaCppTarget), ("auto", LlamaTarget)])
+@pytest.mark.parametrize("winner, target_type", [("llamacpp", LlamaCppTarget), ("gguf", LlamaTarget), ("auto", LlamaTarget)])
 def test_the_sampler_loads_on_the_remembered_choice_and_says_why(tiny_gguf, cache, winner, target_type):
-    seconds = {"llamacpp": 0.01, "auto": 0.02} if winner == "llamacpp" else {"llamacpp": 0.02, "auto": 0.01}
+    seconds = {name: 0.02 for name in ("llamacpp", "gguf", "auto")} | {winner: 0.01}
     choice.backend_for(tiny_gguf, None, lambda: seconds)
     sampler = SpecSampler.load(str(tiny_gguf), "none")
     assert isinstance(sampler.target, target_type)
     assert sampler.backend == winner and sampler.backend_reason.startswith("auto: ")
     out = sampler.generate("ab", chat=False, temperature=0, max_new_tokens=4)
     assert len(out.token_ids) == 4 or out.finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_the_bundled_model_on_its_blocks_defaults_to_a_lookup_drafter():
+    """On the bundled Q4_1 blocks the int8 copy is no cheaper than the target, so no `quantized` by default."""
+    sampler = SpecSampler.load(None, backend="gguf")
+    assert sampler.target.copy_cost is None and sampler.target.lm_head.qtype
+    assert sampler.configuration.drafter == "suffix" and sampler.backend_reason == "given"
+    assert SpecSampler.load(None, backend="fast").configuration.drafter in ("suffix+quantized", "none")

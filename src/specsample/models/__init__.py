@@ -8,7 +8,7 @@ from specsample.models.hf import TransformersTarget
 from specsample.models.loading import LoadedModel, bundled_gguf, load_model
 from specsample.models.target import Target
 
-BACKENDS = ("auto", "fast", "transformers", "llamacpp")
+BACKENDS = ("auto", "fast", "gguf", "transformers", "llamacpp")
 
 
 def check_backend(backend: str) -> None:
@@ -19,16 +19,22 @@ def check_backend(backend: str) -> None:
 def make_target(loaded: LoadedModel, backend: str = "auto", *, threads: int | None = None) -> Target:
     """A loaded model's target. `auto` (and `fast`): the fast Llama-family backend when it supports the
     architecture, else (`auto` only) transformers: a model already in memory stays in float32;
-    `llamacpp` runs the GGUF file `loaded` came from on llama.cpp (`threads`: default all cores)."""
+    `gguf`: the fast backend with its linear maps on the file's own Q4_0/Q4_1/Q8_0 blocks
+    (`gguf_blocks`); `llamacpp` runs the GGUF file `loaded` came from on llama.cpp (`threads`:
+    default all cores)."""
     check_backend(backend)
+    if backend in ("gguf", "llamacpp") and loaded.gguf is None:
+        raise ValueError(f"the {backend} backend runs GGUF files, and {loaded.name} is not one")
     if backend == "llamacpp":
-        if loaded.gguf is None:
-            raise ValueError(f"the llamacpp backend runs GGUF files, and {loaded.name} is not one")
         from specsample.models.llamacpp import LlamaCppTarget
 
         return LlamaCppTarget(loaded.gguf, n_threads=threads)
     if loaded.model is None:
         raise ValueError(f"the {backend} backend needs the model's weights, loaded without them")
+    if backend == "gguf":
+        from specsample.models.gguf_blocks import gguf_target
+
+        return gguf_target(loaded.model, loaded.gguf)
     if backend != "transformers":
         from specsample.models import llama
 

@@ -1,8 +1,9 @@
 """`--backend auto` for a GGUF file: the backend that decodes this model faster on this machine.
 
-A GGUF file can run two ways: dequantized to float32 on the fast backend (or transformers,
-for an architecture the fast backend does not cover), or at its own quantization on llama.cpp
-(the llamacpp backend, when llama-cpp-python is installed). Which is faster depends on the
+A GGUF file can run three ways: dequantized to float32 on the fast backend (or transformers,
+for an architecture the fast backend does not cover: "auto"), on the fast backend's kernels
+over the file's own Q4_0/Q4_1/Q8_0 blocks ("gguf"), or on llama.cpp ("llamacpp", when
+llama-cpp-python is installed). Which is faster depends on the
 model, its quantization and the CPU (llama.cpp's kernels against the project's, AVX-512
 against AVX2), so it is measured rather than assumed: the median time of one single-token
 pass over a 64-token cache, plain decoding's cost per token, on each backend with the same
@@ -27,11 +28,12 @@ from specsample.models.target import Target
 
 CONTEXT = 64  # cached tokens under each timed pass
 PASSES = 12  # timed single-token passes per backend (after 2 untimed)
+CANDIDATES = "llamacpp,gguf,auto"  # part of the remembered choice's key: a new candidate measures anew
 
 
 @dataclass(frozen=True)
 class BackendChoice:
-    backend: str  # "llamacpp", or "auto": the fast backend where it supports the model, else transformers
+    backend: str  # "llamacpp", "gguf", or "auto": the fast backend where it supports the model, else transformers
     seconds_per_token: dict[str, float]  # the measured single-token pass of each candidate
     reason: str
 
@@ -56,15 +58,15 @@ def seconds_per_token(target: Target, context: int = CONTEXT, passes: int = PASS
     return statistics.median(times[2:])
 
 
+PREFERENCE = ("gguf", "auto", "llamacpp")  # ties go to the project's kernels, whose batched passes cost least
+LABELS = {"gguf": "fast backend on the GGUF blocks", "auto": "float32 fast backend", "llamacpp": "llamacpp"}
+
+
 def choose(seconds: dict[str, float]) -> BackendChoice:
-    """The candidate with the cheaper single-token pass (ties to "auto", the float32 path)."""
-    best = min(seconds, key=lambda name: (seconds[name], name != "auto"))
-    other = max(seconds, key=seconds.get)
-    ratio = seconds[other] / seconds[best]
-    label = {"auto": "float32 backend", "llamacpp": "llamacpp"}
-    reason = (f"auto: {label[best]} measured {ratio:.2f}x faster per token than the {label[other]} "
-              f"({1000 * seconds[best]:.1f} vs {1000 * seconds[other]:.1f} ms)") if best != other else "auto: one candidate"
-    return BackendChoice(best, seconds, reason)
+    """The candidate with the cheapest single-token pass (ties in PREFERENCE order)."""
+    best = min(seconds, key=lambda name: (seconds[name], PREFERENCE.index(name)))
+    times = ", ".join(f"{LABELS[name]} {1000 * t:.1f} ms" for name, t in sorted(seconds.items(), key=lambda x: x[1]))
+    return BackendChoice(best, seconds, f"auto: the cheapest single-token pass on this machine: {times}")
 
 
 def choice_path(gguf: Path, threads: int | None) -> Path:
@@ -72,7 +74,7 @@ def choice_path(gguf: Path, threads: int | None) -> Path:
     from specsample.models.kernels import _cpu_id
     from specsample.models.loading import conversion_dir
 
-    key = hashlib.sha256(f"{conversion_dir(gguf).name}|{_cpu_id()}|{threads}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{conversion_dir(gguf).name}|{_cpu_id()}|{threads}|{CANDIDATES}".encode()).hexdigest()[:16]
     return conversion_dir(gguf).parent / "backend-choice" / f"{key}.json"
 
 
@@ -99,27 +101,36 @@ def gguf_file(path: str | Path | None) -> Path | None:
 
 def resolve(path: str | Path | None, backend: str, *, threads: int | None = None,
             trust_remote_code: bool = False) -> tuple[str, str]:
-    """The backend to load `path` on, and why: `backend` itself unless it is "auto"; for a GGUF file with
-    llama-cpp-python installed, the measured faster of llamacpp and the float32 path ("auto")."""
+    """The backend to load `path` on, and why: `backend` itself unless it is "auto"; for a GGUF file, the
+    measured fastest of llamacpp (if installed), the file's blocks ("gguf") and the float32 path ("auto")."""
     if backend != "auto":
         return backend, "given"
     gguf = gguf_file(path)
-    if gguf is None or not llamacpp_installed():
-        why = "not a GGUF file" if gguf is None else "llama-cpp-python is not installed"
-        return "auto", f"auto: the fast backend where it supports the model, else transformers ({why})"
+    if gguf is None:
+        return "auto", "auto: the fast backend where it supports the model, else transformers (not a GGUF file)"
     made = backend_for(gguf, threads, lambda: measure(path, gguf, threads, trust_remote_code))
     return made.backend, made.reason
 
 
 def measure(path: str | Path | None, gguf: Path, threads: int | None, trust_remote_code: bool) -> dict[str, float]:
-    """Seconds per single-token pass of `gguf` on llama.cpp and on the float32 path."""
+    """Seconds per single-token pass of `gguf` on llama.cpp (where installed), on its blocks (where the
+    fast backend runs the model: `UnsupportedModel` otherwise) and on the float32 path."""
     from specsample.models import load_model, make_target
-    from specsample.models.llamacpp import LlamaCppTarget
+    from specsample.models.llama import UnsupportedModel
 
-    llama = LlamaCppTarget(gguf, n_threads=threads)
+    seconds = {}
+    if llamacpp_installed():
+        from specsample.models.llamacpp import LlamaCppTarget
+
+        llama = LlamaCppTarget(gguf, n_threads=threads)
+        try:
+            seconds["llamacpp"] = seconds_per_token(llama)
+        finally:
+            llama.close()
+    loaded = load_model(path, trust_remote_code=trust_remote_code)
+    seconds["auto"] = seconds_per_token(make_target(loaded, "auto"))
     try:
-        seconds = {"llamacpp": seconds_per_token(llama)}
-    finally:
-        llama.close()
-    seconds["auto"] = seconds_per_token(make_target(load_model(path, trust_remote_code=trust_remote_code), "auto"))
+        seconds["gguf"] = seconds_per_token(make_target(loaded, "gguf"))
+    except UnsupportedModel:
+        pass
     return seconds

@@ -44,6 +44,7 @@ SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 DEFAULT_MAX_LENGTH = 8192
 PREFILL_CHUNK = 512  # bounds the attention mask and activations of long prompts
+INT8_COPY_COST = 0.29  # int8 copy / float32 target single-token pass: 3.6 vs 12.5 ms (BENCHMARKS.md)
 COMMITTED_POSITIONS = 1024  # cache slots a quantized copy commits at once: a 4 KiB page of every row of the keys
 
 
@@ -294,6 +295,14 @@ class LlamaTarget:
     def instruction_set(self) -> str | None:
         """The vector instruction set of the C++ kernels it runs on; None on torch ops (`QuantizedCopies`)."""
         return kernels.instruction_set() if self.kernels else None
+
+    @property
+    def copy_cost(self) -> float | None:
+        """The int8 copy's single-token pass per target pass (`defaults.CopyCost`): INT8_COPY_COST over
+        float32 weights; None (not measured to be cheaper) over GGUF blocks of 4 to 8 bits, which the int8
+        copy outweighs."""
+        on_blocks = bool(self.lm_head.qtype) or any(layer.qkv.qtype for layer in self.layers)
+        return None if on_blocks else INT8_COPY_COST
 
     def quantized_copy(self) -> LlamaTarget:
         """An int8 copy of this target (models/quantize.py) with its own cache of the same length. Its first
