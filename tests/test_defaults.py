@@ -98,7 +98,7 @@ def test_readme_first_command_speculates_and_matches_plain_decoding(capsys):
     assert code == 0, err
     result = json.loads(out)
     # the bundled GGUF runs where it measured faster (models/choice.py), with that backend's default
-    assert result["backend"] in ("llamacpp", "auto") and result["backend_reason"].startswith("auto: ")
+    assert result["backend"] in ("llamacpp", "gguf", "auto") and result["backend_reason"].startswith("auto: ")
     plain_only = result["backend"] == "auto" and kernels.instruction_set() != "avx512"  # AVX2 kernels: plain
     assert (result["drafter"] == "none") == plain_only
     assert plain_only or result["stats"]["drafted_tokens"] > 0
