@@ -31,6 +31,7 @@ class Output:
     wall_seconds: float  # the whole call: prefill, decoding, text
     stats: Stats | None  # engine statistics (and the llama.cpp baselines'); None for transformers baselines
     generated_tokens: int | None = None  # tokens generated and timed, where more than token_ids (llama-lookup)
+    raw: bytes | None = None  # the bytes a text-only baseline printed (llama.cpp's tools), end tokens cut
 
     @property
     def timed_tokens(self) -> int:

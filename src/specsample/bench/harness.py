@@ -349,7 +349,7 @@ def run(
     for _ in range(warmup):
         for c in configs:
             runners[c.name].run([{"role": "user", "content": WARMUP_PROMPT}])
-    records, tokens = [], {}
+    records, tokens, raws = [], {}, {}
     bar = tqdm(total=len(prompts) * len(configs), desc="bench", unit="run", disable=not progress)
     for i, prompt in enumerate(prompts):
         for c in rotated(configs, i):
@@ -359,9 +359,11 @@ def run(
                 records.append(Record(c.name, prompt.question_id, prompt.category, turn, out.prompt_tokens,
                                       out.timed_tokens, out.wall_seconds, stats))
                 tokens[c.name, prompt.question_id, turn] = out.token_ids
+                raws[c.name, prompt.question_id, turn] = out.raw
             bar.update(1)
     bar.close()
-    mark_mismatches(records, tokens, {c.name: c for c in configs}, configs[0])
+    same_text = {name: runner.same_text for name, runner in runners.items() if hasattr(runner, "same_text")}
+    mark_mismatches(records, tokens, {c.name: c for c in configs}, configs[0], raws, same_text)
     return records
 
 
@@ -370,14 +372,20 @@ def rotated(items: Sequence, shift: int) -> list:
     return [*items[shift:], *items[:shift]]
 
 
-def mark_mismatches(records: list[Record], tokens: dict, configs: dict[str, Config], reference: Config) -> None:
-    """At temperature 0 (and the reference's max_new_tokens), compare each answer with the reference's."""
+def mark_mismatches(records: list[Record], tokens: dict, configs: dict[str, Config], reference: Config,
+                    raws: dict | None = None, same_text: dict | None = None) -> None:
+    """At temperature 0 (and the reference's max_new_tokens), compare each answer with the reference's:
+    its tokens, or for a baseline that printed text only (`same_text` by configuration, `raws` its
+    printed bytes), that text with the text of the reference's tokens."""
     for r in records:
         c = configs[r.config]
         if not (c.temperature == reference.temperature == 0 and c.max_new_tokens == reference.max_new_tokens):
             continue
         ours, theirs = tokens[r.config, r.question_id, r.turn], tokens[reference.name, r.question_id, r.turn]
         r.matches_plain = ours == theirs
+        raw = (raws or {}).get((r.config, r.question_id, r.turn))
+        if not r.matches_plain and raw is not None and r.config in (same_text or {}):
+            r.matches_plain = same_text[r.config](theirs, raw, c.max_new_tokens)
         if not r.matches_plain:
             r.mismatch_at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
 

@@ -18,6 +18,8 @@ The two tools are built by `scripts/build_llamacpp_tools.sh` into `tools_dir()`;
 not, the run reports those baselines as not available. Each tool call loads the model anew
 (a process per answer), which is not timed: the rates are the tools' own timings of their
 prompt processing ("encoded ... in S seconds") and decoding ("decoded N tokens in S seconds").
+The tools get the chat prompt as text (`-bf`, no escape processing) and tokenize it themselves;
+their token count of it is the record's prompt_tokens.
 
 Timing, as the engine's: the engine's prefill is the prompt but its last token, and its
 decoding starts with the pass over the last prompt token, so decode tokens/s = generated
@@ -28,14 +30,18 @@ the tokens after the first (generated - 1) over its decode time. End-to-end time
 `speedup` column) is prefill plus decoding for every baseline, without model loading.
 
 Output tokens: `llamacpp-plain` keeps the token ids it sampled. The tools print text only,
-so their tokens are the tokenizer's encoding of that text (special tokens included; an
-end-of-generation token that `llama-speculative-simple` does not print is appended), cut at
-the run's max_new_tokens (`llama-lookup` may run past it by one accepted draft); a mismatch with
-plain decoding can then be a tokenization artifact and not a different text.
+so their tokens are llama.cpp's tokenization of the bytes they printed (special tokens included; an
+end-of-generation token that `llama-speculative-simple` does not print is appended), cut after
+the first end token (`llama-lookup` goes on past it while its draft matches) and at the run's
+max_new_tokens (`llama-lookup` may run past it by one accepted draft; the tokens past it count
+in its rates, which they cost). Where those tokens differ from plain decoding's, the harness
+compares the printed bytes with the text of plain decoding's tokens (`same_text`), so a
+re-tokenization artifact is not counted as a mismatch.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import subprocess
@@ -241,31 +247,75 @@ class ToolRun:
     decode_seconds: float
     drafted: int
     accepted: int
-    text: str  # the generated text as printed (special tokens as text)
+    text: bytes  # the generated text as printed (special tokens as text; raw bytes, maybe not UTF-8)
 
 
 ENCODED = re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
 ACCEPTED = re.compile(r"n_accept\s*=\s*(\d+)")
+STDOUT_END = b"\n\n\n\n"  # the tools' last two LOG("\n\n"): one after the text, one at exit
 
 
-def parse_tool_output(stdout: str, stderr: str, prompt: str) -> ToolRun:
+class IncompleteOutput(RuntimeError):
+    """The tool exited before its log thread wrote everything (llama.cpp leaks its logger, so queued
+    lines can be lost at exit: ggml-org/llama.cpp#22142)."""
+
+
+def parse_tool_output(stdout: bytes, stderr: str, prompt: bytes) -> ToolRun:
     """The figures of `llama-lookup`/`llama-speculative-simple` (their log, on stderr) and the text
     they generated: stdout is "\\n\\n", the prompt's tokens printed back, the generated tokens,
-    then blank lines."""
+    then "\\n\\n" twice."""
     encoded, decoded = ENCODED.search(stderr), DECODED.search(stderr)
     drafted, accepted = DRAFTED.search(stderr), ACCEPTED.search(stderr)
-    if not (encoded and decoded and drafted and accepted):
+    if not (encoded and decoded and drafted and accepted) or not stdout.endswith(STDOUT_END):
         tail = " | ".join(line.strip() for line in stderr.strip().splitlines()[-3:])
-        raise RuntimeError(f"no timings in the llama.cpp tool's output: {tail or 'nothing on stderr'}")
+        raise IncompleteOutput(f"no timings or no end in the llama.cpp tool's output: {tail or 'nothing on stderr'}")
     start = stdout.find(prompt)
     if start < 0:
         raise RuntimeError("the llama.cpp tool printed its prompt back differently: the prompt's tokens differ")
-    text = stdout[start + len(prompt) :]
-    text = text[:-4] if text.endswith("\n\n\n\n") else text  # the tools end stdout with two LOG("\n\n")
+    text = stdout[start + len(prompt) : -len(STDOUT_END)]
     return ToolRun(int(encoded.group(1)), float(encoded.group(2)), int(decoded.group(1)), float(decoded.group(2)),
                    int(drafted.group(1)), int(accepted.group(1)), text)
+
+
+class LlamaCppTokenizer:
+    """llama.cpp's tokenizer of a GGUF file (its vocabulary only): the tokens of raw bytes, as the
+    tools would read them back."""
+
+    def __init__(self, path: Path) -> None:
+        from specsample.models.llamacpp import _bindings, init_backend
+
+        init_backend()
+        self.lib = lib = _bindings()
+        params = lib.llama_model_default_params()
+        params.vocab_only = True
+        self.model = lib.llama_model_load_from_file(str(path).encode(), params)
+        if not self.model:
+            raise ValueError(f"llama.cpp cannot read the vocabulary of {path}")
+        self.vocab = lib.llama_model_get_vocab(self.model)
+
+    def piece(self, token: int) -> bytes:
+        """The bytes llama.cpp prints for a token (special tokens as their text), as the tools do."""
+        buffer = ctypes.create_string_buffer(64)
+        n = self.lib.llama_token_to_piece(self.vocab, token, buffer, 64, 0, True)
+        if n < 0:
+            buffer = ctypes.create_string_buffer(-n)
+            n = self.lib.llama_token_to_piece(self.vocab, token, buffer, -n, 0, True)
+        return buffer.raw[:n]
+
+    def __call__(self, text: bytes) -> list[int]:
+        capacity = len(text) + 16
+        ids = (self.lib.llama_token * capacity)()
+        n = self.lib.llama_tokenize(self.vocab, text, len(text), ids, capacity, False, True)  # specials parsed
+        if n < 0:
+            raise RuntimeError(f"llama_tokenize needs {-n} tokens")
+        return list(ids[:n])
+
+    def __del__(self) -> None:
+        if getattr(self, "model", None):
+            self.lib.llama_model_free(self.model)
+            self.model = None
 
 
 class LlamaCppToolRunner:
@@ -273,7 +323,10 @@ class LlamaCppToolRunner:
 
     At temperature 0 the tools sample greedily (`--temp 0`). llama.cpp's extra weight buffer
     types are tried first; if the tool crashes with them (the AMX layouts on the project's
-    machine), it runs with `--no-repack` from then on, and the statistics say which."""
+    machine), it runs with `--no-repack` from then on, and the statistics say which. A run whose
+    log lost its last lines at exit is run again (at most `ATTEMPTS` times)."""
+
+    ATTEMPTS = 4
 
     def __init__(self, model: LoadedModel, tool: str, path: Path, threads: int, n_ctx: int,
                  params: SamplingParams, max_new_tokens: int, k: int, seed: int = 0,
@@ -291,44 +344,78 @@ class LlamaCppToolRunner:
                      "-t", str(threads), "-tb", str(threads), "--seed", str(seed), "--no-escape",
                      "--spec-draft-n-max", str(k), *sampling]
         if draft is not None:
-            self.args += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
+            self.args += ["--spec-type", "draft-simple", "-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
         self.no_repack = False
+        self.tokenize = LlamaCppTokenizer(path)
         self.eos = model.tokenizer.eos_token_id
+        self.end_pieces = [self.tokenize.piece(token) for token in sorted(model.eos_token_ids)]
 
     @property
     def label(self) -> str:
         return f"{self.tool}, " + ("--no-repack (repacked weights crashed here)" if self.no_repack
                                    else "extra buffer types (repacked/AMX weights) on")
 
-    def call(self, prompt: str) -> subprocess.CompletedProcess:
+    def call(self, prompt: bytes) -> subprocess.CompletedProcess:
         with tempfile.NamedTemporaryFile("wb", suffix=".txt") as f:
-            f.write(prompt.encode())
+            f.write(prompt)
             f.flush()
             args = [*self.args, "-bf", f.name, *(["--no-repack"] if self.no_repack else [])]
             return subprocess.run(args, capture_output=True, timeout=TOOL_TIMEOUT)
 
+    def complete_run(self, prompt: bytes) -> ToolRun:
+        """The tool's run on `prompt`, again without repacking if it crashed, again if its log lost lines."""
+        for attempt in range(self.ATTEMPTS):
+            done = self.call(prompt)
+            if done.returncode in CRASH_CODES and not self.no_repack:
+                self.no_repack = True
+                done = self.call(prompt)
+            stderr = done.stderr.decode("utf-8", "replace")
+            if done.returncode != 0:
+                tail = " | ".join(line.strip() for line in stderr.strip().splitlines()[-3:])
+                raise RuntimeError(f"{self.tool} failed with exit status {done.returncode}: {tail}")
+            try:
+                return parse_tool_output(done.stdout, stderr, prompt)
+            except IncompleteOutput:
+                if attempt == self.ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
     def run(self, messages: Sequence[Message]) -> Output:
         tokenizer = self.model.tokenizer
-        prompt = prompt_text(tokenizer, messages)
-        done = self.call(prompt)
-        if done.returncode in CRASH_CODES and not self.no_repack:
-            self.no_repack = True
-            done = self.call(prompt)
-        stdout, stderr = (s.decode("utf-8", "replace") for s in (done.stdout, done.stderr))
-        if done.returncode != 0:
-            tail = " | ".join(line.strip() for line in stderr.strip().splitlines()[-3:])
-            raise RuntimeError(f"{self.tool} failed with exit status {done.returncode}: {tail}")
-        tool_run = parse_tool_output(stdout, stderr, prompt)
-        tokens = tokenizer(tool_run.text, add_special_tokens=False).input_ids
-        unended = not tokens or tokens[-1] not in self.model.eos_token_ids
-        if unended and len(tokens) < tool_run.generated < self.max_new_tokens and self.eos is not None:
-            tokens.append(self.eos)  # it stopped early, at an end token: speculative-simple does not print it
+        prompt = prompt_text(tokenizer, messages).encode()
+        tool_run = self.complete_run(prompt)
+        tokens = self.tokenize(tool_run.text)  # exact for UTF-8 text; bytes of a split character become U+FFFD
+        ends = [i for i, token in enumerate(tokens) if token in self.model.eos_token_ids]
+        generated = tool_run.generated  # every token the tool sampled and timed
+        if ends:  # llama-lookup prints its end token, and goes on where the draft went on past it
+            tokens = tokens[: ends[0] + 1]
+            generated = len(tokens)
+        elif tool_run.generated < self.max_new_tokens and self.eos is not None:
+            tokens.append(self.eos)  # it stopped early, at an end token that speculative-simple does not print
+            generated = len(tokens)
         tokens = tokens[: self.max_new_tokens]
         # llama-lookup samples its first token from the prompt pass, before its decoding timer
-        decoded = tool_run.generated - (self.tool == LOOKUP_TOOL)
+        decoded = generated - (self.tool == LOOKUP_TOOL)
         stats = Stats(drafter=self.label, prompt_tokens=tool_run.prompt_tokens,
                       prefill_seconds=tool_run.encode_seconds, decode_seconds=tool_run.decode_seconds,
                       verify_seconds=tool_run.decode_seconds, steps=max(decoded - tool_run.accepted, 0),
                       drafted_tokens=tool_run.drafted, accepted_tokens=tool_run.accepted, generated_tokens=decoded)
-        return Output(tokens, tokenizer.decode(tokens, skip_special_tokens=True), tool_run.prompt_tokens,
-                      tool_run.encode_seconds + tool_run.decode_seconds, stats, generated_tokens=tool_run.generated)
+        raw = self.cut_at_end(tool_run.text)
+        if len(tokens) == self.max_new_tokens and generated > self.max_new_tokens:  # llama-lookup went on past it
+            raw = raw[: len(b"".join(self.tokenize.piece(t) for t in tokens))]
+        # the text as a tokenizer decodes bytes (a split character as one U+FFFD), for the next turn's prompt
+        return Output(tokens, raw.decode("utf-8", "replace"), tool_run.prompt_tokens,
+                      tool_run.encode_seconds + tool_run.decode_seconds, stats, generated_tokens=generated, raw=raw)
+
+    def cut_at_end(self, text: bytes) -> bytes:
+        """The printed bytes before the first end token's text."""
+        cuts = [i for piece in self.end_pieces if piece and (i := text.find(piece)) >= 0]
+        return text[: min(cuts)] if cuts else text
+
+    def same_text(self, reference: list[int], raw: bytes, max_new_tokens: int) -> bool:
+        """Whether the printed bytes are the text of the reference's tokens (end tokens left out):
+        equal where the reference ended at an end token, starting with it where it reached
+        max_new_tokens (the tool may have gone on). Exact where re-tokenizing the text is not (bytes
+        of a split character, a text the tokenizer would split otherwise)."""
+        expected = b"".join(self.tokenize.piece(t) for t in reference if t not in self.model.eos_token_ids)
+        return raw.startswith(expected) if len(reference) >= max_new_tokens else raw == expected
