@@ -162,20 +162,25 @@ def cause() -> str:
 
 
 # The `quantized` drafter's copy (`LlamaCppTarget.quantized_copy`): the file type llama.cpp's
-# quantizer writes it at, by the source's file type (llama_ftype names without "MOSTLY_").
-# Files of 5 bits a weight or more get Q4_0, the 4-bit type with ggml's cheapest dot product;
-# 4-bit files get Q2_K (fewer bits than any 4-bit type; the IQ1/IQ2 types need an importance
-# matrix). Tensors whose rows do not fit the type's blocks (Q2_K: multiples of 256) fall back to
-# a wider type, as llama.cpp decides. Files below 4 bits have no cheaper copy.
+# quantizer writes it at, by the source's file type (llama_ftype names without "MOSTLY_"), the
+# cheapest type measured for each (docs/llamacpp-backend.md, one thread, Intel Xeon AVX-512):
+# - float files get Q8_0: a pass of the 1B random model's Q8_0 file cost 0.48 of its F32 file's,
+#   Q4_0's 0.46, and Q8_0 is the more faithful (ggml's Q8_0 dot product is as fast as Q4_0's);
+# - files of 4 to 8 bits get Q3_K_S: 0.57 of the Q8_0 file's pass, where Q2_K cost 0.63 and
+#   Q4_0 0.97. Tensors whose rows are not a multiple of 256 fall back to a wider type (llama.cpp's
+#   choice), so a copy of the bundled SmolLM2 (rows of 576) is mostly Q4_0.
+# Files below 4 bits have no cheaper copy.
 COPY_TYPES = {
-    **dict.fromkeys(("ALL_F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K_S", "Q5_K_M"), "Q4_0"),
-    **dict.fromkeys(("Q4_0", "Q4_1", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS", "MXFP4_MOE"), "Q2_K"),
+    **dict.fromkeys(("ALL_F32", "F16", "BF16"), "Q8_0"),
+    **dict.fromkeys(("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K_S", "Q5_K_M", "Q4_0", "Q4_1", "Q4_K_S", "Q4_K_M",
+                     "IQ4_NL", "IQ4_XS", "MXFP4_MOE"), "Q3_K_S"),
 }
 
-# f(1) of the quantized copy over f(1) of the target (one thread, single-token passes over a
-# 256-position cache, CPU time), as measured on this project's machines for a source of this
-# file type (docs/llamacpp-backend.md, "The quantized drafter"). What `copy_cost` declares.
-MEASURED_COPY_COST: dict[str, float] = {}
+# f(1) of the quantized copy over f(1) of the target (one thread, median CPU time of 50
+# single-token passes over a 256-position cache, Intel Xeon AVX-512), as measured for a source of
+# this file type (docs/llamacpp-backend.md, "The quantized drafter"): what `copy_cost` declares.
+# Q4_1: the bundled SmolLM2-135M; the others: the 1B random model of benchmarks/make_random_llama_gguf.py.
+MEASURED_COPY_COST: dict[str, float] = {"Q4_1": 0.90, "Q4_0": 0.55, "Q8_0": 0.57, "ALL_F32": 0.48}
 
 
 def ftype_id(name: str) -> int:
