@@ -1,5 +1,6 @@
 """`specsample bench` on the llamacpp backend, on tiny random GGUF files written by test_llamacpp's
-`write_gguf`: cost curve, decode, run with llama.cpp's own baselines, the K policy's record.
+`write_gguf`: cost curve, decode, run with llama.cpp's own baselines, the K policy's record and
+its choice of K on this backend's cost curve.
 
 llama.cpp's tools (llama-lookup, llama-speculative-simple) are built by
 scripts/build_llamacpp_tools.sh, not by install.sh or CI: without them the run must say they are
@@ -10,14 +11,18 @@ tests run them for real.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import tiny_llama
 from specsample.bench import harness, llamacpp_baselines, report, run_notes
 from specsample.models import load_model, load_target
+from specsample.policy import CostModelK
 from specsample.prompts import read_prompts
+from specsample.stats import Step
 from test_cli import cli
 from test_llamacpp import VOCAB, write_gguf
 
@@ -180,3 +185,33 @@ def test_bench_run_on_llamacpp_runs_llama_cpp_lookup_and_speculative(capsys, tmp
     records = [r for r in results["records"] if r["config"] == "llamacpp-speculative-draft.gguf-k3"]
     assert sum(r["stats"]["drafted_tokens"] for r in records) > 0
     assert all(r["stats"]["drafter"].startswith("llama-speculative-simple") for r in records)
+
+
+# f(n)/f(1), n = 1..17, measured on the bundled model (docs/llamacpp-backend.md, one thread): each
+# extra scored token costs about a third of a pass on llama.cpp, next to nothing on the fast backend
+LLAMACPP_CURVE = [1.00, 1.30, 1.67, 2.06, 2.33, 2.68, 3.02, 3.37, 3.71, 4.05, 4.51, 4.75, 5.11, 5.47, 5.90, 6.26, 6.6]
+FAST_CURVE = [1.00, 1.02, 0.99, 1.05, 1.05, 1.08, 1.12, 1.13, 1.15, 1.17, 1.18, 1.23, 1.41, 1.43, 1.47, 1.48, 1.5]
+
+
+def chosen_k(curve: list[float], acceptance: float, steps: int = 600) -> Counter:
+    """The K `--k auto` chooses over the last 200 of `steps` steps, where scoring n positions costs
+    curve[n - 1] passes and each draft token is accepted with probability `acceptance` (a free drafter)."""
+    rng = np.random.default_rng(0)
+    policy = CostModelK()
+    policy.begin()
+    ks = []
+    for _ in range(steps):
+        k = policy.choose()
+        ks.append(k)
+        accepted = 0
+        while accepted < k and rng.random() < acceptance:
+            accepted += 1
+        policy.observe(Step(k, accepted, accepted + 1, 1e-4 * k, 0.02 * curve[k]))
+    return Counter(ks[-200:])
+
+
+@pytest.mark.parametrize("acceptance, llamacpp_most, fast_least", [(0.5, 1, 2), (0.8, 3, 5)])
+def test_the_k_policy_drafts_less_on_llamacpps_steep_cost_curve(acceptance, llamacpp_most, fast_least):
+    on_llamacpp, on_fast = chosen_k(LLAMACPP_CURVE, acceptance), chosen_k(FAST_CURVE, acceptance)
+    assert max(on_llamacpp, key=on_llamacpp.get) <= llamacpp_most, on_llamacpp
+    assert max(on_fast, key=on_fast.get) >= fast_least, on_fast
