@@ -148,7 +148,8 @@ def run(
     limit: Annotated[Optional[int], typer.Option(help="Prompts per category (default: all).")] = None,
     category: Annotated[Optional[list[str]], typer.Option(help="Only this category (repeatable).")] = None,
     model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2).")] = None,
-    backend: Annotated[str, typer.Option(help="Target backend of the engine: auto, fast, transformers or llamacpp.")] = "auto",
+    backend: Annotated[str, typer.Option(help="Target backend of the engine: auto (for a GGUF file the one measured "
+                                          "fastest here, as generate does), gguf, fast, transformers or llamacpp.")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core); llamacpp: threads "
                                                    "per pass, of the engine and of llama.cpp's baselines.")] = None,
     k: Annotated[Optional[str], typer.Option("--k", help="Default K (or K policy) of configurations.")] = None,
@@ -174,12 +175,15 @@ def run(
 
     from specsample.bench import harness, report, run_notes
     from specsample.cli import quiet_transformers
-    from specsample.models import load_model, make_target
+    from specsample.models import check_backend, load_model, make_target
+    from specsample.models.choice import resolve
 
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
+    check_backend(backend)
+    backend, backend_reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
     overrides = {"k": k, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                  "max_new_tokens": max_new_tokens}
     defaults, configs = harness.read_configs(config or [], overrides)
@@ -197,7 +201,7 @@ def run(
     records = harness.run(loaded, target, configs, items, warmup=warmup, trust_remote_code=trust_remote_code,
                           backend=backend, threads=threads, unavailable=unavailable)
     meta = {
-        "model": loaded.name, "backend": type(target).__name__, "prompts": str(prompts or packaged_prompts()),
+        "model": loaded.name, "backend": type(target).__name__, "backend_reason": backend_reason, "prompts": str(prompts or packaged_prompts()),
         "split": split, "skip": skip, "limit": limit,
         "categories": category or [], "warmup": warmup, "reference": harness.REFERENCE,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
