@@ -153,15 +153,13 @@ def decode_in_this_process(path: Path, tokens: int, threads: int | None) -> dict
     tokens per second of decoding, file and KV cache sizes, and resident memory: the runtime held
     before the model loads (Python, torch, the tokenizer by the tokenizer-only path, llama.cpp's
     libraries), and the peak from there on (VmHWM, reset through /proc/self/clear_refs)."""
-    import resource
-
     from specsample.api import SpecSampler
     from specsample.models.llamacpp import LlamaCppTarget, init_backend
     from specsample.models.loading import load_model
 
     loaded = load_model(path, tokenizer_only=True)
     init_backend()
-    runtime = proc_status("VmRSS")
+    runtime, runtime_peak = proc_status("VmRSS"), proc_status("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")
     target = LlamaCppTarget(path, n_threads=threads)
     sampler = SpecSampler.build(loaded, target, "none", backend="llamacpp")
@@ -176,8 +174,8 @@ def decode_in_this_process(path: Path, tokens: int, threads: int | None) -> dict
         "new_tokens": len(out.token_ids),
         "tokens_per_second": out.stats.tokens_per_second,
         "runtime_rss_bytes": runtime,
-        "peak_rss_bytes": proc_status("VmHWM"),
-        "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "runtime_peak_rss_bytes": runtime_peak,
+        "peak_rss_bytes": proc_status("VmHWM"),  # from the model's load on (not ru_maxrss: Linux keeps the parent's)
     }
 
 

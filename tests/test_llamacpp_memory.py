@@ -119,11 +119,11 @@ def test_the_server_refuses_to_start_in_one_line(bad_files):
 # load_target takes for llamacpp, llama.cpp's libraries), then the peak is reset (VmHWM, through
 # /proc/self/clear_refs) and the model loaded and decoded by the engine.
 CHILD = r"""
-import json, resource, sys
+import json, sys
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
 import torch, specsample
-bare = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+bare = status("VmHWM")  # not ru_maxrss: Linux carries it over from the parent through fork and exec
 from specsample.api import SpecSampler
 from specsample.models.llamacpp import LlamaCppTarget, init_backend
 from specsample.models.loading import bundled_gguf, load_model
