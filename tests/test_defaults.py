@@ -77,7 +77,8 @@ def test_the_server_lists_its_configuration(tiny_dir):
     sampler = SpecSampler.load(str(tiny_dir), backend="transformers")
     with TestClient(create_app(sampler)) as client:
         card = client.get("/v1/models").json()["data"][0]
-        assert card["speculative"] == {"drafter": "suffix", "k": "auto", "reason": sampler.configuration.reason}
+        assert card["speculative"] == {"drafter": "suffix", "k": "auto", "reason": sampler.configuration.reason,
+                                       "backend": "transformers", "backend_reason": "given"}
         body = {"prompt": REPEATING, "max_tokens": 8, "temperature": 0}
         assert client.post("/v1/completions", json=body).json()["speculative"]["drafter"] == "suffix"
 
