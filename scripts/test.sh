@@ -4,4 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 . .venv/bin/activate
+# two workers share the cores: OpenMP threads that spin would take turns with the other worker's
+export OMP_WAIT_POLICY=PASSIVE
 python -m pytest -q -n 2 "$@"

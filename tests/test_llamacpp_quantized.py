@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from specsample.api import SpecSampler
-from specsample.defaults import CopyCost, default_configuration
+from specsample.defaults import default_configuration
+from specsample.models.target import CopyCost
 from specsample.drafters import NoDrafter, make_drafter
 from specsample.drafters.quantized import QuantizedDrafter
 from specsample.engine import decode

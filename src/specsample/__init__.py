@@ -2,11 +2,16 @@
 
 import os
 
-# OpenMP threads that spin while they wait (libgomp's default) lose their core to any other job: with
-# one core of two busy, plain decoding on the bundled model fell from 27.8 to 1.4 tokens/s (Intel Xeon,
-# AVX-512). Passive waiting is set here, before torch loads libgomp, so it holds for the command line,
-# the server and a program that imports specsample before torch; a user's own OMP_WAIT_POLICY wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# How OpenMP threads wait between parallel regions decides the speed of a small model, whose pass is
+# hundreds of short regions. Measured on the bundled model, `--backend gguf`, plain decoding, 2 threads
+# (Intel Xeon VM, 2026-11-25), tokens/s quiet / with one core busy: OMP_WAIT_POLICY=PASSIVE 61 / 91
+# (a sleeping thread takes long to wake on a VM); ACTIVE 212 / 39 (but idle threads spin forever, a
+# server's cores included); libgomp's default (spin 300,000 rounds, then sleep) 211 / 9.6; spin
+# 10,000,000 rounds, then sleep: 199 / 36. The last is set here, before torch loads libgomp: close to
+# ACTIVE while decoding, asleep when idle. A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins
+# (PASSIVE on a machine whose cores other jobs keep busy).
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000000")
 
 from specsample.api import Chunk, Completion, Generation, SpecSampler  # noqa: E402
 from specsample.sampling import SamplingParams  # noqa: E402

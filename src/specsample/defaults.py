@@ -10,40 +10,29 @@ target's backend on this machine (BENCHMARKS.md), under the cost-model K policy.
   `quantized` 4.8). The AVX2 kernels are rebuilt since (f(8)/f(1) about 1.5 on an AVX-512 machine
   forced to build them, docs/kernels-avx2.md), but speculation on them is not yet measured on an
   AVX2 machine: until it is, the default does not speculate there.
-- A backend whose quantized copy is not declared cheap (`CopyCost`): `suffix`. The llamacpp
+- A backend whose quantized copy is not declared cheap (`CopyCost`): `suffix`. The fast backend
+  on a GGUF file's own 4- to 8-bit blocks (`--backend gguf`) has only its int8 copy, which streams
+  more bytes than the target. The llamacpp
   backend's copy (a lower-bit GGUF from llama.cpp's quantizer) runs on the same AVX-512 CPU
   but costs about a full target pass on the bundled model (docs/llamacpp-backend.md), where
   the fast backend's int8 copy, with which `suffix+quantized` measured best, costs 0.29.
 - Any other backend (no quantized copy, or the fast backend on torch ops): the lookup drafter
   `suffix` with `--k auto`, which needs nothing from the backend and costs next to nothing.
 
-The choice reads declared capabilities of the target (models/target.py and `CopyCost` here),
+The choice reads declared capabilities of the target (models/target.py),
 never its type.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
-from specsample.models.target import QuantizedCopies, Target
+from specsample.models.target import CopyCost, QuantizedCopies, Target
 
 # A quantized copy cheaper than this share of a target pass may draft by default: the fast
 # backend's int8 copy costs 3.6 ms against a 12.5 ms pass (0.29, BENCHMARKS.md), and that is
 # the copy with which `suffix+quantized` measured best.
 CHEAP_COPY = 0.3
-
-
-@runtime_checkable
-class CopyCost(Protocol):
-    """Declares what a backend's quantized copy (`QuantizedCopies`) costs, where its kernels' instruction
-    set alone does not tell (the fast backend's does: its int8 copy streams a quarter of the bytes)."""
-
-    @property
-    def copy_cost(self) -> float | None:
-        """Seconds of the copy's single-token pass per second of the target's, as measured for this
-        backend and kind of file; None where not measured."""
-        ...
 
 
 @dataclass(frozen=True)

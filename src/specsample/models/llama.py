@@ -298,7 +298,7 @@ class LlamaTarget:
 
     @property
     def copy_cost(self) -> float | None:
-        """The int8 copy's single-token pass per target pass (`defaults.CopyCost`): INT8_COPY_COST over
+        """The int8 copy's single-token pass per target pass (`target.CopyCost`): INT8_COPY_COST over
         float32 weights; None (not measured to be cheaper) over GGUF blocks of 4 to 8 bits, which the int8
         copy outweighs."""
         on_blocks = bool(self.lm_head.qtype) or any(layer.qkv.qtype for layer in self.layers)

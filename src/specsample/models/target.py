@@ -98,6 +98,18 @@ class AdoptsCache(Protocol):
         ...
 
 
+@runtime_checkable
+class CopyCost(Protocol):
+    """Declares what a backend's quantized copy (`QuantizedCopies`) costs: the default configuration
+    (`specsample.defaults`) drafts with it only where it is cheap."""
+
+    @property
+    def copy_cost(self) -> float | None:
+        """Seconds of the copy's single-token pass per second of the target's, as measured for this
+        backend and kind of file; None where not measured."""
+        ...
+
+
 Capability = TypeVar("Capability")
 
 # What each capability lets a backend do, for the error of a drafter that needs it.
