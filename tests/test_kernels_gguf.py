@@ -20,7 +20,6 @@ build. A deliberately wrong scale must fail the same bounds.
 from __future__ import annotations
 
 from importlib import resources
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,21 +29,13 @@ from gguf.quants import dequantize, quantize
 
 from specsample.models import gguf_blocks, kernels
 
+from test_kernels import FLAGS
+
 FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 OUT, IN = 100, 320  # a partial last panel of 16 columns; 10 blocks
 UNIT = 2.0**-24  # float32 rounding, relative
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it does not exist)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split()[2:])
-
-
-FLAGS = cpu_flags()
 AVX2 = {"avx2", "fma", "f16c"} <= FLAGS
 NATIVE = "avx512vnni" if {"avx512f", "avx512bw", "avx512_vnni"} <= FLAGS else "avx2" if AVX2 else "portable"
 ISAS = {"native": NATIVE if FLAGS else None, "avx2": "avx2" if AVX2 else "portable", "portable": "portable"}
