@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 import pytest
 
-from specsample.cli import main
+from test_cli import cli
 from test_llamacpp import tiny_gguf, tiny_model  # noqa: F401 (fixtures)
 
 MB = 2**20
@@ -60,17 +60,6 @@ def bad_files(tiny_gguf, tmp_path_factory) -> dict[str, tuple[Path, str]]:
         "truncated data": (cut(tiny_gguf, directory / "data.gguf", size // 2), "not within the file bounds"),
         "unknown architecture": (unknown_architecture(directory / "arch.gguf"), "unknown model architecture: 'nosucharch'"),
     }
-
-
-def cli(capfd, *args: str) -> tuple[int, str, str]:
-    """`specsample ARGS` in this process; exit code, stdout, stderr (file descriptors 1 and 2)."""
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as done:
-        code = done.code or 0
-    out = capfd.readouterr()
-    return code, out.out, out.err
 
 
 COMMANDS = {
