@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from typing import Protocol
@@ -149,6 +150,7 @@ class CostModelK:
         self.f1: float | None = None  # moving average of a plain step's seconds
         self.relative_cost: dict[int, float] = {}  # n positions scored -> moving average of f(n) / f(1)
         self.verify_count: dict[int, int] = {}  # n positions scored -> steps measured
+        self.curve: tuple[list[int], list[float]] | None = None  # `cost_curve`, refitted when a pass is measured
         self.draft_seconds = 0.0  # decayed totals over steps that drafted
         self.drafted_tokens = 0.0
         self.cheapest_draft_token = math.inf  # the lowest seconds per draft token of any step so far
@@ -227,6 +229,7 @@ class CostModelK:
             old = self.relative_cost.get(n, ratio)
             self.relative_cost[n] = old + self.smoothing * (ratio - old)
         self.verify_count[n] = self.verify_count.get(n, 0) + 1
+        self.curve = None
 
     def observe_confidence(self, step: Step) -> None:
         """Count the verified tokens of a kept draft prefix (those up to the first rejection) by confidence."""
@@ -276,22 +279,26 @@ class CostModelK:
             sums.append(total)
         return sums
 
-    def target_seconds(self, n: Sequence[float]) -> np.ndarray:
-        """f(n) at (fractional) n: the measured seconds, interpolated; 1.0 before any measurement."""
+    def target_seconds(self, n: Sequence[float]) -> list[float]:
+        """f(n) at (fractional) n: the measured seconds, interpolated, flat beyond the measured n;
+        1.0 before any measurement. Plain Python, like `predict`, which calls it at every step."""
         if not self.relative_cost:
-            return np.ones(len(n))
+            return [1.0] * len(n)
         measured, curve = self.cost_curve()
-        return np.interp(n, measured, curve)
+        return [interpolate(x, measured, curve) for x in n]
 
     def cost_curve(self) -> tuple[list[int], list[float]]:
         """The measured n and f(n) there: a longer pass never costs less than a shorter one, so the
         moving averages of f(n)/f(1) are fitted by a nondecreasing curve, each weighted by its number
-        of measurements (up to 10), so that one noisy step at a rarely used n moves little."""
-        measured = sorted(self.relative_cost)
-        ratios = [self.relative_cost[m] for m in measured]
-        weights = [min(self.verify_count[m], 10) for m in measured]
-        f1 = self.f1 or 1.0
-        return measured, [f1 * r for r in nondecreasing(ratios, weights)]
+        of measurements (up to 10), so that one noisy step at a rarely used n moves little.
+        Refitted only after a pass is measured."""
+        if self.curve is None:
+            measured = sorted(self.relative_cost)
+            ratios = [self.relative_cost[m] for m in measured]
+            weights = [min(self.verify_count[m], 10) for m in measured]
+            f1 = self.f1 or 1.0
+            self.curve = measured, [f1 * r for r in nondecreasing(ratios, weights)]
+        return self.curve
 
     def estimates(self) -> dict:
         k = self.k
@@ -322,6 +329,18 @@ def nondecreasing(values: Sequence[float], weights: Sequence[float]) -> list[flo
             weight, entries = weight + last_weight, entries + last_entries
         blocks.append((mean, weight, entries))
     return [mean for mean, _, entries in blocks for _ in range(entries)]
+
+
+def interpolate(x: float, xs: list[int], ys: list[float]) -> float:
+    """y at x on the piecewise linear curve through (xs, ys) (xs increasing), flat outside it:
+    numpy.interp for one point, without its per-call conversions."""
+    i = bisect.bisect_right(xs, x)
+    if i == 0:
+        return ys[0]
+    if i == len(xs):
+        return ys[-1]
+    x0, x1 = xs[i - 1], xs[i]
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
 
 
 def confidence_bins(confidence: np.ndarray) -> np.ndarray:
