@@ -1,0 +1,28 @@
+"""The OpenMP wait policy chosen at import (specsample.openmp)."""
+
+import subprocess
+import sys
+
+from specsample.openmp import SLEEP, SPIN, choose_wait_policy
+
+
+def test_idle_machine_spins_and_busy_machine_sleeps():
+    assert choose_wait_policy({}, 0.3, 2) == SPIN
+    assert choose_wait_policy({}, 1.0, 2) == SLEEP
+    assert choose_wait_policy({}, 7.9, 16) == SPIN
+
+
+def test_the_users_setting_wins():
+    assert choose_wait_policy({"OMP_WAIT_POLICY": "ACTIVE"}, 0.0, 2) == {}
+    assert choose_wait_policy({"GOMP_SPINCOUNT": "1000"}, 9.0, 2) == {}
+
+
+def test_import_sets_one_policy():
+    """Importing specsample, with neither variable set, sets exactly one of them."""
+    code = (
+        "import os; os.environ.pop('OMP_WAIT_POLICY', None); os.environ.pop('GOMP_SPINCOUNT', None)\n"
+        "import specsample\n"
+        "print(sum(v in os.environ for v in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    assert out == ["1"]
