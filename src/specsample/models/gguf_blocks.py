@@ -9,9 +9,16 @@ them: the packed matrix is exactly as large as the file's tensor (plus padding t
 `raw_rows` gives the file's bytes of any rows back (the embedding lookup of a tied LM head, and
 the tests, dequantize those with the `gguf` package itself).
 
+Q4_K and Q6_K (256-input super-blocks of 32- or 16-input sub-blocks, each with a 6- or 8-bit
+integer scale) are repacked into the same 32-input blocks of integers (Q6_K's 2 high bits in two
+more chunks) and one record of scales per panel and super-block, with the 6-bit scales unpacked
+to bytes (Q4_K: 4 more bytes per 256 inputs and column than the file). `raw_rows` rebuilds the
+file's bytes exactly.
+
 Layout (kernels_gguf.cpp's header comment has it from the kernel's side):
-    qs     uint8   [panels, blocks, 256 (Q4) | 512 (Q8_0)]
+    qs     uint8   [panels, blocks, 256 (Q4, Q4_K) | 384 (Q6_K) | 512 (Q8_0)]
     scales float16 [panels, blocks, 1 (Q4_0, Q8_0) | 2 (Q4_1: d, m), 16]
+           uint8   [panels, blocks / 8, 320 (Q4_K) | 288 (Q6_K)]   the K types' records
 """
 from __future__ import annotations
 
@@ -27,6 +34,8 @@ from torch import Tensor
 
 COLS = 16  # output columns per panel
 QK = 32  # inputs per block
+QK_K = 256  # inputs per super-block of the K types
+Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
 
 # Type -> (bytes per block in the file, fp16 values before the integers).
 FORMATS = {
@@ -36,9 +45,16 @@ FORMATS = {
 }
 
 
+# K type -> the fields of its scale record per super-block and column: (name, count, bytes each).
+RECORDS = {
+    Q4_K: [("d", 1, 2), ("dmin", 1, 2), ("sc", 8, 1), ("m", 8, 1)],
+    Q6_K: [("d", 1, 2), ("sc", 16, 1)],
+}
+
+
 def supported(qtype: int) -> bool:
     """True if the block kernels take matrices of this GGML type."""
-    return qtype in FORMATS
+    return qtype in FORMATS or qtype in RECORDS
 
 
 @dataclass
@@ -46,8 +62,8 @@ class BlockMatrix:
     """A weight [out, in] in GGUF blocks, packed in panels of 16 output columns for the kernels."""
 
     qtype: GGMLQuantizationType
-    qs: Tensor  # uint8 [panels, blocks, 256 | 512]
-    scales: Tensor  # float16 [panels, blocks, 1 | 2, 16]
+    qs: Tensor  # uint8 [panels, blocks, 256 | 384 | 512]
+    scales: Tensor  # float16 [panels, blocks, 1 | 2, 16]; K types: uint8 [panels, blocks / 8, record bytes]
     out_features: int
     in_features: int
 
@@ -74,6 +90,8 @@ class BlockMatrix:
 def pack_blocks(raw: np.ndarray, qtype: int) -> BlockMatrix:
     """A GGUF tensor's bytes, uint8 [out, blocks * block bytes] (`ReaderTensor.data`), packed in panels."""
     qtype = GGMLQuantizationType(qtype)
+    if qtype in RECORDS:
+        return _pack_k(raw, qtype)
     if qtype not in FORMATS:
         raise ValueError(f"no block kernel for GGML type {qtype.name}")
     block_bytes, halves = FORMATS[qtype]
@@ -99,6 +117,8 @@ def pack_blocks(raw: np.ndarray, qtype: int) -> BlockMatrix:
 
 def unpack_rows(matrix: BlockMatrix, rows: np.ndarray) -> np.ndarray:
     """The inverse of `pack_blocks` for rows `rows` [n]: the file's bytes, uint8 [n, blocks * block bytes]."""
+    if matrix.qtype in RECORDS:
+        return _unpack_k(matrix, rows)
     panels, blocks, _ = matrix.qs.shape
     panel, col = rows // COLS, rows % COLS
     ints = matrix.qs.numpy().reshape(panels, blocks, -1, COLS, 4)[panel, :, :, col]  # [n, b, chunk, 4]
@@ -106,6 +126,125 @@ def unpack_rows(matrix: BlockMatrix, rows: np.ndarray) -> np.ndarray:
     n = len(rows)
     raw = np.concatenate([scales.view(np.uint8).reshape(n, blocks, -1), ints.reshape(n, blocks, -1)], axis=-1)
     return raw.reshape(n, -1)
+
+
+def _to_panels(per_row: np.ndarray) -> np.ndarray:
+    """Bytes per row and group [out, groups, 4 * chunks] as panels [panels, groups, chunks * 64]: chunk c of
+    a group holds bytes 4c..4c+3 of each of 16 rows (zero rows pad the last panel)."""
+    out_features, groups, width = per_row.shape
+    panels = -(-out_features // COLS)
+    padded = np.zeros((panels * COLS, groups, width), dtype=np.uint8)
+    padded[:out_features] = per_row
+    chunks = padded.reshape(panels, COLS, groups, width // 4, 4).transpose(0, 2, 3, 1, 4)  # [p, g, chunk, col, 4]
+    return np.ascontiguousarray(chunks).reshape(panels, groups, -1)
+
+
+def _from_panels(packed: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The inverse of `_to_panels` for rows `rows` [n]: [n, groups, 4 * chunks]."""
+    panels, groups, _ = packed.shape
+    picked = packed.reshape(panels, groups, -1, COLS, 4)[rows // COLS, :, :, rows % COLS]  # [n, g, chunk, 4]
+    return picked.reshape(len(rows), groups, -1)
+
+
+def _nibble_bytes(u: np.ndarray) -> np.ndarray:
+    """4-bit values [..., 32] as 16 bytes in GGUF's Q4_0 order: byte k holds input k low, k + 16 high."""
+    return (u[..., :16] & 0x0F) | (u[..., 16:] << 4)
+
+
+def _high_bytes(u: np.ndarray) -> np.ndarray:
+    """Bits 4 and 5 of 6-bit values [..., 32] as 8 bytes: byte 4 half + i holds, at bits 2c, those of
+    input 16 half + 4c + i."""
+    high = ((u >> 4) & 3).reshape(*u.shape[:-1], 2, 4, 4)  # [..., half, c, i]
+    shifts = (2 * np.arange(4, dtype=np.uint8))[:, None]  # [c, 1]
+    return np.bitwise_or.reduce(high << shifts, axis=-2).reshape(*u.shape[:-1], 8)
+
+
+def _values(ints: np.ndarray, six_bits: bool) -> np.ndarray:
+    """The inverse of `_nibble_bytes` (and `_high_bytes`): [..., 16 | 24] bytes -> values [..., 32]."""
+    u = np.concatenate([ints[..., :16] & 0x0F, ints[..., :16] >> 4], axis=-1)
+    if six_bits:
+        high = ints[..., 16:24].reshape(*ints.shape[:-1], 2, 1, 4)  # [..., half, 1, i]
+        bits = (high >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [..., half, c, i]
+        u |= bits.reshape(*ints.shape[:-1], 32) << 4
+    return u
+
+
+def _k_fields(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """A K type's bytes [out, super-blocks * block bytes] as record fields {name: uint8 [out, sb, count, bytes]}
+    and unsigned values [out, sb, 256] (Q4_K 0..15, Q6_K 0..63)."""
+    from gguf.quants import Q4_K as Q4KQuant
+
+    out_features = raw.shape[0]
+    blocks = raw.reshape(out_features, -1, gguf_quant_sizes(qtype)[1])
+    sb = blocks.shape[1]
+    if qtype == Q4_K:
+        sc, m = Q4KQuant.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+        qs = blocks[..., 16:].reshape(out_features, sb, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+        fields = {"d": blocks[..., 0:2], "dmin": blocks[..., 2:4], "sc": sc, "m": m}
+        values = (qs & 0x0F).reshape(out_features, sb, QK_K)
+    else:
+        ql = blocks[..., :128].reshape(out_features, sb, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+        qh = blocks[..., 128:192].reshape(out_features, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+        fields = {"d": blocks[..., 208:210], "sc": blocks[..., 192:208]}
+        values = ((ql & 0x0F).reshape(out_features, sb, 2, 128) | (qh & 3).reshape(out_features, sb, 2, 128) << 4)
+    shaped = {name: fields[name].reshape(out_features, sb, count, width) for name, count, width in RECORDS[qtype]}
+    return shaped, values.reshape(out_features, sb, QK_K).astype(np.uint8)
+
+
+def _k_bytes(fields: dict[str, np.ndarray], values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """The inverse of `_k_fields`: the file's bytes [n, super-blocks * block bytes]."""
+    n, sb, _ = values.shape
+    flat = {name: field.reshape(n, sb, -1) for name, field in fields.items()}
+    if qtype == Q4_K:
+        sc, m = flat["sc"], flat["m"]
+        scales = np.concatenate([
+            sc[..., :4] | (sc[..., 4:] >> 4) << 6, m[..., :4] | (m[..., 4:] >> 4) << 6, (sc[..., 4:] & 0x0F) | (m[..., 4:] << 4)
+        ], axis=-1)
+        pairs = values.reshape(n, sb, 4, 2, 32)
+        qs = (pairs[:, :, :, 0] | pairs[:, :, :, 1] << 4).reshape(n, sb, 128)
+        parts = [flat["d"], flat["dmin"], scales, qs]
+    else:
+        halves = values.reshape(n, sb, 2, 2, 64)
+        ql = (halves[..., 0, :] & 0x0F) | (halves[..., 1, :] << 4)
+        high = (values.reshape(n, sb, 2, 4, 32) >> 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]
+        qh = np.bitwise_or.reduce(high, axis=-2)
+        parts = [ql.reshape(n, sb, 128), qh.reshape(n, sb, 64), flat["sc"], flat["d"]]
+    return np.concatenate(parts, axis=-1).astype(np.uint8).reshape(n, -1)
+
+
+def _pack_k(raw: np.ndarray, qtype: GGMLQuantizationType) -> BlockMatrix:
+    """`pack_blocks` of a Q4_K or Q6_K tensor."""
+    fields, values = _k_fields(raw, qtype)
+    out_features, sb, _ = values.shape
+    by_block = values.reshape(out_features, sb * QK_K // QK, QK)  # [out, blocks, 32]
+    ints = _nibble_bytes(by_block)
+    if qtype == Q6_K:
+        ints = np.concatenate([ints, _high_bytes(by_block)], axis=-1)
+    panels = -(-out_features // COLS)
+    record = []
+    for name, count, width in RECORDS[qtype]:
+        padded = np.zeros((panels * COLS, sb, count, width), dtype=np.uint8)
+        padded[:out_features] = fields[name]
+        by_panel = padded.reshape(panels, COLS, sb, count, width).transpose(0, 2, 3, 1, 4)  # [p, sb, count, col, w]
+        record.append(by_panel.reshape(panels, sb, -1))
+    return BlockMatrix(
+        qtype, torch.from_numpy(_to_panels(ints)), torch.from_numpy(np.ascontiguousarray(np.concatenate(record, -1))),
+        out_features, sb * QK_K,
+    )
+
+
+def _unpack_k(matrix: BlockMatrix, rows: np.ndarray) -> np.ndarray:
+    """`unpack_rows` of a Q4_K or Q6_K matrix."""
+    values = _values(_from_panels(matrix.qs.numpy(), rows), matrix.qtype == Q6_K)  # [n, blocks, 32]
+    n = len(rows)
+    values = values.reshape(n, -1, QK_K)
+    record = matrix.scales.numpy()  # [p, sb, bytes]
+    fields, start = {}, 0
+    for name, count, width in RECORDS[matrix.qtype]:
+        part = record[..., start : start + count * COLS * width].reshape(*record.shape[:2], count, COLS, width)
+        fields[name] = part[rows // COLS, :, :, rows % COLS]  # [n, sb, count, width]
+        start += count * COLS * width
+    return _k_bytes(fields, values, matrix.qtype)
 
 
 def llama_permutation(rows: int, heads: int) -> np.ndarray:
