@@ -335,3 +335,42 @@ def test_bundled_target_on_blocks_speculates_token_identically(bundled_targets, 
     speculative = greedy(target, {"suffix": SuffixDrafter, "ngram": NgramDrafter}[drafter](), 4, prompt, stats)
     assert stats.accepted_tokens > 0
     assert speculative == plain
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory):
+    """The bundled model requantized to Q4_K_M by llama.cpp's own quantizer: Q4_K and Q6_K in the
+    MLP's down projections (the only matrices whose rows, 1536 inputs, are whole super-blocks), Q5_0
+    and Q8_0 elsewhere; and the bundled tokenizer (the vocabulary is the same)."""
+    from specsample.models.loading import load_model
+
+    llamacpp = pytest.importorskip("specsample.models.llamacpp")
+    if not kernels.available():
+        pytest.skip("the kernels could not be built here")
+    try:
+        loaded = load_model(tokenizer_only=True)
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    try:
+        out = llamacpp.quantize(loaded.gguf, tmp_path_factory.mktemp("q4km") / "model.Q4_K_M.gguf", "Q4_K_M", 2)
+    except (ImportError, OSError) as error:
+        pytest.skip(f"llama.cpp's quantizer is unavailable: {error}")
+    return out, loaded.tokenizer
+
+
+@pytest.mark.slow
+def test_a_q4_k_m_file_runs_on_its_k_blocks_and_speculates_token_identically(q4_k_m):
+    from specsample.drafters import NoDrafter, SuffixDrafter
+    from specsample.stats import Stats
+
+    path, tokenizer = q4_k_m
+    target = gguf_blocks.file_target(path)
+    downs = {GGMLQuantizationType(layer.down.qtype) for layer in target.layers}
+    assert downs == {Q4_K, Q6_K}
+    text = "Count: one, two, three, four, five, six. Again: one, two, three, four, five, six. Again:"
+    prompt = torch.tensor(tokenizer(text).input_ids)
+    plain = greedy(target, NoDrafter(), 0, prompt, Stats())
+    stats = Stats()
+    assert greedy(target, SuffixDrafter(), 4, prompt, stats) == plain
+    assert stats.accepted_tokens > 0
+    assert "six" in tokenizer.decode(plain)  # the requantized model still counts

@@ -258,31 +258,35 @@ def llama_permutation(rows: int, heads: int) -> np.ndarray:
 
 # GGUF metadata value types with a fixed size, by type id (8 is a string, 9 an array).
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
 class TensorIndex:
     """Where each tensor of a GGUF file lies, read from its header alone.
 
     `gguf.GGUFReader` turns every metadata value into numpy views first, which takes about 8 s for
-    the bundled model's 49152-token vocabulary; this skips the metadata (keeping only the alignment)
-    and memory-maps the tensors: the file's bytes, never copied until packed.
+    the bundled model's 49152-token vocabulary; this keeps the scalar and string metadata, skips
+    the arrays (the vocabulary) and memory-maps the tensors: the file's bytes, never copied until packed.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.metadata: dict[str, int | float | bool | str] = {}  # scalars and strings, by key
         self.tensors: dict[str, tuple[list[int], GGMLQuantizationType, int]] = {}  # name -> (dims, type, offset)
         with open(self.path, "rb") as f:
             magic, _version, n_tensors, n_kv = struct.unpack("<IIQQ", f.read(24))
             if magic != 0x46554747:  # "GGUF"
                 raise ValueError(f"{self.path} is not a GGUF file")
-            alignment = 32
             for _ in range(n_kv):
                 key = self._string(f)
                 kind = self._u32(f)
-                if key == "general.alignment" and kind == 4:
-                    alignment = self._u32(f)
+                if kind in _SCALAR_FORMATS:
+                    self.metadata[key] = struct.unpack(_SCALAR_FORMATS[kind], f.read(_SCALAR_BYTES[kind]))[0]
+                elif kind == 8:
+                    self.metadata[key] = self._string(f)
                 else:
                     self._skip(f, kind)
+            alignment = int(self.metadata.get("general.alignment", 32))
             for _ in range(n_tensors):
                 name = self._string(f)
                 dims = [self._u64(f) for _ in range(self._u32(f))]
@@ -359,10 +363,6 @@ def read_matrix(path: str | Path | TensorIndex, names: list[str], permute_heads:
     return pack_blocks(np.concatenate([raw for raw, _ in parts]), types.pop())
 
 
-# Architectures whose GGUF converter permutes the Q and K rows (llama.cpp's LlamaModel and its kin).
-PERMUTED_QK = {"llama", "mistral"}
-
-
 def as_matrix(linear) -> BlockMatrix:
     """The BlockMatrix of a llama.Linear holding GGUF blocks (weight: qs, scales: fp16 scales)."""
     return BlockMatrix(GGMLQuantizationType(linear.qtype), linear.weight, linear.scales, linear.out_features,
@@ -382,13 +382,140 @@ def block_linear(matrix: BlockMatrix, bias: Tensor | None):
     return Linear(matrix.qs, bias, matrix.out_features, True, matrix.scales, int(matrix.qtype))
 
 
-def _blocks_or(reader: TensorIndex, names: list[str], heads: list[int | None] | None, fallback):
-    """The tensors `names` as a GGUF-block Linear with fallback's bias, or `fallback` (a float32
-    Linear) where their types have no block kernel."""
+# GGUF architectures `file_target` builds (llama covers Mistral and SmolLM2 too), and those whose
+# converter permutes the Q and K rows (llama.cpp's LlamaModel: rotary pairs interleaved).
+ARCHITECTURES = {"llama", "qwen2"}
+PERMUTED_QK = {"llama", "mistral"}
+DEFAULT_MAX_LENGTH = 8192  # as the fast backend's (llama.DEFAULT_MAX_LENGTH)
+
+
+@dataclass(frozen=True)
+class FileShape:
+    """What a GGUF file's metadata says of a Llama-family decoder."""
+
+    arch: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    context: int
+
+
+def file_shape(index: TensorIndex) -> FileShape:
+    """The decoder's shape from the file's metadata; UnsupportedModel for what `file_target` cannot build."""
+    from specsample.models.llama import UnsupportedModel
+
+    meta = index.metadata
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModel(f"GGUF architecture {arch!r} is not one of {sorted(ARCHITECTURES)}")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise UnsupportedModel(f"rope scaling {scaling!r} is not built from the file")
+    hidden, heads = meta[f"{arch}.embedding_length"], meta[f"{arch}.attention.head_count"]
+    head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
+    if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
+        raise UnsupportedModel("a partial rotary embedding is not supported")
+    if any(name.endswith(("ffn_up.bias", "ffn_down.bias")) for name in index.tensors):
+        raise UnsupportedModel("MLP biases are not supported")
+    return FileShape(
+        arch, meta[f"{arch}.block_count"], heads, meta.get(f"{arch}.attention.head_count_kv", heads), head_dim,
+        meta[f"{arch}.attention.layer_norm_rms_epsilon"], meta.get(f"{arch}.context_length", DEFAULT_MAX_LENGTH),
+    )
+
+
+def inverse_frequencies(index: TensorIndex, shape: FileShape) -> Tensor:
+    """The rotary embedding's inverse frequencies [head_dim / 2], computed as transformers does: base^(-2i/d),
+    divided by a linear scaling factor or by the file's per-frequency factors (llama3's rope_freqs)."""
+    base = float(index.metadata.get(f"{shape.arch}.rope.freq_base", 10000.0))
+    inv_freq = 1.0 / (base ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float) / shape.head_dim))
+    if index.metadata.get(f"{shape.arch}.rope.scaling.type") == "linear":
+        inv_freq = inv_freq / float(index.metadata[f"{shape.arch}.rope.scaling.factor"])
+    if "rope_freqs.weight" in index.tensors:
+        inv_freq = inv_freq / vector(index, "rope_freqs.weight")
+    return inv_freq
+
+
+def vector(index: TensorIndex, name: str) -> Tensor:
+    """A one-dimensional tensor of the file (a norm's weight, a bias) in float32, copied out of the file."""
+    raw, kind = index.raw(name)
+    return torch.from_numpy(np.array(dequantize(raw, kind), dtype=np.float32).reshape(-1))
+
+
+def optional_vector(index: TensorIndex, name: str) -> Tensor | None:
+    return vector(index, name) if name in index.tensors else None
+
+
+class FileRows:
+    """Rows of a GGUF matrix dequantized on lookup (`rows[token_ids]`): an untied embedding table that
+    stays in the file (memory-mapped) instead of a float32 copy."""
+
+    def __init__(self, index: TensorIndex, name: str) -> None:
+        self.raw, self.kind = index.raw(name)
+
+    def __getitem__(self, ids: Tensor) -> Tensor:
+        picked = self.raw[ids.reshape(-1).cpu().numpy()]  # [n, row bytes]
+        return torch.from_numpy(np.ascontiguousarray(dequantize(picked, self.kind), dtype=np.float32))
+
+
+def file_linear(index: TensorIndex, names: list[str], heads: list[int | None] | None, bias: Tensor | None):
+    """The tensors `names` stacked (a fused QKV or gate/up) as a llama.Linear: on their GGUF blocks where
+    one block kernel takes them all, else dequantized by the `gguf` package into float32 panels."""
+    from specsample.models.llama import Linear
+
     try:
-        return block_linear(read_matrix(reader, names, heads), fallback.bias)
+        return block_linear(read_matrix(index, names, heads), bias)
     except ValueError:
-        return fallback
+        parts = [read_raw(index, name, h) for name, h in zip(names, heads or [None] * len(names))]
+        weight = np.concatenate([dequantize(raw, kind) for raw, kind in parts])  # [out, in] float32
+        return Linear.from_weight(torch.from_numpy(weight), bias, torch.float32, True)
+
+
+def file_target(path: str | Path, max_length: int | None = None):
+    """A LlamaTarget built from the GGUF file `path` alone: linear maps on the file's own blocks (Q4_0,
+    Q4_1, Q8_0, Q4_K, Q6_K; other types dequantized into float32 panels), norms and biases from the
+    file, a tied embedding read from the LM head's blocks and an untied one from the file on lookup.
+    No transformers model is made, so memory is about the file's size plus the cache.
+
+    Raises UnsupportedModel where the kernels are unavailable or the file is outside `file_shape`.
+    """
+    from specsample.models import kernels
+    from specsample.models.llama import LlamaTarget, UnsupportedModel
+    from specsample.models.ops import rope_tables
+
+    if not kernels.available():
+        raise UnsupportedModel("GGUF blocks need the C++ kernels")
+    index = TensorIndex(path)
+    shape = file_shape(index)
+    max_length = max_length or min(shape.context, DEFAULT_MAX_LENGTH)
+    heads = [shape.heads, shape.kv_heads, None] if shape.arch in PERMUTED_QK else None
+    layers = [file_layer(index, f"blk.{i}.", heads) for i in range(shape.layers)]
+    tied = "output.weight" not in index.tensors
+    lm_head = file_linear(index, ["token_embd.weight" if tied else "output.weight"], None, None)
+    cos, sin = rope_tables(inverse_frequencies(index, shape), 1.0, max_length, torch.float32)
+    return LlamaTarget(
+        layers, None if tied else FileRows(index, "token_embd.weight"), vector(index, "output_norm.weight"), lm_head,
+        cos, sin, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim, eps=shape.eps,
+    )
+
+
+def file_layer(index: TensorIndex, p: str, heads: list[int | None] | None):
+    """Decoder layer `p` ("blk.N.") of a GGUF file as a llama.Layer."""
+    from specsample.models.llama import Layer
+
+    qkv_bias = [optional_vector(index, p + f"attn_{x}.bias") for x in "qkv"]
+    if qkv_bias[0] is not None and heads:
+        qkv_bias = [b if h is None else b[torch.from_numpy(llama_permutation(len(b), h))] for b, h in zip(qkv_bias, heads)]
+    o_bias = optional_vector(index, p + "attn_output.bias")
+    return Layer(
+        attn_norm=vector(index, p + "attn_norm.weight"),
+        qkv=file_linear(index, [p + f"attn_{x}.weight" for x in "qkv"], heads, None if qkv_bias[0] is None else torch.cat(qkv_bias)),
+        o=file_linear(index, [p + "attn_output.weight"], None, o_bias),
+        mlp_norm=vector(index, p + "ffn_norm.weight"),
+        gate_up=file_linear(index, [p + "ffn_gate.weight", p + "ffn_up.weight"], None, None),
+        down=file_linear(index, [p + "ffn_down.weight"], None, None),
+    )
 
 
 def _check_rows(linear, reference: Tensor, rows: list[int], what: str) -> None:
@@ -403,41 +530,20 @@ def _check_rows(linear, reference: Tensor, rows: list[int], what: str) -> None:
 
 
 def gguf_target(model, path: str | Path, max_length: int | None = None):
-    """A float32 LlamaTarget of a transformers model converted from the GGUF file `path` whose
-    linear maps run on the file's own blocks (Q4_0, Q4_1, Q8_0; others stay float32 panels).
+    """`file_target` of the GGUF file `path` that the transformers `model` was converted from, checked
+    against it: raises UnsupportedModel where the file's Q, K or LM head rows differ from the model's
+    (a converter permutation this does not know). The target keeps `model` as its source (its int8 copy)."""
+    from specsample.models.llama import UnsupportedModel, unsupported_reason
 
-    Norms, biases, rotary tables and an untied embedding come from `model`. Raises
-    UnsupportedModel where the fast backend or its kernels cannot run it, or where the file's
-    rows do not match the model's (a converter permutation this does not know).
-    """
-    from dataclasses import replace
-
-    from specsample.models import kernels
-    from specsample.models.llama import LlamaTarget, UnsupportedModel
-
-    if not kernels.available():
-        raise UnsupportedModel("GGUF blocks need the C++ kernels")
-    base = LlamaTarget.from_hf(model, max_length)
-    config, reader = model.config, TensorIndex(path)
-    heads = [base.heads, base.kv_heads, None] if config.model_type in PERMUTED_QK else None
-    layers = []
-    for i, layer in enumerate(base.layers):
-        p = f"blk.{i}."
-        layers.append(replace(
-            layer,
-            qkv=_blocks_or(reader, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], heads, layer.qkv),
-            o=_blocks_or(reader, [p + "attn_output.weight"], None, layer.o),
-            gate_up=_blocks_or(reader, [p + "ffn_gate.weight", p + "ffn_up.weight"], None, layer.gate_up),
-            down=_blocks_or(reader, [p + "ffn_down.weight"], None, layer.down),
-        ))
-    head = "output.weight" if "output.weight" in reader.tensors else "token_embd.weight"
-    lm_head = _blocks_or(reader, [head], None, base.lm_head)
+    reason = unsupported_reason(model.config)
+    if reason is not None:
+        raise UnsupportedModel(reason)
+    target = file_target(path, max_length)
     attention = model.model.layers[0].self_attn
     q_rows, k_rows = attention.q_proj.weight.shape[0], attention.k_proj.weight.shape[0]
     reference = torch.cat([attention.q_proj.weight, attention.k_proj.weight]).detach()
-    _check_rows(layers[0].qkv, reference, [0, 1, base.head_dim // 2, q_rows - 1, q_rows + 1, q_rows + k_rows - 1], "Q and K")
-    _check_rows(lm_head, model.lm_head.weight.detach(), [0, 1, base.vocab_size - 1], "LM head")
-    return LlamaTarget(
-        layers, base.embed, base.norm, lm_head, base.cos, base.sin,
-        heads=base.heads, kv_heads=base.kv_heads, head_dim=base.head_dim, eps=base.eps, source=model,
-    )
+    rows = [0, 1, target.head_dim // 2, q_rows - 1, q_rows + 1, q_rows + k_rows - 1]
+    _check_rows(target.layers[0].qkv, reference, rows, "Q and K")
+    _check_rows(target.lm_head, model.lm_head.weight.detach(), [0, 1, target.vocab_size - 1], "LM head")
+    target.source = model
+    return target
