@@ -338,10 +338,9 @@ def test_bundled_target_on_blocks_speculates_token_identically(bundled_targets, 
 
 
 @pytest.fixture(scope="module")
-def q4_k_m(tmp_path_factory):
-    """The bundled model requantized to Q4_K_M by llama.cpp's own quantizer: Q4_K and Q6_K in the
-    MLP's down projections (the only matrices whose rows, 1536 inputs, are whole super-blocks), Q5_0
-    and Q8_0 elsewhere; and the bundled tokenizer (the vocabulary is the same)."""
+def copies(tmp_path_factory):
+    """The bundled model requantized by llama.cpp's own quantizer, made on first use: copies("Q4_K_M")
+    is the path of that file; with the bundled tokenizer (the vocabulary is the same)."""
     from specsample.models.loading import load_model
 
     llamacpp = pytest.importorskip("specsample.models.llamacpp")
@@ -351,26 +350,88 @@ def q4_k_m(tmp_path_factory):
         loaded = load_model(tokenizer_only=True)
     except FileNotFoundError as error:
         pytest.skip(str(error))
-    try:
-        out = llamacpp.quantize(loaded.gguf, tmp_path_factory.mktemp("q4km") / "model.Q4_K_M.gguf", "Q4_K_M", 2)
-    except (ImportError, OSError) as error:
-        pytest.skip(f"llama.cpp's quantizer is unavailable: {error}")
-    return out, loaded.tokenizer
+    directory, made = tmp_path_factory.mktemp("copies"), {}
+
+    def copy(type_name: str):
+        if type_name not in made:
+            try:
+                made[type_name] = llamacpp.quantize(loaded.gguf, directory / f"model.{type_name}.gguf", type_name, 2)
+            except (ImportError, OSError) as error:
+                pytest.skip(f"llama.cpp's quantizer is unavailable: {error}")
+        return made[type_name]
+
+    return copy, loaded.tokenizer
+
+
+COUNTING = "Count: one, two, three, four, five, six. Again: one, two, three, four, five, six. Again:"
 
 
 @pytest.mark.slow
-def test_a_q4_k_m_file_runs_on_its_k_blocks_and_speculates_token_identically(q4_k_m):
+def test_a_q4_k_m_file_runs_on_its_k_blocks_and_speculates_token_identically(copies):
+    """The Q4_K_M file: Q4_K and Q6_K in the MLP's down projections (the only matrices whose rows, 1536
+    inputs, are whole super-blocks), Q5_0 and Q8_0 elsewhere (float32 panels where fused with another type)."""
     from specsample.drafters import NoDrafter, SuffixDrafter
     from specsample.stats import Stats
 
-    path, tokenizer = q4_k_m
-    target = gguf_blocks.file_target(path)
+    copy, tokenizer = copies
+    target = gguf_blocks.file_target(copy("Q4_K_M"))
     downs = {GGMLQuantizationType(layer.down.qtype) for layer in target.layers}
     assert downs == {Q4_K, Q6_K}
-    text = "Count: one, two, three, four, five, six. Again: one, two, three, four, five, six. Again:"
-    prompt = torch.tensor(tokenizer(text).input_ids)
+    prompt = torch.tensor(tokenizer(COUNTING).input_ids)
     plain = greedy(target, NoDrafter(), 0, prompt, Stats())
     stats = Stats()
     assert greedy(target, SuffixDrafter(), 4, prompt, stats) == plain
     assert stats.accepted_tokens > 0
     assert "six" in tokenizer.decode(plain)  # the requantized model still counts
+
+
+@pytest.mark.slow
+def test_a_q8_0_target_drafts_with_its_q4_0_copy_token_identically(copies):
+    from specsample.defaults import default_configuration
+    from specsample.drafters import NoDrafter
+    from specsample.drafters.quantized import quantized_drafter
+    from specsample.stats import Stats
+
+    copy, tokenizer = copies
+    target = gguf_blocks.file_target(copy("Q8_0"))
+    drafter = quantized_drafter(None, target)
+    lower = drafter.model
+    assert {GGMLQuantizationType(layer.gate_up.qtype) for layer in lower.layers} == {Q4_0}
+    assert lower.lm_head is target.lm_head and lower.norm is target.norm  # shared, not copied
+    assert target.copy_cost == gguf_blocks.MEASURED_COPY_COST["Q8_0"]
+    assert default_configuration(target).drafter == "suffix"  # measured not cheap enough to draft by default
+    prompt = torch.tensor(tokenizer(COUNTING).input_ids)
+    plain = greedy(target, NoDrafter(), 0, prompt, Stats())
+    stats = Stats()
+    assert greedy(target, drafter, 4, prompt, stats) == plain
+    assert stats.accepted_tokens > 0
+
+
+def test_a_4_bit_target_has_no_lower_bit_copy(bundled):
+    """The bundled Q4_1 file: its layers are at 5 bits, its Q8_0 LM head is kept, so nothing is cheaper."""
+    from specsample.defaults import default_configuration
+
+    if not kernels.available():
+        pytest.skip("the kernels could not be built here")
+    target = gguf_blocks.file_target(bundled.path)
+    assert target.copy_cost is None and default_configuration(target).drafter == "suffix"
+    with pytest.raises(ValueError, match="no cheaper copy"):
+        target.quantized_copy()
+
+
+def test_the_head_drafts_from_int8_on_every_build(isa):
+    """The draft head's decoder (drafters/head.py `fast_head`) runs int8 panels on each instruction set,
+    within int8 rounding of its float32 panels."""
+    from specsample.drafters.head import DraftHead, HeadConfig, fast_head
+
+    config = HeadConfig(target="t", fingerprint="f", hidden_size=64, vocab_size=96, vocab_subset=96, layers=1, heads=4,
+                        kv_heads=2, head_dim=16, intermediate_size=128)
+    torch.manual_seed(0)
+    head = DraftHead(config).eval()
+    rows = torch.randn(96, 64)
+    _, _, int8 = fast_head(head, rows, 64)
+    _, _, float32 = fast_head(head, rows, 64, int8=False)
+    assert int8.layers[0].qkv.weight.dtype == torch.int8 and int8.lm_head.weight.dtype == torch.int8
+    x = torch.randn(5, 64)
+    ours, theirs = int8.forward_embeddings(x.clone()), float32.forward_embeddings(x.clone())
+    assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()

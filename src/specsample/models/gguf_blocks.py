@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 from torch import Tensor
 
 COLS = 16  # output columns per panel
@@ -547,3 +547,73 @@ def gguf_target(model, path: str | Path, max_length: int | None = None):
     _check_rows(target.lm_head, model.lm_head.weight.detach(), [0, 1, target.vocab_size - 1], "LM head")
     target.source = model
     return target
+
+
+# The `quantized` drafter on blocks (`lower_bit_copy`): every layer matrix of more than COPY_ABOVE
+# bits per weight (Q8_0, Q6_K, float) is requantized to COPY_TYPE, Q4_0, the fewest bits the block
+# kernels run; matrices of 4 or 5 bits are shared with the target, since requantizing them saves
+# at most a tenth of their bytes and costs much agreement (a Q4_1 layer made Q4_0 is quantized
+# twice). The LM head (the tied embedding) keeps its type, as llama.cpp keeps its output tensor
+# at more bits in its own low-bit files: in Q4_0 it cost the copy 5 to 10 points of greedy
+# agreement with the target on SmolLM2-135M (docs/kernels-gguf.md). So a Q8_0 target drafts with
+# Q4_0 layers, and a Q4_0 or Q4_1 target has no lower-bit copy (`lower_bit_copy` raises).
+COPY_TYPE = GGMLQuantizationType.Q4_0
+COPY_ABOVE = 6.0
+
+
+def bits_per_weight(linear) -> float:
+    """Bits per weight a llama.Linear streams: its GGUF type's, or 32 (float32 panels), 8 (int8 panels)."""
+    if linear.qtype:
+        values, block_bytes = gguf_quant_sizes(GGMLQuantizationType(linear.qtype))
+        return 8 * block_bytes / values
+    return 8.0 if linear.scales is not None else 32.0
+
+
+def requantized(linear):
+    """`linear` in COPY_TYPE blocks if it has more than COPY_ABOVE bits per weight, else `linear` itself (shared)."""
+    if bits_per_weight(linear) <= COPY_ABOVE:
+        return linear
+    from specsample.models import kernels
+
+    weight = as_matrix(linear).dequantize() if linear.qtype else kernels.unpack(linear.weight, linear.out_features)
+    return block_linear(pack_blocks(quantize(weight.numpy(), COPY_TYPE), COPY_TYPE), linear.bias)
+
+
+# f(1) of the lower-bit copy over its target's, by the GGML type of the target's layer matrices
+# (benchmarks/block_copy_cost.py: one thread's CPU time, context 200, median of 30, Intel Xeon
+# AVX-512 VNNI, a nice'd run on a shared machine): a Q8_0 copy of the bundled SmolLM2-135M, whose
+# Q4_0 copy streams its layers in about half the bytes but keeps the Q8_0 LM head. Targets of 4 or 5
+# bits have no copy; mixed files (Q4_K_M) are not measured.
+MEASURED_COPY_COST = {"Q8_0": 0.71}
+
+
+def block_copy_cost(target) -> float | None:
+    """What `lower_bit_copy` of `target` costs per target pass, as measured (MEASURED_COPY_COST), or None."""
+    types = {linear.qtype for layer in target.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+    if len(types) != 1 or not next(iter(types)):
+        return None
+    return MEASURED_COPY_COST.get(GGMLQuantizationType(types.pop()).name)
+
+
+def on_blocks(target) -> bool:
+    """True if a LlamaTarget runs some of its linear maps on GGUF blocks."""
+    return bool(target.lm_head.qtype) or any(layer.qkv.qtype for layer in target.layers)
+
+
+def lower_bit_copy(target):
+    """A lower-bit copy of a LlamaTarget on GGUF blocks, with its own cache: its layer matrices of more
+    than COPY_ABOVE bits requantized to Q4_0 (`requantized`); the rest, the LM head, the embedding, norms
+    and rotary tables shared. Raises ValueError where no layer matrix has more bits (no cheaper copy)."""
+    from dataclasses import replace
+
+    from specsample.models.llama import LlamaTarget
+
+    names = ("qkv", "o", "gate_up", "down")
+    layers = [replace(layer, **{name: requantized(getattr(layer, name)) for name in names}) for layer in target.layers]
+    if all(getattr(a, name) is getattr(b, name) for a, b in zip(layers, target.layers) for name in names):
+        raise ValueError(f"the target's layers have at most {COPY_ABOVE:g} bits per weight: "
+                         "the GGUF block kernels have no cheaper copy of it to draft with")
+    return LlamaTarget(
+        layers, target.embed, target.norm, target.lm_head, target.cos, target.sin, heads=target.heads,
+        kv_heads=target.kv_heads, head_dim=target.head_dim, eps=target.eps,
+    )
