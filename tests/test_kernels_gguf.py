@@ -1,14 +1,15 @@
 """The GGUF block kernels (kernels_gguf.cpp) on every instruction set this machine can run.
 
 Each build (native, AVX2, portable) is loaded side by side and swapped in for
-`kernels._library`, as in test_kernels.py. For Q4_0, Q4_1 and Q8_0 and every row
-count 1 to 16, a product must match float64 references within stated bounds:
+`kernels._library`, as in test_kernels.py. For Q4_0, Q4_1, Q8_0, Q4_K and Q6_K and every
+row count 1 to 16, a product must match float64 references within stated bounds:
 
 - exact activations: the `gguf` package's dequantization of W times the float64 of
   the kernel's own int8 activations (its quantization is checked bitwise against a
   torch mirror). The block sums are exact integers, so only the float32 chain over
-  the blocks rounds: at most (blocks + 2) roundings of 2^-24 relative to the sum of
-  the products' magnitudes, |xq| @ |W|^T;
+  the blocks rounds: at most (chain * blocks + 2) roundings of 2^-24 relative to the
+  sum of the products' magnitudes, |xq| @ |W|^T, where chain is the multiply-adds per
+  block (1 for Q4_0 and Q8_0; 2 for Q4_1 and Q4_K, the min, and Q6_K, two sub-blocks);
 - the float activations x: that bound plus the activation rounding, at most half a
   quantization step per input, sum over blocks of d_x / 2 * sum |w|.
 
@@ -31,9 +32,17 @@ from specsample.models import gguf_blocks, kernels
 
 from test_kernels import FLAGS
 
-FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
-OUT, IN = 100, 320  # a partial last panel of 16 columns; 10 blocks
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = (GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"))
+FORMATS = [Q4_0, Q4_1, Q8_0, Q4_K, Q6_K]
+K_TYPES = {Q4_K, Q6_K}
+OUT = 100  # a partial last panel of 16 columns
 UNIT = 2.0**-24  # float32 rounding, relative
+CHAIN = {Q4_0: 1, Q8_0: 1, Q4_1: 2, Q4_K: 2, Q6_K: 2}  # multiply-adds per block and output
+
+
+def inputs(qtype: GGMLQuantizationType) -> int:
+    """Inputs of the test matrices: 10 blocks, or 2 super-blocks (16 blocks) of a K type."""
+    return 512 if qtype in K_TYPES else 320
 
 
 AVX2 = {"avx2", "fma", "f16c"} <= FLAGS
@@ -60,10 +69,26 @@ def isa(request, monkeypatch) -> str:
     return built
 
 
+def random_k_raw(qtype: GGMLQuantizationType, out_features: int, in_features: int, rng) -> np.ndarray:
+    """Bytes of a random Q4_K or Q6_K weight (the `gguf` package cannot quantize to them): random
+    integers and sub-scales (every byte is legal; Q6_K's int8 scales reach -128), super-block
+    scales d (and Q4_K's dmin) of 1e-3 to 1e-2, some rows 50 times larger or 1000 times smaller."""
+    block_bytes = 144 if qtype == Q4_K else 210
+    raw = rng.integers(0, 256, (out_features, in_features // 256, block_bytes), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 1e-2, (out_features, in_features // 256, 2 if qtype == Q4_K else 1))
+    scales[::7] *= 50
+    scales[3::11] *= 1e-3
+    start = 0 if qtype == Q4_K else 208
+    raw[..., start : start + scales.shape[-1] * 2] = scales.astype(np.float16).view(np.uint8)
+    return raw.reshape(out_features, -1)
+
+
 def random_raw(qtype: GGMLQuantizationType, out_features: int, in_features: int, seed: int) -> np.ndarray:
     """A GGUF tensor's bytes [out, blocks * block bytes] of a random weight, with some rows scaled
     far up or down and, for Q8_0, some weights at -128 (never produced by quantize, legal in a file)."""
     rng = np.random.default_rng(seed)
+    if qtype in K_TYPES:
+        return random_k_raw(qtype, out_features, in_features, rng)
     weight = rng.standard_normal((out_features, in_features)).astype(np.float32)
     weight[::7] *= 50
     weight[3::11] *= 1e-3
@@ -92,13 +117,13 @@ def python_quantization(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return q.view_as(x), d, q.int().sum(-1, dtype=torch.int32)
 
 
-def references(x: torch.Tensor, weight: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def references(x: torch.Tensor, weight: torch.Tensor, chain: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(float64 reference [n, out], its stated tolerance [n, out]) against the kernel's int8
-    activations ("int8") and against x itself ("float")."""
+    activations ("int8") and against x itself ("float"), for `chain` multiply-adds per block."""
     q, d, _ = kernels.quantize_activations(x)
     blocks = x.shape[1] // 32
     xq = (q.double().view(len(x), blocks, 32) * d.double()[..., None]).view_as(x)  # [n, in]
-    rounding = (blocks + 2) * UNIT * (xq.abs() @ weight.abs().T)  # float32 chain over the blocks
+    rounding = (chain * blocks + 2) * UNIT * (xq.abs() @ weight.abs().T)  # float32 chain over the blocks
     w_block = weight.abs().view(len(weight), blocks, 32).sum(-1)  # [out, blocks]
     activation = (d.double() / 2) @ w_block.T  # half a step per input
     return {"int8": (xq @ weight.T, rounding + 1e-30), "float": (x.double() @ weight.T, rounding + activation + 1e-30)}
@@ -115,21 +140,22 @@ def test_source_is_package_data():
 
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_packing_keeps_every_byte(qtype):
-    raw = random_raw(qtype, OUT, IN, seed=1)
+    in_features = inputs(qtype)
+    raw = random_raw(qtype, OUT, in_features, seed=1)
     matrix = gguf_blocks.pack_blocks(raw, qtype)
-    assert matrix.qs.shape[:2] == (-(-OUT // 16), IN // 32) and matrix.in_features == IN
+    assert matrix.qs.shape[:2] == (-(-OUT // 16), in_features // 32) and matrix.in_features == in_features
     assert np.array_equal(matrix.raw_rows(np.arange(OUT)), raw)
     rows = torch.tensor([99, 0, 17, 17])
     assert torch.equal(matrix.rows(rows), torch.from_numpy(dequantize(raw, qtype))[rows])
 
 
 def test_unknown_type_is_refused():
-    with pytest.raises(ValueError, match="Q4_K"):
-        gguf_blocks.pack_blocks(np.zeros((16, 144), np.uint8), GGMLQuantizationType.Q4_K)
+    with pytest.raises(ValueError, match="Q5_K"):
+        gguf_blocks.pack_blocks(np.zeros((16, 176), np.uint8), GGMLQuantizationType.Q5_K)
 
 
 def test_activation_quantization_is_llamacpp_q8_0(isa):
-    x = activations(16, IN, seed=2)
+    x = activations(16, 320, seed=2)
     q, d, s = kernels.quantize_activations(x)
     expected = python_quantization(x)
     for mine, theirs in zip((q, d, s), expected):
@@ -140,17 +166,17 @@ def test_activation_quantization_is_llamacpp_q8_0(isa):
 
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_matmul_matches_float64_references(isa, qtype):
-    raw = random_raw(qtype, OUT, IN, seed=int(qtype))
+    raw = random_raw(qtype, OUT, inputs(qtype), seed=int(qtype))
     matrix = gguf_blocks.pack_blocks(raw, qtype)
     weight = torch.from_numpy(dequantize(raw, qtype)).double()  # [out, in]
     bias = torch.randn(OUT, generator=torch.Generator().manual_seed(3))
     for rows in range(1, 17):
-        x = activations(rows, IN, seed=rows)
+        x = activations(rows, inputs(qtype), seed=rows)
         y = matrix(x)
-        for name, (reference, tolerance) in references(x, weight).items():
+        for name, (reference, tolerance) in references(x, weight, CHAIN[qtype]).items():
             assert within(y, reference, tolerance), (name, rows)
         # The bias and the output added into round once each, relative to what they are added to.
-        reference, tolerance = references(x, weight)["int8"]
+        reference, tolerance = references(x, weight, CHAIN[qtype])["int8"]
         reference = reference + bias.double()
         tolerance = tolerance + UNIT * reference.abs()
         assert within(matrix(x, bias), reference, tolerance)
@@ -161,20 +187,24 @@ def test_matmul_matches_float64_references(isa, qtype):
 
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_a_wrong_scale_fails_the_tolerance(isa, qtype):
-    raw = random_raw(qtype, OUT, IN, seed=5)
+    raw = random_raw(qtype, OUT, inputs(qtype), seed=5)
     weight = torch.from_numpy(dequantize(raw, qtype)).double()
-    x = activations(4, IN, seed=6)
-    reference, tolerance = references(x, weight)["int8"]
+    x = activations(4, inputs(qtype), seed=6)
+    reference, tolerance = references(x, weight, CHAIN[qtype])["int8"]
     matrix = gguf_blocks.pack_blocks(raw, qtype)
     assert within(matrix(x), reference, tolerance)
-    matrix.scales[0, 3, 0, 5] *= 1.01  # column 5's d in block 3, one percent off
+    if qtype in K_TYPES:  # column 5's integer scale of sub-block 3 in super-block 1, one step off
+        offset = (64 if qtype == Q4_K else 32) + 3 * 16 + 5
+        matrix.scales[0, 1, offset] ^= 1
+    else:
+        matrix.scales[0, 3, 0, 5] *= 1.01  # column 5's d in block 3, one percent off
     assert not within(matrix(x), reference, tolerance)
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_rows_do_not_depend_on_the_rest_of_the_pass(isa, qtype):
-    matrix = gguf_blocks.pack_blocks(random_raw(qtype, OUT, IN, seed=7), qtype)
-    x = activations(40, IN, seed=8)  # more than one chunk of 16 rows
+    matrix = gguf_blocks.pack_blocks(random_raw(qtype, OUT, inputs(qtype), seed=7), qtype)
+    x = activations(40, inputs(qtype), seed=8)  # more than one chunk of 16 rows
     full = matrix(x)
     for rows in range(1, 17):
         assert torch.equal(matrix(x[:rows]), full[:rows]), rows
@@ -185,8 +215,8 @@ def test_rows_do_not_depend_on_the_rest_of_the_pass(isa, qtype):
 @pytest.mark.skipif(len({ISAS["native"], ISAS["avx2"], "portable"}) < 2, reason="one instruction set here")
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_every_build_gives_the_same_bits(monkeypatch, qtype):
-    matrix = gguf_blocks.pack_blocks(random_raw(qtype, OUT, IN, seed=9), qtype)
-    x = activations(16, IN, seed=10)
+    matrix = gguf_blocks.pack_blocks(random_raw(qtype, OUT, inputs(qtype), seed=9), qtype)
+    x = activations(16, inputs(qtype), seed=10)
     results = []
     for isa in ISAS:
         lib = library(isa)
@@ -239,7 +269,7 @@ def test_bundled_tensors(isa, bundled, name):
     for rows in (1, 7, 16):
         x = activations(rows, matrix.in_features, seed=rows)
         y = matrix(x)
-        for label, (reference, tolerance) in references(x, weight).items():
+        for label, (reference, tolerance) in references(x, weight, CHAIN[qtype]).items():
             assert within(y, reference, tolerance), (label, rows)
 
 
@@ -305,3 +335,103 @@ def test_bundled_target_on_blocks_speculates_token_identically(bundled_targets, 
     speculative = greedy(target, {"suffix": SuffixDrafter, "ngram": NgramDrafter}[drafter](), 4, prompt, stats)
     assert stats.accepted_tokens > 0
     assert speculative == plain
+
+
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory):
+    """The bundled model requantized by llama.cpp's own quantizer, made on first use: copies("Q4_K_M")
+    is the path of that file; with the bundled tokenizer (the vocabulary is the same)."""
+    from specsample.models.loading import load_model
+
+    llamacpp = pytest.importorskip("specsample.models.llamacpp")
+    if not kernels.available():
+        pytest.skip("the kernels could not be built here")
+    try:
+        loaded = load_model(tokenizer_only=True)
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    directory, made = tmp_path_factory.mktemp("copies"), {}
+
+    def copy(type_name: str):
+        if type_name not in made:
+            try:
+                made[type_name] = llamacpp.quantize(loaded.gguf, directory / f"model.{type_name}.gguf", type_name, 2)
+            except (ImportError, OSError) as error:
+                pytest.skip(f"llama.cpp's quantizer is unavailable: {error}")
+        return made[type_name]
+
+    return copy, loaded.tokenizer
+
+
+COUNTING = "Count: one, two, three, four, five, six. Again: one, two, three, four, five, six. Again:"
+
+
+@pytest.mark.slow
+def test_a_q4_k_m_file_runs_on_its_k_blocks_and_speculates_token_identically(copies):
+    """The Q4_K_M file: Q4_K and Q6_K in the MLP's down projections (the only matrices whose rows, 1536
+    inputs, are whole super-blocks), Q5_0 and Q8_0 elsewhere (float32 panels where fused with another type)."""
+    from specsample.drafters import NoDrafter, SuffixDrafter
+    from specsample.stats import Stats
+
+    copy, tokenizer = copies
+    target = gguf_blocks.file_target(copy("Q4_K_M"))
+    downs = {GGMLQuantizationType(layer.down.qtype) for layer in target.layers}
+    assert downs == {Q4_K, Q6_K}
+    prompt = torch.tensor(tokenizer(COUNTING).input_ids)
+    plain = greedy(target, NoDrafter(), 0, prompt, Stats())
+    stats = Stats()
+    assert greedy(target, SuffixDrafter(), 4, prompt, stats) == plain
+    assert stats.accepted_tokens > 0
+    assert "six" in tokenizer.decode(plain)  # the requantized model still counts
+
+
+@pytest.mark.slow
+def test_a_q8_0_target_drafts_with_its_q4_0_copy_token_identically(copies):
+    from specsample.defaults import default_configuration
+    from specsample.drafters import NoDrafter
+    from specsample.drafters.quantized import quantized_drafter
+    from specsample.stats import Stats
+
+    copy, tokenizer = copies
+    target = gguf_blocks.file_target(copy("Q8_0"))
+    drafter = quantized_drafter(None, target)
+    lower = drafter.model
+    assert {GGMLQuantizationType(layer.gate_up.qtype) for layer in lower.layers} == {Q4_0}
+    assert lower.lm_head is target.lm_head and lower.norm is target.norm  # shared, not copied
+    assert target.copy_cost == gguf_blocks.MEASURED_COPY_COST["Q8_0"]
+    assert default_configuration(target).drafter == "suffix"  # measured not cheap enough to draft by default
+    prompt = torch.tensor(tokenizer(COUNTING).input_ids)
+    plain = greedy(target, NoDrafter(), 0, prompt, Stats())
+    stats = Stats()
+    assert greedy(target, drafter, 4, prompt, stats) == plain
+    assert stats.accepted_tokens > 0
+
+
+def test_a_4_bit_target_has_no_lower_bit_copy(bundled):
+    """The bundled Q4_1 file: its layers are at 5 bits, its Q8_0 LM head is kept, so nothing is cheaper."""
+    from specsample.defaults import default_configuration
+
+    if not kernels.available():
+        pytest.skip("the kernels could not be built here")
+    target = gguf_blocks.file_target(bundled.path)
+    assert target.copy_cost is None and default_configuration(target).drafter == "suffix"
+    with pytest.raises(ValueError, match="no cheaper copy"):
+        target.quantized_copy()
+
+
+def test_the_head_drafts_from_int8_on_every_build(isa):
+    """The draft head's decoder (drafters/head.py `fast_head`) runs int8 panels on each instruction set,
+    within int8 rounding of its float32 panels."""
+    from specsample.drafters.head import DraftHead, HeadConfig, fast_head
+
+    config = HeadConfig(target="t", fingerprint="f", hidden_size=64, vocab_size=96, vocab_subset=96, layers=1, heads=4,
+                        kv_heads=2, head_dim=16, intermediate_size=128)
+    torch.manual_seed(0)
+    head = DraftHead(config).eval()
+    rows = torch.randn(96, 64)
+    _, _, int8 = fast_head(head, rows, 64)
+    _, _, float32 = fast_head(head, rows, 64, int8=False)
+    assert int8.layers[0].qkv.weight.dtype == torch.int8 and int8.lm_head.weight.dtype == torch.int8
+    x = torch.randn(5, 64)
+    ours, theirs = int8.forward_embeddings(x.clone()), float32.forward_embeddings(x.clone())
+    assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()

@@ -21,23 +21,38 @@ from specsample.drafters.none import NoDrafter
 from specsample.drafters.quantized import quantized_drafter
 from specsample.drafters.suffix import SuffixDrafter
 from specsample.models import LoadedModel, Target, load_target
-from specsample.models.target import RecordsFeatures, require
+from specsample.models.loading import with_weights
+from specsample.models.target import RecordsFeatures, RunsLayerSubsets, require
 
 # A factory builds a drafter for a loaded target model and its Target backend.
 DrafterFactory = Callable[[LoadedModel, Target], Drafter]
 
+def head_drafter(model: LoadedModel, target: Target, path: str | None = None) -> Drafter:
+    """The draft head in `path` (None: the one shipped for this target), once the target is known to keep
+    the features a head reads (before the model's weights are read, or loaded where the target runs a
+    GGUF file without them)."""
+    target = require_features(target)
+    model = with_weights(model)
+    return HeadDrafter.load(model, target, shipped_head_dir(model) if path is None else path)
+
+
+def layerskip_drafter(model: LoadedModel, target: Target) -> Drafter:
+    """The layer-skipping drafter, its calibration on the model's weights (loaded if need be)."""
+    return LayerSkipDrafter.load(with_weights(model), require(target, RunsLayerSubsets, "layerskip"))
+
+
 REGISTRY: dict[str, DrafterFactory] = {
     "none": lambda model, target: NoDrafter(),
-    "head": lambda model, target: HeadDrafter.load(model, require_features(target), shipped_head_dir(model)),
+    "head": head_drafter,
     "ngram": lambda model, target: NgramDrafter(),
     "suffix": lambda model, target: SuffixDrafter(),
-    "layerskip": LayerSkipDrafter.load,
+    "layerskip": layerskip_drafter,
     "quantized": quantized_drafter,
 }
 
 # Drafters that load their weights from a directory: `--drafter NAME:PATH`.
 PATH_REGISTRY: dict[str, Callable[[LoadedModel, Target, str], Drafter]] = {
-    "head": lambda model, target, path: HeadDrafter.load(model, require_features(target), path),
+    "head": head_drafter,
 }
 
 

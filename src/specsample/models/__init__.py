@@ -19,8 +19,8 @@ def check_backend(backend: str) -> None:
 def make_target(loaded: LoadedModel, backend: str = "auto", *, threads: int | None = None) -> Target:
     """A loaded model's target. `auto` (and `fast`): the fast Llama-family backend when it supports the
     architecture, else (`auto` only) transformers: a model already in memory stays in float32;
-    `gguf`: the fast backend with its linear maps on the file's own Q4_0/Q4_1/Q8_0 blocks
-    (`gguf_blocks`); `llamacpp` runs the GGUF file `loaded` came from on llama.cpp (`threads`:
+    `gguf`: the fast backend with its linear maps on the file's own Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks
+    (`gguf_blocks`), built from the file alone when `loaded` holds no weights; `llamacpp` runs the GGUF file `loaded` came from on llama.cpp (`threads`:
     default all cores)."""
     check_backend(backend)
     if backend in ("gguf", "llamacpp") and loaded.gguf is None:
@@ -29,12 +29,12 @@ def make_target(loaded: LoadedModel, backend: str = "auto", *, threads: int | No
         from specsample.models.llamacpp import LlamaCppTarget
 
         return LlamaCppTarget(loaded.gguf, n_threads=threads)
+    if backend == "gguf":
+        from specsample.models.gguf_blocks import file_target, gguf_target
+
+        return file_target(loaded.gguf) if loaded.model is None else gguf_target(loaded.model, loaded.gguf)
     if loaded.model is None:
         raise ValueError(f"the {backend} backend needs the model's weights, loaded without them")
-    if backend == "gguf":
-        from specsample.models.gguf_blocks import gguf_target
-
-        return gguf_target(loaded.model, loaded.gguf)
     if backend != "transformers":
         from specsample.models import llama
 
@@ -52,8 +52,9 @@ def load_target(
     trust_remote_code: bool = False,
     threads: int | None = None,
 ) -> tuple[LoadedModel, Target]:
-    """A model (None: the bundled one) and its target on `backend`: for `llamacpp` the GGUF
-    file's tokenizer only (the weights stay in the file, run by llama.cpp), else the whole model.
+    """A model (None: the bundled one) and its target on `backend`: for `llamacpp` and `gguf` the GGUF
+    file's tokenizer only (the weights stay in the file, run by llama.cpp or read into the block
+    kernels' layout; `loading.with_weights` loads them for a drafter that needs them), else the whole model.
     `auto` on a GGUF file runs it where it measures faster on this machine (`models.choice`)."""
     from specsample.models.choice import resolve
 
@@ -65,6 +66,9 @@ def load_target(
         # llama.cpp reads the file first: a file it cannot load gets its one-line error, not the tokenizer's
         target = LlamaCppTarget(bundled_gguf() if path is None else Path(path).expanduser(), n_threads=threads)
         return load_model(path, tokenizer_only=True), target
+    if backend == "gguf":
+        loaded = load_model(path, tokenizer_only=True)
+        return loaded, make_target(loaded, backend, threads=threads)
     loaded = load_model(path, trust_remote_code=trust_remote_code)
     return loaded, make_target(loaded, backend, threads=threads)
 

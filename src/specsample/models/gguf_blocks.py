@@ -9,9 +9,16 @@ them: the packed matrix is exactly as large as the file's tensor (plus padding t
 `raw_rows` gives the file's bytes of any rows back (the embedding lookup of a tied LM head, and
 the tests, dequantize those with the `gguf` package itself).
 
+Q4_K and Q6_K (256-input super-blocks of 32- or 16-input sub-blocks, each with a 6- or 8-bit
+integer scale) are repacked into the same 32-input blocks of integers (Q6_K's 2 high bits in two
+more chunks) and one record of scales per panel and super-block, with the 6-bit scales unpacked
+to bytes (Q4_K: 4 more bytes per 256 inputs and column than the file). `raw_rows` rebuilds the
+file's bytes exactly.
+
 Layout (kernels_gguf.cpp's header comment has it from the kernel's side):
-    qs     uint8   [panels, blocks, 256 (Q4) | 512 (Q8_0)]
+    qs     uint8   [panels, blocks, 256 (Q4, Q4_K) | 384 (Q6_K) | 512 (Q8_0)]
     scales float16 [panels, blocks, 1 (Q4_0, Q8_0) | 2 (Q4_1: d, m), 16]
+           uint8   [panels, blocks / 8, 320 (Q4_K) | 288 (Q6_K)]   the K types' records
 """
 from __future__ import annotations
 
@@ -22,11 +29,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 from torch import Tensor
 
 COLS = 16  # output columns per panel
 QK = 32  # inputs per block
+QK_K = 256  # inputs per super-block of the K types
+Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
 
 # Type -> (bytes per block in the file, fp16 values before the integers).
 FORMATS = {
@@ -36,9 +45,16 @@ FORMATS = {
 }
 
 
+# K type -> the fields of its scale record per super-block and column: (name, count, bytes each).
+RECORDS = {
+    Q4_K: [("d", 1, 2), ("dmin", 1, 2), ("sc", 8, 1), ("m", 8, 1)],
+    Q6_K: [("d", 1, 2), ("sc", 16, 1)],
+}
+
+
 def supported(qtype: int) -> bool:
     """True if the block kernels take matrices of this GGML type."""
-    return qtype in FORMATS
+    return qtype in FORMATS or qtype in RECORDS
 
 
 @dataclass
@@ -46,8 +62,8 @@ class BlockMatrix:
     """A weight [out, in] in GGUF blocks, packed in panels of 16 output columns for the kernels."""
 
     qtype: GGMLQuantizationType
-    qs: Tensor  # uint8 [panels, blocks, 256 | 512]
-    scales: Tensor  # float16 [panels, blocks, 1 | 2, 16]
+    qs: Tensor  # uint8 [panels, blocks, 256 | 384 | 512]
+    scales: Tensor  # float16 [panels, blocks, 1 | 2, 16]; K types: uint8 [panels, blocks / 8, record bytes]
     out_features: int
     in_features: int
 
@@ -74,6 +90,8 @@ class BlockMatrix:
 def pack_blocks(raw: np.ndarray, qtype: int) -> BlockMatrix:
     """A GGUF tensor's bytes, uint8 [out, blocks * block bytes] (`ReaderTensor.data`), packed in panels."""
     qtype = GGMLQuantizationType(qtype)
+    if qtype in RECORDS:
+        return _pack_k(raw, qtype)
     if qtype not in FORMATS:
         raise ValueError(f"no block kernel for GGML type {qtype.name}")
     block_bytes, halves = FORMATS[qtype]
@@ -99,6 +117,8 @@ def pack_blocks(raw: np.ndarray, qtype: int) -> BlockMatrix:
 
 def unpack_rows(matrix: BlockMatrix, rows: np.ndarray) -> np.ndarray:
     """The inverse of `pack_blocks` for rows `rows` [n]: the file's bytes, uint8 [n, blocks * block bytes]."""
+    if matrix.qtype in RECORDS:
+        return _unpack_k(matrix, rows)
     panels, blocks, _ = matrix.qs.shape
     panel, col = rows // COLS, rows % COLS
     ints = matrix.qs.numpy().reshape(panels, blocks, -1, COLS, 4)[panel, :, :, col]  # [n, b, chunk, 4]
@@ -106,6 +126,125 @@ def unpack_rows(matrix: BlockMatrix, rows: np.ndarray) -> np.ndarray:
     n = len(rows)
     raw = np.concatenate([scales.view(np.uint8).reshape(n, blocks, -1), ints.reshape(n, blocks, -1)], axis=-1)
     return raw.reshape(n, -1)
+
+
+def _to_panels(per_row: np.ndarray) -> np.ndarray:
+    """Bytes per row and group [out, groups, 4 * chunks] as panels [panels, groups, chunks * 64]: chunk c of
+    a group holds bytes 4c..4c+3 of each of 16 rows (zero rows pad the last panel)."""
+    out_features, groups, width = per_row.shape
+    panels = -(-out_features // COLS)
+    padded = np.zeros((panels * COLS, groups, width), dtype=np.uint8)
+    padded[:out_features] = per_row
+    chunks = padded.reshape(panels, COLS, groups, width // 4, 4).transpose(0, 2, 3, 1, 4)  # [p, g, chunk, col, 4]
+    return np.ascontiguousarray(chunks).reshape(panels, groups, -1)
+
+
+def _from_panels(packed: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The inverse of `_to_panels` for rows `rows` [n]: [n, groups, 4 * chunks]."""
+    panels, groups, _ = packed.shape
+    picked = packed.reshape(panels, groups, -1, COLS, 4)[rows // COLS, :, :, rows % COLS]  # [n, g, chunk, 4]
+    return picked.reshape(len(rows), groups, -1)
+
+
+def _nibble_bytes(u: np.ndarray) -> np.ndarray:
+    """4-bit values [..., 32] as 16 bytes in GGUF's Q4_0 order: byte k holds input k low, k + 16 high."""
+    return (u[..., :16] & 0x0F) | (u[..., 16:] << 4)
+
+
+def _high_bytes(u: np.ndarray) -> np.ndarray:
+    """Bits 4 and 5 of 6-bit values [..., 32] as 8 bytes: byte 4 half + i holds, at bits 2c, those of
+    input 16 half + 4c + i."""
+    high = ((u >> 4) & 3).reshape(*u.shape[:-1], 2, 4, 4)  # [..., half, c, i]
+    shifts = (2 * np.arange(4, dtype=np.uint8))[:, None]  # [c, 1]
+    return np.bitwise_or.reduce(high << shifts, axis=-2).reshape(*u.shape[:-1], 8)
+
+
+def _values(ints: np.ndarray, six_bits: bool) -> np.ndarray:
+    """The inverse of `_nibble_bytes` (and `_high_bytes`): [..., 16 | 24] bytes -> values [..., 32]."""
+    u = np.concatenate([ints[..., :16] & 0x0F, ints[..., :16] >> 4], axis=-1)
+    if six_bits:
+        high = ints[..., 16:24].reshape(*ints.shape[:-1], 2, 1, 4)  # [..., half, 1, i]
+        bits = (high >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [..., half, c, i]
+        u |= bits.reshape(*ints.shape[:-1], 32) << 4
+    return u
+
+
+def _k_fields(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """A K type's bytes [out, super-blocks * block bytes] as record fields {name: uint8 [out, sb, count, bytes]}
+    and unsigned values [out, sb, 256] (Q4_K 0..15, Q6_K 0..63)."""
+    from gguf.quants import Q4_K as Q4KQuant
+
+    out_features = raw.shape[0]
+    blocks = raw.reshape(out_features, -1, gguf_quant_sizes(qtype)[1])
+    sb = blocks.shape[1]
+    if qtype == Q4_K:
+        sc, m = Q4KQuant.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+        qs = blocks[..., 16:].reshape(out_features, sb, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+        fields = {"d": blocks[..., 0:2], "dmin": blocks[..., 2:4], "sc": sc, "m": m}
+        values = (qs & 0x0F).reshape(out_features, sb, QK_K)
+    else:
+        ql = blocks[..., :128].reshape(out_features, sb, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+        qh = blocks[..., 128:192].reshape(out_features, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+        fields = {"d": blocks[..., 208:210], "sc": blocks[..., 192:208]}
+        values = ((ql & 0x0F).reshape(out_features, sb, 2, 128) | (qh & 3).reshape(out_features, sb, 2, 128) << 4)
+    shaped = {name: fields[name].reshape(out_features, sb, count, width) for name, count, width in RECORDS[qtype]}
+    return shaped, values.reshape(out_features, sb, QK_K).astype(np.uint8)
+
+
+def _k_bytes(fields: dict[str, np.ndarray], values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """The inverse of `_k_fields`: the file's bytes [n, super-blocks * block bytes]."""
+    n, sb, _ = values.shape
+    flat = {name: field.reshape(n, sb, -1) for name, field in fields.items()}
+    if qtype == Q4_K:
+        sc, m = flat["sc"], flat["m"]
+        scales = np.concatenate([
+            sc[..., :4] | (sc[..., 4:] >> 4) << 6, m[..., :4] | (m[..., 4:] >> 4) << 6, (sc[..., 4:] & 0x0F) | (m[..., 4:] << 4)
+        ], axis=-1)
+        pairs = values.reshape(n, sb, 4, 2, 32)
+        qs = (pairs[:, :, :, 0] | pairs[:, :, :, 1] << 4).reshape(n, sb, 128)
+        parts = [flat["d"], flat["dmin"], scales, qs]
+    else:
+        halves = values.reshape(n, sb, 2, 2, 64)
+        ql = (halves[..., 0, :] & 0x0F) | (halves[..., 1, :] << 4)
+        high = (values.reshape(n, sb, 2, 4, 32) >> 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]
+        qh = np.bitwise_or.reduce(high, axis=-2)
+        parts = [ql.reshape(n, sb, 128), qh.reshape(n, sb, 64), flat["sc"], flat["d"]]
+    return np.concatenate(parts, axis=-1).astype(np.uint8).reshape(n, -1)
+
+
+def _pack_k(raw: np.ndarray, qtype: GGMLQuantizationType) -> BlockMatrix:
+    """`pack_blocks` of a Q4_K or Q6_K tensor."""
+    fields, values = _k_fields(raw, qtype)
+    out_features, sb, _ = values.shape
+    by_block = values.reshape(out_features, sb * QK_K // QK, QK)  # [out, blocks, 32]
+    ints = _nibble_bytes(by_block)
+    if qtype == Q6_K:
+        ints = np.concatenate([ints, _high_bytes(by_block)], axis=-1)
+    panels = -(-out_features // COLS)
+    record = []
+    for name, count, width in RECORDS[qtype]:
+        padded = np.zeros((panels * COLS, sb, count, width), dtype=np.uint8)
+        padded[:out_features] = fields[name]
+        by_panel = padded.reshape(panels, COLS, sb, count, width).transpose(0, 2, 3, 1, 4)  # [p, sb, count, col, w]
+        record.append(by_panel.reshape(panels, sb, -1))
+    return BlockMatrix(
+        qtype, torch.from_numpy(_to_panels(ints)), torch.from_numpy(np.ascontiguousarray(np.concatenate(record, -1))),
+        out_features, sb * QK_K,
+    )
+
+
+def _unpack_k(matrix: BlockMatrix, rows: np.ndarray) -> np.ndarray:
+    """`unpack_rows` of a Q4_K or Q6_K matrix."""
+    values = _values(_from_panels(matrix.qs.numpy(), rows), matrix.qtype == Q6_K)  # [n, blocks, 32]
+    n = len(rows)
+    values = values.reshape(n, -1, QK_K)
+    record = matrix.scales.numpy()  # [p, sb, bytes]
+    fields, start = {}, 0
+    for name, count, width in RECORDS[matrix.qtype]:
+        part = record[..., start : start + count * COLS * width].reshape(*record.shape[:2], count, COLS, width)
+        fields[name] = part[rows // COLS, :, :, rows % COLS]  # [n, sb, count, width]
+        start += count * COLS * width
+    return _k_bytes(fields, values, matrix.qtype)
 
 
 def llama_permutation(rows: int, heads: int) -> np.ndarray:
@@ -119,31 +258,35 @@ def llama_permutation(rows: int, heads: int) -> np.ndarray:
 
 # GGUF metadata value types with a fixed size, by type id (8 is a string, 9 an array).
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
 class TensorIndex:
     """Where each tensor of a GGUF file lies, read from its header alone.
 
     `gguf.GGUFReader` turns every metadata value into numpy views first, which takes about 8 s for
-    the bundled model's 49152-token vocabulary; this skips the metadata (keeping only the alignment)
-    and memory-maps the tensors: the file's bytes, never copied until packed.
+    the bundled model's 49152-token vocabulary; this keeps the scalar and string metadata, skips
+    the arrays (the vocabulary) and memory-maps the tensors: the file's bytes, never copied until packed.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.metadata: dict[str, int | float | bool | str] = {}  # scalars and strings, by key
         self.tensors: dict[str, tuple[list[int], GGMLQuantizationType, int]] = {}  # name -> (dims, type, offset)
         with open(self.path, "rb") as f:
             magic, _version, n_tensors, n_kv = struct.unpack("<IIQQ", f.read(24))
             if magic != 0x46554747:  # "GGUF"
                 raise ValueError(f"{self.path} is not a GGUF file")
-            alignment = 32
             for _ in range(n_kv):
                 key = self._string(f)
                 kind = self._u32(f)
-                if key == "general.alignment" and kind == 4:
-                    alignment = self._u32(f)
+                if kind in _SCALAR_FORMATS:
+                    self.metadata[key] = struct.unpack(_SCALAR_FORMATS[kind], f.read(_SCALAR_BYTES[kind]))[0]
+                elif kind == 8:
+                    self.metadata[key] = self._string(f)
                 else:
                     self._skip(f, kind)
+            alignment = int(self.metadata.get("general.alignment", 32))
             for _ in range(n_tensors):
                 name = self._string(f)
                 dims = [self._u64(f) for _ in range(self._u32(f))]
@@ -220,10 +363,6 @@ def read_matrix(path: str | Path | TensorIndex, names: list[str], permute_heads:
     return pack_blocks(np.concatenate([raw for raw, _ in parts]), types.pop())
 
 
-# Architectures whose GGUF converter permutes the Q and K rows (llama.cpp's LlamaModel and its kin).
-PERMUTED_QK = {"llama", "mistral"}
-
-
 def as_matrix(linear) -> BlockMatrix:
     """The BlockMatrix of a llama.Linear holding GGUF blocks (weight: qs, scales: fp16 scales)."""
     return BlockMatrix(GGMLQuantizationType(linear.qtype), linear.weight, linear.scales, linear.out_features,
@@ -243,13 +382,140 @@ def block_linear(matrix: BlockMatrix, bias: Tensor | None):
     return Linear(matrix.qs, bias, matrix.out_features, True, matrix.scales, int(matrix.qtype))
 
 
-def _blocks_or(reader: TensorIndex, names: list[str], heads: list[int | None] | None, fallback):
-    """The tensors `names` as a GGUF-block Linear with fallback's bias, or `fallback` (a float32
-    Linear) where their types have no block kernel."""
+# GGUF architectures `file_target` builds (llama covers Mistral and SmolLM2 too), and those whose
+# converter permutes the Q and K rows (llama.cpp's LlamaModel: rotary pairs interleaved).
+ARCHITECTURES = {"llama", "qwen2"}
+PERMUTED_QK = {"llama", "mistral"}
+DEFAULT_MAX_LENGTH = 8192  # as the fast backend's (llama.DEFAULT_MAX_LENGTH)
+
+
+@dataclass(frozen=True)
+class FileShape:
+    """What a GGUF file's metadata says of a Llama-family decoder."""
+
+    arch: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    context: int
+
+
+def file_shape(index: TensorIndex) -> FileShape:
+    """The decoder's shape from the file's metadata; UnsupportedModel for what `file_target` cannot build."""
+    from specsample.models.llama import UnsupportedModel
+
+    meta = index.metadata
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModel(f"GGUF architecture {arch!r} is not one of {sorted(ARCHITECTURES)}")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise UnsupportedModel(f"rope scaling {scaling!r} is not built from the file")
+    hidden, heads = meta[f"{arch}.embedding_length"], meta[f"{arch}.attention.head_count"]
+    head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
+    if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
+        raise UnsupportedModel("a partial rotary embedding is not supported")
+    if any(name.endswith(("ffn_up.bias", "ffn_down.bias")) for name in index.tensors):
+        raise UnsupportedModel("MLP biases are not supported")
+    return FileShape(
+        arch, meta[f"{arch}.block_count"], heads, meta.get(f"{arch}.attention.head_count_kv", heads), head_dim,
+        meta[f"{arch}.attention.layer_norm_rms_epsilon"], meta.get(f"{arch}.context_length", DEFAULT_MAX_LENGTH),
+    )
+
+
+def inverse_frequencies(index: TensorIndex, shape: FileShape) -> Tensor:
+    """The rotary embedding's inverse frequencies [head_dim / 2], computed as transformers does: base^(-2i/d),
+    divided by a linear scaling factor or by the file's per-frequency factors (llama3's rope_freqs)."""
+    base = float(index.metadata.get(f"{shape.arch}.rope.freq_base", 10000.0))
+    inv_freq = 1.0 / (base ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float) / shape.head_dim))
+    if index.metadata.get(f"{shape.arch}.rope.scaling.type") == "linear":
+        inv_freq = inv_freq / float(index.metadata[f"{shape.arch}.rope.scaling.factor"])
+    if "rope_freqs.weight" in index.tensors:
+        inv_freq = inv_freq / vector(index, "rope_freqs.weight")
+    return inv_freq
+
+
+def vector(index: TensorIndex, name: str) -> Tensor:
+    """A one-dimensional tensor of the file (a norm's weight, a bias) in float32, copied out of the file."""
+    raw, kind = index.raw(name)
+    return torch.from_numpy(np.array(dequantize(raw, kind), dtype=np.float32).reshape(-1))
+
+
+def optional_vector(index: TensorIndex, name: str) -> Tensor | None:
+    return vector(index, name) if name in index.tensors else None
+
+
+class FileRows:
+    """Rows of a GGUF matrix dequantized on lookup (`rows[token_ids]`): an untied embedding table that
+    stays in the file (memory-mapped) instead of a float32 copy."""
+
+    def __init__(self, index: TensorIndex, name: str) -> None:
+        self.raw, self.kind = index.raw(name)
+
+    def __getitem__(self, ids: Tensor) -> Tensor:
+        picked = self.raw[ids.reshape(-1).cpu().numpy()]  # [n, row bytes]
+        return torch.from_numpy(np.ascontiguousarray(dequantize(picked, self.kind), dtype=np.float32))
+
+
+def file_linear(index: TensorIndex, names: list[str], heads: list[int | None] | None, bias: Tensor | None):
+    """The tensors `names` stacked (a fused QKV or gate/up) as a llama.Linear: on their GGUF blocks where
+    one block kernel takes them all, else dequantized by the `gguf` package into float32 panels."""
+    from specsample.models.llama import Linear
+
     try:
-        return block_linear(read_matrix(reader, names, heads), fallback.bias)
+        return block_linear(read_matrix(index, names, heads), bias)
     except ValueError:
-        return fallback
+        parts = [read_raw(index, name, h) for name, h in zip(names, heads or [None] * len(names))]
+        weight = np.concatenate([dequantize(raw, kind) for raw, kind in parts])  # [out, in] float32
+        return Linear.from_weight(torch.from_numpy(weight), bias, torch.float32, True)
+
+
+def file_target(path: str | Path, max_length: int | None = None):
+    """A LlamaTarget built from the GGUF file `path` alone: linear maps on the file's own blocks (Q4_0,
+    Q4_1, Q8_0, Q4_K, Q6_K; other types dequantized into float32 panels), norms and biases from the
+    file, a tied embedding read from the LM head's blocks and an untied one from the file on lookup.
+    No transformers model is made, so memory is about the file's size plus the cache.
+
+    Raises UnsupportedModel where the kernels are unavailable or the file is outside `file_shape`.
+    """
+    from specsample.models import kernels
+    from specsample.models.llama import LlamaTarget, UnsupportedModel
+    from specsample.models.ops import rope_tables
+
+    if not kernels.available():
+        raise UnsupportedModel("GGUF blocks need the C++ kernels")
+    index = TensorIndex(path)
+    shape = file_shape(index)
+    max_length = max_length or min(shape.context, DEFAULT_MAX_LENGTH)
+    heads = [shape.heads, shape.kv_heads, None] if shape.arch in PERMUTED_QK else None
+    layers = [file_layer(index, f"blk.{i}.", heads) for i in range(shape.layers)]
+    tied = "output.weight" not in index.tensors
+    lm_head = file_linear(index, ["token_embd.weight" if tied else "output.weight"], None, None)
+    cos, sin = rope_tables(inverse_frequencies(index, shape), 1.0, max_length, torch.float32)
+    return LlamaTarget(
+        layers, None if tied else FileRows(index, "token_embd.weight"), vector(index, "output_norm.weight"), lm_head,
+        cos, sin, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim, eps=shape.eps,
+    )
+
+
+def file_layer(index: TensorIndex, p: str, heads: list[int | None] | None):
+    """Decoder layer `p` ("blk.N.") of a GGUF file as a llama.Layer."""
+    from specsample.models.llama import Layer
+
+    qkv_bias = [optional_vector(index, p + f"attn_{x}.bias") for x in "qkv"]
+    if qkv_bias[0] is not None and heads:
+        qkv_bias = [b if h is None else b[torch.from_numpy(llama_permutation(len(b), h))] for b, h in zip(qkv_bias, heads)]
+    o_bias = optional_vector(index, p + "attn_output.bias")
+    return Layer(
+        attn_norm=vector(index, p + "attn_norm.weight"),
+        qkv=file_linear(index, [p + f"attn_{x}.weight" for x in "qkv"], heads, None if qkv_bias[0] is None else torch.cat(qkv_bias)),
+        o=file_linear(index, [p + "attn_output.weight"], None, o_bias),
+        mlp_norm=vector(index, p + "ffn_norm.weight"),
+        gate_up=file_linear(index, [p + "ffn_gate.weight", p + "ffn_up.weight"], None, None),
+        down=file_linear(index, [p + "ffn_down.weight"], None, None),
+    )
 
 
 def _check_rows(linear, reference: Tensor, rows: list[int], what: str) -> None:
@@ -264,41 +530,90 @@ def _check_rows(linear, reference: Tensor, rows: list[int], what: str) -> None:
 
 
 def gguf_target(model, path: str | Path, max_length: int | None = None):
-    """A float32 LlamaTarget of a transformers model converted from the GGUF file `path` whose
-    linear maps run on the file's own blocks (Q4_0, Q4_1, Q8_0; others stay float32 panels).
+    """`file_target` of the GGUF file `path` that the transformers `model` was converted from, checked
+    against it: raises UnsupportedModel where the file's Q, K or LM head rows differ from the model's
+    (a converter permutation this does not know). The target keeps `model` as its source (its int8 copy)."""
+    from specsample.models.llama import UnsupportedModel, unsupported_reason
 
-    Norms, biases, rotary tables and an untied embedding come from `model`. Raises
-    UnsupportedModel where the fast backend or its kernels cannot run it, or where the file's
-    rows do not match the model's (a converter permutation this does not know).
-    """
-    from dataclasses import replace
-
-    from specsample.models import kernels
-    from specsample.models.llama import LlamaTarget, UnsupportedModel
-
-    if not kernels.available():
-        raise UnsupportedModel("GGUF blocks need the C++ kernels")
-    base = LlamaTarget.from_hf(model, max_length)
-    config, reader = model.config, TensorIndex(path)
-    heads = [base.heads, base.kv_heads, None] if config.model_type in PERMUTED_QK else None
-    layers = []
-    for i, layer in enumerate(base.layers):
-        p = f"blk.{i}."
-        layers.append(replace(
-            layer,
-            qkv=_blocks_or(reader, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], heads, layer.qkv),
-            o=_blocks_or(reader, [p + "attn_output.weight"], None, layer.o),
-            gate_up=_blocks_or(reader, [p + "ffn_gate.weight", p + "ffn_up.weight"], None, layer.gate_up),
-            down=_blocks_or(reader, [p + "ffn_down.weight"], None, layer.down),
-        ))
-    head = "output.weight" if "output.weight" in reader.tensors else "token_embd.weight"
-    lm_head = _blocks_or(reader, [head], None, base.lm_head)
+    reason = unsupported_reason(model.config)
+    if reason is not None:
+        raise UnsupportedModel(reason)
+    target = file_target(path, max_length)
     attention = model.model.layers[0].self_attn
     q_rows, k_rows = attention.q_proj.weight.shape[0], attention.k_proj.weight.shape[0]
     reference = torch.cat([attention.q_proj.weight, attention.k_proj.weight]).detach()
-    _check_rows(layers[0].qkv, reference, [0, 1, base.head_dim // 2, q_rows - 1, q_rows + 1, q_rows + k_rows - 1], "Q and K")
-    _check_rows(lm_head, model.lm_head.weight.detach(), [0, 1, base.vocab_size - 1], "LM head")
+    rows = [0, 1, target.head_dim // 2, q_rows - 1, q_rows + 1, q_rows + k_rows - 1]
+    _check_rows(target.layers[0].qkv, reference, rows, "Q and K")
+    _check_rows(target.lm_head, model.lm_head.weight.detach(), [0, 1, target.vocab_size - 1], "LM head")
+    target.source = model
+    return target
+
+
+# The `quantized` drafter on blocks (`lower_bit_copy`): every layer matrix of more than COPY_ABOVE
+# bits per weight (Q8_0, Q6_K, float) is requantized to COPY_TYPE, Q4_0, the fewest bits the block
+# kernels run; matrices of 4 or 5 bits are shared with the target, since requantizing them saves
+# at most a tenth of their bytes and costs much agreement (a Q4_1 layer made Q4_0 is quantized
+# twice). The LM head (the tied embedding) keeps its type, as llama.cpp keeps its output tensor
+# at more bits in its own low-bit files: in Q4_0 it cost the copy 5 to 10 points of greedy
+# agreement with the target on SmolLM2-135M (docs/kernels-gguf.md). So a Q8_0 target drafts with
+# Q4_0 layers, and a Q4_0 or Q4_1 target has no lower-bit copy (`lower_bit_copy` raises).
+COPY_TYPE = GGMLQuantizationType.Q4_0
+COPY_ABOVE = 6.0
+
+
+def bits_per_weight(linear) -> float:
+    """Bits per weight a llama.Linear streams: its GGUF type's, or 32 (float32 panels), 8 (int8 panels)."""
+    if linear.qtype:
+        values, block_bytes = gguf_quant_sizes(GGMLQuantizationType(linear.qtype))
+        return 8 * block_bytes / values
+    return 8.0 if linear.scales is not None else 32.0
+
+
+def requantized(linear):
+    """`linear` in COPY_TYPE blocks if it has more than COPY_ABOVE bits per weight, else `linear` itself (shared)."""
+    if bits_per_weight(linear) <= COPY_ABOVE:
+        return linear
+    from specsample.models import kernels
+
+    weight = as_matrix(linear).dequantize() if linear.qtype else kernels.unpack(linear.weight, linear.out_features)
+    return block_linear(pack_blocks(quantize(weight.numpy(), COPY_TYPE), COPY_TYPE), linear.bias)
+
+
+# f(1) of the lower-bit copy over its target's, by the GGML type of the target's layer matrices
+# (benchmarks/block_copy_cost.py: one thread's CPU time, context 200, median of 30, Intel Xeon
+# AVX-512 VNNI, a nice'd run on a shared machine): a Q8_0 copy of the bundled SmolLM2-135M, whose
+# Q4_0 copy streams its layers in about half the bytes but keeps the Q8_0 LM head. Targets of 4 or 5
+# bits have no copy; mixed files (Q4_K_M) are not measured.
+MEASURED_COPY_COST = {"Q8_0": 0.71}
+
+
+def block_copy_cost(target) -> float | None:
+    """What `lower_bit_copy` of `target` costs per target pass, as measured (MEASURED_COPY_COST), or None."""
+    types = {linear.qtype for layer in target.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+    if len(types) != 1 or not next(iter(types)):
+        return None
+    return MEASURED_COPY_COST.get(GGMLQuantizationType(types.pop()).name)
+
+
+def on_blocks(target) -> bool:
+    """True if a LlamaTarget runs some of its linear maps on GGUF blocks."""
+    return bool(target.lm_head.qtype) or any(layer.qkv.qtype for layer in target.layers)
+
+
+def lower_bit_copy(target):
+    """A lower-bit copy of a LlamaTarget on GGUF blocks, with its own cache: its layer matrices of more
+    than COPY_ABOVE bits requantized to Q4_0 (`requantized`); the rest, the LM head, the embedding, norms
+    and rotary tables shared. Raises ValueError where no layer matrix has more bits (no cheaper copy)."""
+    from dataclasses import replace
+
+    from specsample.models.llama import LlamaTarget
+
+    names = ("qkv", "o", "gate_up", "down")
+    layers = [replace(layer, **{name: requantized(getattr(layer, name)) for name in names}) for layer in target.layers]
+    if all(getattr(a, name) is getattr(b, name) for a, b in zip(layers, target.layers) for name in names):
+        raise ValueError(f"the target's layers have at most {COPY_ABOVE:g} bits per weight: "
+                         "the GGUF block kernels have no cheaper copy of it to draft with")
     return LlamaTarget(
-        layers, base.embed, base.norm, lm_head, base.cos, base.sin,
-        heads=base.heads, kv_heads=base.kv_heads, head_dim=base.head_dim, eps=base.eps, source=model,
+        layers, target.embed, target.norm, target.lm_head, target.cos, target.sin, heads=target.heads,
+        kv_heads=target.kv_heads, head_dim=target.head_dim, eps=target.eps,
     )

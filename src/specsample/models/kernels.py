@@ -284,15 +284,16 @@ def matmul_gguf(
     bias: Tensor | None = None,
     out: Tensor | None = None,
 ) -> Tensor:
-    """x [n, in] @ W.T (+ bias) -> [n, out] for W of GGML type `qtype` (2 Q4_0, 3 Q4_1, 8 Q8_0) in
-    the panels of `gguf_blocks.pack_blocks` (qs uint8, scales float16); with `out`, adds into it.
+    """x [n, in] @ W.T (+ bias) -> [n, out] for W of GGML type `qtype` (2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K,
+    14 Q6_K) in the panels of `gguf_blocks.pack_blocks` (qs uint8, scales float16, or the K types'
+    uint8 records); with `out`, adds into it.
 
     The activations are quantized per 32-block to int8 first (`quantize_activations`), so the result
     is that int8 x times the dequantized W, to float32 rounding of the block sums.
     """
     in_features = x.shape[1]
     assert x.dtype == torch.float32 and x.stride(1) == 1 and in_features % 32 == 0
-    assert qs.dtype == torch.uint8 and scales.dtype == torch.float16 and qs.is_contiguous() and scales.is_contiguous()
+    assert qs.dtype == torch.uint8 and scales.dtype in (torch.float16, torch.uint8) and qs.is_contiguous() and scales.is_contiguous()
     assert qs.shape[:2] == (-(-out_features // 16), in_features // 32) and (bias is None or bias.dtype == torch.float32)
     n = x.shape[0]
     add = out is not None

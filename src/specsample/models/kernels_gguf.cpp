@@ -1,4 +1,4 @@
-// Small-row matrix multiply over GGUF quantized blocks (Q4_0, Q4_1, Q8_0); loaded by kernels.py,
+// Small-row matrix multiply over GGUF quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K); loaded by kernels.py,
 // compiled there together with kernels.cpp into one library (same flags, same cache key), so that
 // kernels.cpp's decoder layer can call it. docs/kernels-gguf.md says why and how it measures.
 //
@@ -11,6 +11,17 @@
 //                                    in the high nibbles (unsigned 0..15; GGUF's own nibble order)
 //   scales [panels, K / 32, S, 16]   fp16: d of each column (and, Q4_1, its min m after it)
 // Block values: Q4_0 d (u - 8), Q4_1 d u + m, Q8_0 d q.
+//
+// The K types keep 256-input super-blocks of 8 (Q4_K) or 16 (Q6_K) sub-blocks, each with its own
+// small integer scale. Their integers are repacked into the same 32-input blocks (Q6_K: the low
+// nibbles as Q4's, then two 64-byte chunks of the 2 high bits: byte 4j + i of chunk 4 + half holds,
+// at bits 2c, the high bits of input 16 half + 4c + i of column j), and their scales into one record
+// per panel and super-block ("meta", uint8 [panels, K / 256, bytes]):
+//   Q4_K  d [16] fp16, dmin [16] fp16, sc [8][16] uint8, m [8][16] uint8   value d sc u - dmin m
+//   Q6_K  d [16] fp16, sc [16][16] int8                                    value d sc (u - 32)
+// A sub-block's float scale d sc (and dmin m) is exact in float32 (11 by 8 bits at most), so
+// Q4_K runs Q4_1's arithmetic with dw = d sc, mw = -(dmin m); Q6_K's 16-input sub-blocks give two
+// exact integers per block (ta and tb, inputs 0..15 and 16..31) and two multiply-adds.
 //
 // The activations are quantized per 32-block to int8 as llama.cpp's q8_0 does (dx = amax / 127,
 // q = round(x / dx)) with their sums sx, once per call. A block's dot product with a column is then
@@ -46,12 +57,19 @@
 
 namespace {
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // GGML type ids
-enum { QK = 32, COLS = 16, MAX_ROWS = 16, PREFETCH = 1024 };
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // GGML type ids
+enum { QK = 32, COLS = 16, MAX_ROWS = 16, PREFETCH = 1024, SUB = 8 };  // SUB: 32-blocks per super-block
 
-// Bytes of block integers per panel and block, and fp16 scales per column and block.
-constexpr int qbytes(int type) { return type == Q8_0 ? COLS * QK : COLS * QK / 2; }
+// Bytes of block integers per panel and block.
+constexpr int qbytes(int type) { return type == Q8_0 ? COLS * QK : type == Q6_K ? COLS * QK * 3 / 4 : COLS * QK / 2; }
 constexpr int nscales(int type) { return type == Q4_1 ? 2 : 1; }
+// Like Q4_1: unsigned nibbles, a scale and a min per column and block.
+constexpr bool with_min(int type) { return type == Q4_1 || type == Q4_K; }
+// 32-blocks per scale record, and bytes of a panel's record (fp16 scales, or a K type's meta).
+constexpr int per_record(int type) { return type == Q4_K || type == Q6_K ? SUB : 1; }
+constexpr int record_bytes(int type) {
+  return type == Q4_K ? COLS * (2 + 2 + 2 * SUB) : type == Q6_K ? COLS * (2 + 2 * SUB) : COLS * 2 * nscales(type);
+}
 
 // An IEEE half as a float (exact; subnormals included).
 inline float half_to_float(uint16_t h) {
@@ -72,11 +90,13 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// Activations of rows m0.. quantized per block: q [rows, K] int8, d and s [rows, K / 32].
+// Activations of rows m0.. quantized per block: q [rows, K] int8, d and s [rows, K / 32]; for Q6_K
+// also the sums of each 16-input half, s16 [rows, K / 16].
 struct Acts {
   const int8_t* q;
   const float* d;
   const int32_t* s;
+  const int32_t* s16;
   long K;
 };
 
@@ -112,6 +132,15 @@ void store(const float (*acc)[COLS], int rows, float* y, long ldy, const float* 
   }
 }
 
+// Half sums of the activations, for Q6_K: s16 [M, K / 16] over q [M, K].
+void half_sums(const int8_t* q, long M, long K, int32_t* s16) {
+  for (long i = 0; i < M * K / 16; i++) {
+    int sum = 0;
+    for (int k = 0; k < 16; k++) sum += q[i * 16 + k];
+    s16[i] = sum;
+  }
+}
+
 #if defined(GGUF_VNNI) || defined(GGUF_AVX2)
 
 #if defined(GGUF_VNNI)
@@ -123,10 +152,20 @@ inline VI load(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline VI splat(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 inline VI splat_byte(int v) { return _mm512_set1_epi8((char)v); }
 inline VI nibbles(VI v, int high) { return _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, splat_byte(0x0f)); }
+// Bits 2c, 2c + 1 of each byte moved to bits 4, 5 (the rest zero).
+inline VI high_bits(VI v, int c) {
+  VI moved = c == 0 ? _mm512_slli_epi16(v, 4) : c == 1 ? _mm512_slli_epi16(v, 2) : c == 2 ? v : _mm512_srli_epi16(v, 2);
+  return _mm512_and_si512(moved, splat_byte(0x30));
+}
+inline VI bor(VI a, VI b) { return _mm512_or_si512(a, b); }
 inline VI minus(VI a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
 inline VF halves(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline VF ubytes(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+inline VF sbytes(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 inline VF mul(VF a, float b) { return _mm512_mul_ps(a, _mm512_set1_ps(b)); }
+inline VF neg(VF a) { return _mm512_sub_ps(_mm512_setzero_ps(), a); }
 inline VF floats(VI v) { return _mm512_cvtepi32_ps(v); }
 inline VF fsplat(float v) { return _mm512_set1_ps(v); }
 inline VF fzero() { return _mm512_setzero_ps(); }
@@ -140,10 +179,19 @@ inline VI load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p);
 inline VI splat(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 inline VI splat_byte(int v) { return _mm256_set1_epi8((char)v); }
 inline VI nibbles(VI v, int high) { return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, splat_byte(0x0f)); }
+inline VI high_bits(VI v, int c) {
+  VI moved = c == 0 ? _mm256_slli_epi16(v, 4) : c == 1 ? _mm256_slli_epi16(v, 2) : c == 2 ? v : _mm256_srli_epi16(v, 2);
+  return _mm256_and_si256(moved, splat_byte(0x30));
+}
+inline VI bor(VI a, VI b) { return _mm256_or_si256(a, b); }
 inline VI minus(VI a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
 inline VF halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline VF ubytes(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+inline VF sbytes(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
 inline VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 inline VF mul(VF a, float b) { return _mm256_mul_ps(a, _mm256_set1_ps(b)); }
+inline VF neg(VF a) { return _mm256_sub_ps(_mm256_setzero_ps(), a); }
 inline VF floats(VI v) { return _mm256_cvtepi32_ps(v); }
 inline VF fsplat(float v) { return _mm256_set1_ps(v); }
 inline VF fzero() { return _mm256_setzero_ps(); }
@@ -153,8 +201,8 @@ inline void fstore(float* p, VF v) { _mm256_storeu_ps(p, v); }
 constexpr int HALVES = COLS / LANES;  // vectors per 16 columns: 1 (AVX-512) or 2 (AVX2)
 
 // The 8 groups of 4 inputs of one block for LANES columns (half h of the panel), as the integer
-// operand of the dot product: Q4 nibbles (unsigned), Q8_0 weights offset by 128 (VNNI) or their
-// absolute values (AVX2, whose signs `dot` reads from memory).
+// operand of the dot product: Q4 nibbles (unsigned), Q6_K's nibbles with their high bits (0..63),
+// Q8_0 weights offset by 128 (VNNI) or their absolute values (AVX2, whose signs `dot` reads from memory).
 template <int T>
 inline void unpack(const uint8_t* q, int h, VI w[8]) {
   const uint8_t* base = q + h * LANES * 4;
@@ -171,6 +219,35 @@ inline void unpack(const uint8_t* q, int h, VI w[8]) {
       w[4 + c] = nibbles(v, 1);
     }
   }
+  if (T == Q6_K) {
+    VI low = load(base + 4 * 64), high = load(base + 5 * 64);
+    for (int c = 0; c < 4; c++) {
+      w[c] = bor(w[c], high_bits(low, c));
+      w[4 + c] = bor(w[4 + c], high_bits(high, c));
+    }
+  }
+}
+
+// The unsigned dot product of groups g0..g1-1 of one block with row xm, per column (exact int32).
+template <int T>
+inline VI udot(const VI w[8], const int8_t* xm, int g0, int g1) {
+#if defined(GGUF_VNNI)
+  VI acc = _mm512_setzero_si512();
+  for (int g = g0; g < g1; g++) acc = _mm512_dpbusd_epi32(acc, w[g], splat(xm + 4 * g));
+  return acc;
+#else
+  // int16 pair sums: Q4 at most 2 * 15 * 127 per group, all 8 summed; Q6_K 2 * 63 * 127, two summed.
+  const VI ones = _mm256_set1_epi16(1);
+  const int run = T == Q6_K ? 2 : 8;
+  VI acc = _mm256_setzero_si256();
+  for (int g = g0; g < g1; g += run) {
+    VI pairs = _mm256_maddubs_epi16(w[g], splat(xm + 4 * g));
+    for (int r = 1; r < run && g + r < g1; r++)
+      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[g + r], splat(xm + 4 * (g + r))));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
+  }
+  return acc;
+#endif
 }
 
 // The exact integer dot products t of one block with row xm (32 int8, sum sx), per column.
@@ -178,12 +255,11 @@ template <int T>
 inline VI dot(const VI w[8], const uint8_t* q, int h, const int8_t* xm, int32_t sx) {
 #if defined(GGUF_VNNI)
   (void)q, (void)h;
-  VI acc = _mm512_setzero_si512();
-  for (int g = 0; g < 8; g++) acc = _mm512_dpbusd_epi32(acc, w[g], splat(xm + 4 * g));
+  VI acc = udot<T>(w, xm, 0, 8);
   return T == Q4_0 ? minus(acc, 8 * sx) : T == Q8_0 ? minus(acc, 128 * sx) : acc;
 #else
-  const VI ones = _mm256_set1_epi16(1);
   if (T == Q8_0) {
+    const VI ones = _mm256_set1_epi16(1);
     const uint8_t* base = q + h * LANES * 4;
     VI acc = _mm256_setzero_si256();
     for (int g = 0; g < 8; g++) {
@@ -193,16 +269,32 @@ inline VI dot(const VI w[8], const uint8_t* q, int h, const int8_t* xm, int32_t 
     }
     return acc;
   }
-  VI pairs = _mm256_maddubs_epi16(w[0], splat(xm));
-  for (int g = 1; g < 8; g++) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[g], splat(xm + 4 * g)));
-  VI acc = _mm256_madd_epi16(pairs, ones);
+  VI acc = udot<T>(w, xm, 0, 8);
   return T == Q4_0 ? minus(acc, 8 * sx) : acc;
 #endif
 }
 
+// A block's float scales for LANES columns (half h): dw (Q6_K: of inputs 0..15, dw2 of 16..31), and
+// mw, the min, for Q4_1 and Q4_K. rec is the panel's record of the block (b its index).
+template <int T>
+inline void block_scales(const uint8_t* rec, long b, int h, VF& dw, VF& dw2, VF& mw) {
+  const uint16_t* d = (const uint16_t*)rec + h * LANES;
+  int j = (int)(b % SUB);
+  if (T == Q4_K) {
+    dw = vmul(halves(d), ubytes(rec + 4 * COLS + j * COLS + h * LANES));
+    mw = neg(vmul(halves(d + COLS), ubytes(rec + (4 + SUB) * COLS + j * COLS + h * LANES)));
+  } else if (T == Q6_K) {
+    dw = vmul(halves(d), sbytes(rec + 2 * COLS + 2 * j * COLS + h * LANES));
+    dw2 = vmul(halves(d), sbytes(rec + 2 * COLS + (2 * j + 1) * COLS + h * LANES));
+  } else {
+    dw = halves(d);
+    if (T == Q4_1) mw = halves(d + COLS);
+  }
+}
+
 // y[0:rows, panel] (+)= x[0:rows] @ panel^T (+ bias) for one panel of 16 columns over all blocks.
 template <int T>
-void panel(const Acts& a, int rows, const uint8_t* q, const uint16_t* sc, float* y, long ldy,
+void panel(const Acts& a, int rows, const uint8_t* q, const uint8_t* sc, float* y, long ldy,
            const float* bias, int ncols, int add) {
   const long blocks = a.K / QK;
   VF acc[MAX_ROWS][HALVES];
@@ -210,18 +302,25 @@ void panel(const Acts& a, int rows, const uint8_t* q, const uint16_t* sc, float*
     for (int h = 0; h < HALVES; h++) acc[m][h] = fzero();
   for (long b = 0; b < blocks; b++) {
     const uint8_t* qb = q + b * qbytes(T);
-    const uint16_t* sb = sc + b * COLS * nscales(T);
+    const uint8_t* rec = sc + b / per_record(T) * record_bytes(T);
     for (int l = 0; l < qbytes(T); l += 64) __builtin_prefetch(qb + PREFETCH + l);
     for (int h = 0; h < HALVES; h++) {
       VI w[8];
       unpack<T>(qb, h, w);
-      VF dw = halves(sb + h * LANES);
-      VF mw = T == Q4_1 ? halves(sb + COLS + h * LANES) : fzero();
+      VF dw = fzero(), dw2 = fzero(), mw = fzero();
+      block_scales<T>(rec, b, h, dw, dw2, mw);
       for (int m = 0; m < rows; m++) {
         long i = m * blocks + b;
-        VI t = dot<T>(w, qb, h, a.q + m * a.K + b * QK, a.s[i]);
+        const int8_t* xm = a.q + m * a.K + b * QK;
+        if (T == Q6_K) {
+          VI ta = minus(udot<T>(w, xm, 0, 4), 32 * a.s16[2 * i]), tb = minus(udot<T>(w, xm, 4, 8), 32 * a.s16[2 * i + 1]);
+          acc[m][h] = fma(floats(ta), mul(dw, a.d[i]), acc[m][h]);
+          acc[m][h] = fma(floats(tb), mul(dw2, a.d[i]), acc[m][h]);
+          continue;
+        }
+        VI t = dot<T>(w, qb, h, xm, a.s[i]);
         acc[m][h] = fma(floats(t), mul(dw, a.d[i]), acc[m][h]);
-        if (T == Q4_1) acc[m][h] = fma(mw, fsplat(a.d[i] * (float)a.s[i]), acc[m][h]);
+        if (with_min(T)) acc[m][h] = fma(mw, fsplat(a.d[i] * (float)a.s[i]), acc[m][h]);
       }
     }
   }
@@ -234,23 +333,45 @@ void panel(const Acts& a, int rows, const uint8_t* q, const uint16_t* sc, float*
 #else
 #define GGUF_ISA "portable"
 
-// The block integer of column j, input k (Q4_0: u - 8, Q4_1: u, Q8_0: q) of one packed block.
+// The block integer of column j, input k (Q4_0: u - 8, Q4_1 and Q4_K: u, Q6_K: u - 32, Q8_0: q) of
+// one packed block.
 template <int T>
 inline int weight(const uint8_t* q, int j, int k) {
   if (T == Q8_0) return (int8_t)q[(k / 4) * 64 + j * 4 + k % 4];
   uint8_t byte = q[((k % 16) / 4) * 64 + j * 4 + k % 4];
   int u = k < 16 ? byte & 0x0f : byte >> 4;
+  if (T == Q6_K) {
+    uint8_t high = q[(4 + k / 16) * 64 + j * 4 + k % 4];
+    return (u | ((high >> (2 * ((k % 16) / 4))) & 3) << 4) - 32;
+  }
   return T == Q4_0 ? u - 8 : u;
 }
 
+// Column j's float scales of block b (record rec): as block_scales in the vector paths.
 template <int T>
-void panel(const Acts& a, int rows, const uint8_t* q, const uint16_t* sc, float* y, long ldy,
+inline void column_scales(const uint8_t* rec, long b, int j, float& dw, float& dw2, float& mw) {
+  const uint16_t* d = (const uint16_t*)rec;
+  int s = (int)(b % SUB);
+  if (T == Q4_K) {
+    dw = half_to_float(d[j]) * (float)rec[4 * COLS + s * COLS + j];
+    mw = -(half_to_float(d[COLS + j]) * (float)rec[(4 + SUB) * COLS + s * COLS + j]);
+  } else if (T == Q6_K) {
+    dw = half_to_float(d[j]) * (float)(int8_t)rec[2 * COLS + 2 * s * COLS + j];
+    dw2 = half_to_float(d[j]) * (float)(int8_t)rec[2 * COLS + (2 * s + 1) * COLS + j];
+  } else {
+    dw = half_to_float(d[j]);
+    if (T == Q4_1) mw = half_to_float(d[COLS + j]);
+  }
+}
+
+template <int T>
+void panel(const Acts& a, int rows, const uint8_t* q, const uint8_t* sc, float* y, long ldy,
            const float* bias, int ncols, int add) {
   const long blocks = a.K / QK;
   float acc[MAX_ROWS][COLS] = {};
   for (long b = 0; b < blocks; b++) {
     const uint8_t* qb = q + b * qbytes(T);
-    const uint16_t* sb = sc + b * COLS * nscales(T);
+    const uint8_t* rec = sc + b / per_record(T) * record_bytes(T);
     int8_t wb[COLS][QK];
     for (int j = 0; j < COLS; j++)
       for (int k = 0; k < QK; k++) wb[j][k] = (int8_t)weight<T>(qb, j, k);  // Q4_1's u fits too
@@ -258,10 +379,13 @@ void panel(const Acts& a, int rows, const uint8_t* q, const uint16_t* sc, float*
       long i = m * blocks + b;
       const int8_t* xm = a.q + m * a.K + b * QK;
       for (int j = 0; j < COLS; j++) {
-        int t = 0;
-        for (int k = 0; k < QK; k++) t += wb[j][k] * xm[k];
-        acc[m][j] = fmaf((float)t, half_to_float(sb[j]) * a.d[i], acc[m][j]);
-        if (T == Q4_1) acc[m][j] = fmaf(half_to_float(sb[COLS + j]), a.d[i] * (float)a.s[i], acc[m][j]);
+        float dw = 0, dw2 = 0, mw = 0;
+        column_scales<T>(rec, b, j, dw, dw2, mw);
+        int t = 0, t2 = 0;
+        for (int k = 0; k < QK; k++) (T == Q6_K && k >= 16 ? t2 : t) += wb[j][k] * xm[k];
+        acc[m][j] = fmaf((float)t, dw * a.d[i], acc[m][j]);
+        if (T == Q6_K) acc[m][j] = fmaf((float)t2, dw2 * a.d[i], acc[m][j]);
+        if (with_min(T)) acc[m][j] = fmaf(mw, a.d[i] * (float)a.s[i], acc[m][j]);
       }
     }
   }
@@ -270,22 +394,25 @@ void panel(const Acts& a, int rows, const uint8_t* q, const uint16_t* sc, float*
 #endif
 
 template <int T>
-void gemm(const float* x, long M, long K, long ldx, const uint8_t* qs, const uint16_t* scales, long N,
+void gemm(const float* x, long M, long K, long ldx, const uint8_t* qs, const uint8_t* scales, long N,
           float* y, long ldy, const float* bias, int add) {
   const long blocks = K / QK, panels = (N + COLS - 1) / COLS;
+  const long records = (blocks + per_record(T) - 1) / per_record(T);
   std::vector<int8_t> q(M * K);
   std::vector<float> d(M * blocks);
-  std::vector<int32_t> s(M * blocks);
+  std::vector<int32_t> s(M * blocks), s16(T == Q6_K ? M * K / 16 : 0);
   quantize_rows(x, M, K, ldx, q.data(), d.data(), s.data());
+  if (T == Q6_K) half_sums(q.data(), M, K, s16.data());
   // Threads pay off only once the weights outgrow the cache of one core.
 #pragma omp parallel for schedule(static) if (N * K >= 65536)
   for (long p = 0; p < panels; p++) {
     int ncols = (int)(N - p * COLS < COLS ? N - p * COLS : COLS);
     const uint8_t* qp = qs + p * blocks * qbytes(T);
-    const uint16_t* sp = scales + p * blocks * COLS * nscales(T);
+    const uint8_t* sp = scales + p * records * record_bytes(T);
     for (long m0 = 0; m0 < M; m0 += MAX_ROWS) {
       int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
-      Acts a{q.data() + m0 * K, d.data() + m0 * blocks, s.data() + m0 * blocks, K};
+      Acts a{q.data() + m0 * K, d.data() + m0 * blocks, s.data() + m0 * blocks,
+             T == Q6_K ? s16.data() + m0 * K / 16 : 0, K};
       panel<T>(a, rows, qp, sp, y + m0 * ldy + p * COLS, ldy, bias ? bias + p * COLS : 0, ncols, add);
     }
   }
@@ -301,16 +428,19 @@ extern "C" void specsample_gguf_quantize(const float* x, long M, long K, long ld
   quantize_rows(x, M, K, ldx, q, d, s);
 }
 
-// y[M, N] (+)= x[M, K] @ W^T (+ bias) for W of GGML type `type` (2 Q4_0, 3 Q4_1, 8 Q8_0) packed
-// as qs and scales (above); K a multiple of 32; row strides ldx, ldy. Returns 0, or -1 for a type
-// it does not know (y untouched).
+// y[M, N] (+)= x[M, K] @ W^T (+ bias) for W of GGML type `type` (2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K,
+// 14 Q6_K) packed as qs and scales (above: fp16 scales, or a K type's records); K a multiple of 32
+// (of 256 for K types); row strides ldx, ldy. Returns 0, or -1 for a type it does not know (y untouched).
 extern "C" int specsample_gemm_gguf(int type, const float* x, long M, long K, long ldx, const uint8_t* qs,
                                     const uint16_t* scales, long N, float* y, long ldy, const float* bias,
                                     int add) {
+  const uint8_t* sc = (const uint8_t*)scales;
   switch (type) {
-    case Q4_0: gemm<Q4_0>(x, M, K, ldx, qs, scales, N, y, ldy, bias, add); return 0;
-    case Q4_1: gemm<Q4_1>(x, M, K, ldx, qs, scales, N, y, ldy, bias, add); return 0;
-    case Q8_0: gemm<Q8_0>(x, M, K, ldx, qs, scales, N, y, ldy, bias, add); return 0;
+    case Q4_0: gemm<Q4_0>(x, M, K, ldx, qs, sc, N, y, ldy, bias, add); return 0;
+    case Q4_1: gemm<Q4_1>(x, M, K, ldx, qs, sc, N, y, ldy, bias, add); return 0;
+    case Q8_0: gemm<Q8_0>(x, M, K, ldx, qs, sc, N, y, ldy, bias, add); return 0;
+    case Q4_K: gemm<Q4_K>(x, M, K, ldx, qs, sc, N, y, ldy, bias, add); return 0;
+    case Q6_K: gemm<Q6_K>(x, M, K, ldx, qs, sc, N, y, ldy, bias, add); return 0;
     default: return -1;
   }
 }

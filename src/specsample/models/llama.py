@@ -298,21 +298,27 @@ class LlamaTarget:
 
     @property
     def copy_cost(self) -> float | None:
-        """The int8 copy's single-token pass per target pass (`target.CopyCost`): INT8_COPY_COST over
-        float32 weights; None (not measured to be cheaper) over GGUF blocks of 4 to 8 bits, which the int8
-        copy outweighs."""
-        on_blocks = bool(self.lm_head.qtype) or any(layer.qkv.qtype for layer in self.layers)
-        return None if on_blocks else INT8_COPY_COST
+        """The quantized copy's single-token pass per target pass (`target.CopyCost`): INT8_COPY_COST over
+        float32 weights; over GGUF blocks, the lower-bit copy's as measured for the target's block types
+        (`gguf_blocks.block_copy_cost`), None where not measured."""
+        from specsample.models import gguf_blocks
+
+        return gguf_blocks.block_copy_cost(self) if gguf_blocks.on_blocks(self) else INT8_COPY_COST
 
     def quantized_copy(self) -> LlamaTarget:
-        """An int8 copy of this target (models/quantize.py) with its own cache of the same length. Its first
-        cache slots are committed now: page faults at its first draft would make drafting look slower
-        than it is to a K policy that times it (about 8 ms on SmolLM2, for what then costs 0.5 ms)."""
+        """A quantized copy of this target with its own cache of the same length: an int8 copy
+        (models/quantize.py), or over GGUF blocks a lower-bit copy of the blocks (`gguf_blocks.lower_bit_copy`).
+        Its first cache slots are committed now: page faults at its first draft would make drafting look
+        slower than it is to a K policy that times it (about 8 ms on SmolLM2, for what then costs 0.5 ms)."""
+        from specsample.models import gguf_blocks
         from specsample.models.quantize import int8_target
 
-        if self.source is None:
+        if gguf_blocks.on_blocks(self):
+            copy = gguf_blocks.lower_bit_copy(self)
+        elif self.source is None:
             raise ValueError("an int8 copy needs the transformers model this target was made from (LlamaTarget.from_hf)")
-        copy = int8_target(self.source, self.max_length)
+        else:
+            copy = int8_target(self.source, self.max_length)
         copy.commit_cache(COMMITTED_POSITIONS)
         return copy
 

@@ -161,3 +161,12 @@ def eos_ids(generation_config: GenerationConfig | None, tokenizer: PreTrainedTok
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return frozenset(ids)
+
+
+def with_weights(loaded: LoadedModel, *, trust_remote_code: bool = False) -> LoadedModel:
+    """`loaded` with its transformers model, loaded now (and kept) if it was loaded without it: a GGUF
+    file whose target runs the file itself (`gguf`, `llamacpp`), for a drafter that reads the model's
+    weights (the draft head's embeddings, layer skipping's calibration)."""
+    if loaded.model is None and loaded.gguf is not None:
+        loaded.model = load_model(loaded.gguf, trust_remote_code=trust_remote_code).model
+    return loaded
