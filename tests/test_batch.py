@@ -148,3 +148,30 @@ def test_bundled_model_batch_equals_alone():
         expected = alone(target, SuffixDrafter(), 4, p, GREEDY, 24, CoupledSource(0), loaded.eos_token_ids)
         assert got[i] == expected, f"prompt {texts[i]!r}"
     assert sum(r.stats.accepted_tokens for r in requests) > 0
+
+
+@pytest.fixture(scope="module")
+def sampler():
+    from specsample.api import SpecSampler
+
+    return SpecSampler.load(drafter="suffix", backend="gguf")
+
+
+def test_generate_batch_equals_generate(sampler):
+    """The Python API: each completion of a batch is `generate`'s of its prompt alone (greedy, and
+    seeded at temperature 1), stop strings and max_new_tokens per request."""
+    prompts = ["Name three rivers.", "Count from one to twenty.", "Say hello.", "What is a cat?", "Spell 'batch'."]
+    greedy = dict(max_new_tokens=20, temperature=0, k=3, stop=[" is"])
+    batched = sampler.generate_batch(prompts, max_batch=3, **greedy)
+    for prompt, completion in zip(prompts, batched):
+        alone = sampler.generate(prompt, **greedy)
+        assert (completion.text, completion.token_ids, completion.finish_reason) == (
+            alone.text, alone.token_ids, alone.finish_reason)
+        assert completion.stats.generated_tokens == len(completion.token_ids) or completion.finish_reason == "stop"
+    assert any(c.finish_reason == "stop" for c in batched)
+    sampled = dict(max_new_tokens=16, temperature=1.0, k=3)
+    batched = sampler.generate_batch(prompts[:3], max_batch=2, seeds=[1, 2, 3], **sampled)
+    for prompt, seed, completion in zip(prompts, [1, 2, 3], batched):
+        assert completion.token_ids == sampler.generate(prompt, seed=seed, **sampled).token_ids
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        sampler.generate_batch(prompts[:3], seeds=[1, 2])
