@@ -78,6 +78,7 @@ class Batch:
         self.policies = [policy() for _ in range(slots.count)]  # per slot
         self.free = list(range(slots.count - 1, -1, -1))  # slots without a request, next last
         self.running: list[Request] = []
+        self.rows = 0  # rows scored by the last step
 
     @property
     def full(self) -> bool:
@@ -113,6 +114,7 @@ class Batch:
         ended (EOS, max_new_tokens) are marked `done` and leave the batch."""
         start = perf_counter()
         planned = [self._plan(request) for request in self.running]
+        self.rows = sum(len(p.draft) + 1 for p in planned)
         scoring = perf_counter()
         logits = self.slots.score([(p.request.slot, self._rows(p)) for p in planned])  # [k_i + 1, vocab] each
         pass_seconds = perf_counter() - scoring
