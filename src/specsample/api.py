@@ -11,16 +11,19 @@ machine (`specsample.defaults`); `sampler.configuration` says which, and why.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from specsample.batch import Batch, Request
 from specsample.defaults import Configuration, default_configuration, given
 from specsample.drafters import Drafter, make_drafter
 from specsample.engine import decode
 from specsample.models import LoadedModel, Target, load_target
 from specsample.models.choice import resolve
+from specsample.models.target import SlottedTarget, require
 from specsample.policy import KPolicy, parse_k
 from specsample.sampling import SamplingParams, request_source
 from specsample.stats import Stats
@@ -78,32 +81,53 @@ class Generation:
             max_new_tokens=max_new_tokens, eos_token_ids=model.eos_token_ids,
             random=request_source(seed), stats=stats, verifier=sampler.verifier,
         )
-        decoder, matcher = IncrementalDecoder(model.tokenizer), StopMatcher(stop)
-        token_ids: list[int] = []
-        stopped = False  # by a stop string
+        output = TextOutput(model.tokenizer, stop, model.eos_token_ids)
         try:
             for new in steps:
-                chunk = Chunk("", [])
-                for token in new:
-                    chunk.token_ids.append(token)
-                    delta, stopped = matcher.feed(decoder.push(token))
-                    chunk.text += delta
-                    if stopped:
-                        break
-                token_ids += chunk.token_ids
-                yield chunk
-                if stopped:
+                yield output.feed(new)
+                if output.stopped:
                     break
-            if not stopped:
-                delta, stopped = matcher.feed(decoder.flush())
-                tail = delta if stopped else delta + matcher.finish()
-                if tail:
-                    yield Chunk(tail, [])
+            tail = output.finish()
+            if tail.text:
+                yield tail
         finally:
             steps.close()
-        ended = stopped or (token_ids and token_ids[-1] in model.eos_token_ids)
-        text = matcher.text[: matcher.emitted]
-        self.completion = Completion(text, token_ids, "stop" if ended else "length", stats)
+        self.completion = output.completion(stats)
+
+
+class TextOutput:
+    """A request's tokens as chunks of text that never split a character or a stop string; `stopped`
+    once a stop string is complete (the text is cut before it)."""
+
+    def __init__(self, tokenizer, stop: Sequence[str], eos_token_ids: frozenset[int]) -> None:
+        self.decoder, self.matcher = IncrementalDecoder(tokenizer), StopMatcher(stop)
+        self.eos_token_ids = eos_token_ids
+        self.token_ids: list[int] = []
+        self.stopped = False  # by a stop string
+
+    def feed(self, new: list[int]) -> Chunk:
+        """The chunk of a step's new tokens, up to the token that completes a stop string."""
+        chunk = Chunk("", [])
+        for token in new:
+            chunk.token_ids.append(token)
+            delta, self.stopped = self.matcher.feed(self.decoder.push(token))
+            chunk.text += delta
+            if self.stopped:
+                break
+        self.token_ids += chunk.token_ids
+        return chunk
+
+    def finish(self) -> Chunk:
+        """The text held back until the end (a possible start of a stop string, a split character)."""
+        if self.stopped:
+            return Chunk("", [])
+        delta, self.stopped = self.matcher.feed(self.decoder.flush())
+        return Chunk(delta if self.stopped else delta + self.matcher.finish(), [])
+
+    def completion(self, stats: Stats) -> Completion:
+        ended = self.stopped or (self.token_ids and self.token_ids[-1] in self.eos_token_ids)
+        text = self.matcher.text[: self.matcher.emitted]
+        return Completion(text, self.token_ids, "stop" if ended else "length", stats)
 
 
 class SpecSampler:
@@ -200,3 +224,62 @@ class SpecSampler:
         policy = self.policy(k) if isinstance(k, (int, str)) else k
         prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)
         return Generation(self, prompt_ids, params, policy, max_new_tokens, seed, stop)
+
+    def batch(self, max_batch: int, k: int | str | None = None) -> Batch:
+        """A batch of `max_batch` slots over this sampler's target (`batch.Batch`), drafting with forks
+        of its drafter, each slot with a K policy of the spec `k` (None: the configuration's)."""
+        slots = require(self.target, SlottedTarget, "batched decoding").slots(max_batch)
+        spec = self.configuration.k if k is None else k
+        return Batch(slots, self.drafter, lambda: parse_k(spec), eos_token_ids=self.model.eos_token_ids,
+                     verifier=self.verifier)
+
+    def request(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        chat: bool = True,
+    ) -> Request:
+        """A request for a `batch`, options as for `stream`."""
+        params = SamplingParams(temperature, top_k, top_p, min_p)
+        prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)
+        stats = Stats(load_seconds=self.model.load_seconds, drafter=self.configuration.drafter)
+        return Request(prompt_ids, params, max_new_tokens, request_source(seed), stats)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        max_batch: int = 8,
+        k: int | str | None = None,
+        stop: Sequence[str] = (),
+        seeds: Sequence[int | None] | None = None,
+        **options,
+    ) -> list[Completion]:
+        """Complete `prompts` together, at most `max_batch` at once in one target pass per step, each
+        joining as soon as one ends (continuous batching); options as for `stream`, `seeds` one per
+        prompt. Each completion is the one `generate` gives its prompt alone (greedy, or with a seed)."""
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        seeds = [None] * len(prompts) if seeds is None else list(seeds)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        requests = [self.request(prompt, seed=seed, **options) for prompt, seed in zip(prompts, seeds)]
+        outputs = {request: TextOutput(self.model.tokenizer, stop, self.model.eos_token_ids) for request in requests}
+        batch = self.batch(max(1, min(max_batch, len(prompts))), k)
+        waiting = deque(requests)
+        while waiting or batch.running:
+            while waiting and not batch.full:
+                batch.add(waiting.popleft())
+            for request, new in batch.step():
+                outputs[request].feed(new)
+                if outputs[request].stopped:
+                    batch.remove(request)
+        for output in outputs.values():
+            output.finish()
+        return [outputs[request].completion(request.stats) for request in requests]

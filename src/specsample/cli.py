@@ -105,6 +105,7 @@ def serve(
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(envvar="SPECSAMPLE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
     max_queue: Annotated[int, typer.Option(help="Most requests admitted at once (running or waiting); more get 503.")] = 16,
+    max_batch: Annotated[int, typer.Option(help="Most requests decoded together, one target pass per step (continuous batching; fast backend, drafters none, ngram, suffix and A+B of them); 1: one at a time.")] = 1,
 ) -> None:
     """Serve an OpenAI-compatible API (chat and text completions, streaming, /metrics)."""
     import uvicorn
@@ -116,9 +117,12 @@ def serve(
     policy = None if k is None else parse_k(k)
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     quiet_transformers()
     sampler = SpecSampler.load(model, drafter, backend=backend, trust_remote_code=trust_remote_code, threads=threads)
-    uvicorn.run(create_app(sampler, k=policy, max_queue=max_queue, api_key=api_key), host=host, port=port)
+    app = create_app(sampler, k=policy if max_batch == 1 else k, max_queue=max_queue, api_key=api_key, max_batch=max_batch)
+    uvicorn.run(app, host=host, port=port)
 
 
 @app.command("train-draft")

@@ -67,3 +67,28 @@ class Drafter(Protocol):
     def observe(self, tokens: list[int]) -> None:
         """The text grew by `tokens`: the accepted draft tokens, then the recovered or bonus token."""
         ...
+
+
+@runtime_checkable
+class Forks(Protocol):
+    """Makes drafters for other requests decoded at the same time (batched decoding, batch.py).
+
+    A fork keeps its own per-request state (the context it was told) and shares with this drafter
+    only what a drafter learns across requests (the suffix drafter's tree of earlier requests). A
+    drafter that keeps a model's cache of its own (draft model, head, layer skipping, quantized copy)
+    does not fork: each fork would need a cache and a pass of its own.
+    """
+
+    def fork(self) -> Drafter:
+        """A drafter for another request, sharing this one's learned state."""
+        ...
+
+
+def forked(drafter: Drafter) -> Drafter:
+    """A fork of `drafter` (`Forks`), or a one-line error naming it where it does not fork."""
+    if not isinstance(drafter, Forks):
+        raise ValueError(
+            f"batched decoding drafts with drafters that fork (none, ngram, suffix, and A+B of them); "
+            f"{type(drafter).__name__} keeps a model's cache of its own"
+        )
+    return drafter.fork()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from specsample.drafters.base import Draft, Drafter
+from specsample.drafters.base import Draft, Drafter, forked
 from specsample.sampling import RandomSource, SamplingParams
 
 MIN_TOKENS = 3  # the shortest draft of `first` that is verified instead of asking `second`
@@ -62,3 +62,7 @@ class FallbackDrafter:
     def observe(self, tokens: list[int]) -> None:
         self.first.observe(tokens)
         self.second.observe(tokens)
+
+    def fork(self) -> FallbackDrafter:
+        """Forks of both drafters (`base.Forks`); a ValueError where either does not fork."""
+        return FallbackDrafter(forked(self.first), forked(self.second), self.min_tokens)

@@ -50,6 +50,10 @@ class NgramDrafter(LookupDrafter):
         self.tokens, self.follows = [], {}
         self.extend(prompt_ids.tolist())
 
+    def fork(self) -> NgramDrafter:
+        """A drafter for another request (`base.Forks`): the index is the request's own context."""
+        return NgramDrafter(self.max_n, self.min_n)
+
     def lookup(self, k: int) -> list[int]:
         """Up to k tokens after the latest earlier occurrence of the longest matching suffix."""
         for n in range(min(self.max_n, len(self.tokens)), self.min_n - 1, -1):

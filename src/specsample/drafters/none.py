@@ -22,3 +22,6 @@ class NoDrafter:
 
     def observe(self, tokens: list[int]) -> None:
         pass
+
+    def fork(self) -> NoDrafter:
+        return NoDrafter()

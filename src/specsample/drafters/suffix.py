@@ -108,7 +108,6 @@ class SuffixDrafter(LookupDrafter):
         self.max_match, self.growth, self.min_probability = max_match, growth, min_probability
         self.history_tokens = history_tokens
         self.history: deque[list[int]] = deque()  # earlier requests still counted, oldest first
-        self.history_size = 0
         self.tokens: list[int] = []  # the current request: prompt, then every emitted token
         self.active: list[Node] = []
 
@@ -135,8 +134,19 @@ class SuffixDrafter(LookupDrafter):
         """File the finished request under history; evict the oldest beyond `history_tokens`."""
         if self.tokens:
             self.history.append(self.tokens)
-            self.history_size += len(self.tokens)
+            self.tokens = []
         while self.history_size > self.history_tokens:
-            oldest = self.history.popleft()
-            self.tree.remove(oldest)
-            self.history_size -= len(oldest)
+            self.tree.remove(self.history.popleft())
+
+    @property
+    def history_size(self) -> int:
+        """Tokens of earlier requests still counted in the tree."""
+        return sum(map(len, self.history))
+
+    def fork(self) -> SuffixDrafter:
+        """A drafter for another request decoded at the same time (`base.Forks`): its own context,
+        this one's tree and history, so each learns from the requests the others finished. A fork
+        files its request under the shared history when it begins the next one."""
+        fork = SuffixDrafter(self.tree.depth, self.max_match, self.growth, self.min_probability, self.history_tokens)
+        fork.tree, fork.history = self.tree, self.history
+        return fork

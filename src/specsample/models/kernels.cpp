@@ -397,3 +397,36 @@ extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, f
   silu_mul(gu, M, I, act);
   linear(L->fdown, act, M, I, L->wdown, L->sdown, H, x, 0, 1);
 }
+
+// One decoder layer over x [M, hidden] whose rows belong to `segments` requests, each with a cache
+// of its own (a slot): segment s is the next rows[s] rows, at positions starts[s].. of its slot,
+// whose cache of this layer is keys[s] and values[s] (laid out as L->keys and L->values, which are
+// not read). The four products run once over the M stacked rows; each segment's attention is
+// `attention` over its own cache, segments in parallel where there is enough work, so a row's result
+// is the same whatever the other rows of the pass.
+extern "C" void specsample_layer_slots(const Layer* L, float* x, long M, long segments, const long* rows,
+                                       const long* starts, float* const* keys, float* const* values,
+                                       float* scratch) {
+  long H = L->hidden, qkv_width = (L->heads + 2 * L->kv_heads) * L->d, att_width = L->heads * L->d;
+  long I = L->inter, work = 0;
+  float *h = scratch, *qkv = h + M * H, *att = qkv + M * qkv_width, *gu = att + M * att_width;
+  float* act = gu + M * 2 * I;
+  long* first = new long[segments + 1];  // first row of each segment
+  first[0] = 0;
+  for (long s = 0; s < segments; s++) {
+    first[s + 1] = first[s] + rows[s];
+    work += rows[s] * L->heads * (starts[s] + rows[s]) * L->d;
+  }
+  rms_norm(x, L->attn_norm, M, H, L->eps, h);
+  linear(L->fqkv, h, M, H, L->wqkv, L->sqkv, qkv_width, qkv, L->bqkv, 0);
+#pragma omp parallel for schedule(dynamic) if (segments > 1 && work >= 500000)
+  for (long s = 0; s < segments; s++)
+    attention(qkv + first[s] * qkv_width, rows[s], L->heads, L->kv_heads, L->d, L->cos + starts[s] * L->d,
+              L->sin + starts[s] * L->d, keys[s], values[s], L->cap, starts[s], att + first[s] * att_width);
+  delete[] first;
+  linear(L->fo, att, M, att_width, L->wo, L->so, H, x, L->bo, 1);
+  rms_norm(x, L->mlp_norm, M, H, L->eps, h);
+  linear(L->fgu, h, M, H, L->wgu, L->sgu, 2 * I, gu, 0, 0);
+  silu_mul(gu, M, I, act);
+  linear(L->fdown, act, M, I, L->wdown, L->sdown, H, x, 0, 1);
+}

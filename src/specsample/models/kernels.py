@@ -148,6 +148,9 @@ def _build(source: str, isa: str) -> ctypes.CDLL | None:
     fn = lib.specsample_layer
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     fn.restype = None
+    fn = lib.specsample_layer_slots
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 5
+    fn.restype = None
     lib.specsample_isa.argtypes = []
     lib.specsample_isa.restype = ctypes.c_char_p
     _declare_gguf(lib)
@@ -354,3 +357,16 @@ def layer(args: LayerArgs, x: Tensor, start: int, scratch: Tensor) -> None:
     the fused gate/up product, SiLU(gate) * up and the down projection added into x.
     """
     _library().specsample_layer(ctypes.addressof(args), x.data_ptr(), x.shape[0], start, scratch.data_ptr())
+
+
+def layer_slots(args: LayerArgs, x: Tensor, rows: Tensor, starts: Tensor, keys: Tensor, values: Tensor,
+                scratch: Tensor) -> None:
+    """`layer` over x [n, hidden] whose rows belong to several caches (slots): segment s is the next
+    rows[s] rows, at positions starts[s].. of the cache whose keys and values of this layer are at
+    addresses keys[s] and values[s] (int64 [segments] each, laid out as `args`' own, which are not
+    read). The products run once over all rows; each segment attends over its own cache only."""
+    assert rows.dtype == starts.dtype == keys.dtype == values.dtype == torch.int64 and int(rows.sum()) == x.shape[0]
+    _library().specsample_layer_slots(
+        ctypes.addressof(args), x.data_ptr(), x.shape[0], rows.shape[0], rows.data_ptr(), starts.data_ptr(),
+        keys.data_ptr(), values.data_ptr(), scratch.data_ptr(),
+    )

@@ -336,6 +336,10 @@ class LlamaTarget:
             return self.k_cache[..., :length], self.v_cache[:, :, :length]
         return self.k_cache[:, :, :length], self.v_cache[:, :, :length]
 
+    def slots(self, count: int) -> LlamaSlots:
+        """`count` empty KV caches over these weights, scored together (`target.SlottedTarget`)."""
+        return LlamaSlots(self, count)
+
     def record_features(self, layers: Iterable[int]) -> None:
         """From the next pass on, keep per position the final state and these layers' `normalized` outputs."""
         self._features.record(layers)
@@ -455,3 +459,76 @@ class LlamaTarget:
         out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]  # [kvh, groups n, d]
         out = out.view(kvh, groups, n, d).permute(2, 0, 1, 3).reshape(n, h * d)  # [n, h d]
         return w.o(out, residual=residual)
+
+
+class LlamaSlots:
+    """`count` KV caches over one LlamaTarget's weights, one per request (`target.Slots`).
+
+    A pass stacks the new tokens of several slots: the C++ layer (`kernels.layer_slots`) runs each
+    linear map once over all the rows, and each slot's rows attend over that slot's cache, laid out
+    as the target's own. The target's kernels compute each row on its own (one chain of
+    multiply-adds per output, norms per row), so a row's logits are bitwise those of the same tokens
+    scored alone, and those of the target's own `score` after the same prefill. Caches are
+    uninitialised, committed page by page as positions are written, as the target's.
+    """
+
+    def __init__(self, target: LlamaTarget, count: int) -> None:
+        if not target.kernels:
+            raise ValueError("slots (batched decoding) run on the C++ kernels: float32 or GGUF weights and a C++ compiler")
+        if count < 1:
+            raise ValueError(f"need at least one slot, got {count}")
+        self.target, self.count = target, count
+        self.vocab_size, self.max_length = target.vocab_size, target.max_length
+        self.k_cache = torch.empty(count, *target.k_cache.shape, dtype=target.dtype)  # [slots, layers, kv_heads, dim, cap]
+        self.v_cache = torch.empty(count, *target.v_cache.shape, dtype=target.dtype)  # [slots, layers, kv_heads, cap, dim]
+        layers = range(len(target.layers))
+        # addresses of each slot's cache of each layer, [layers, slots], for the C++ layer
+        self._keys = torch.tensor([[self.k_cache[s, i].data_ptr() for s in range(count)] for i in layers])
+        self._values = torch.tensor([[self.v_cache[s, i].data_ptr() for s in range(count)] for i in layers])
+        self._lengths = [0] * count
+
+    def length(self, slot: int) -> int:
+        return self._lengths[slot]
+
+    def prefill(self, slot: int, token_ids: Tensor) -> None:
+        """Reset `slot`'s cache and fill it with `token_ids` [n], in the target's prefill chunks."""
+        self.rollback(slot, 0)
+        for chunk in token_ids.reshape(-1).split(PREFILL_CHUNK):
+            self.forward([(slot, chunk)], logits=False)
+
+    def score(self, segments: Sequence[tuple[int, Tensor]]) -> list[Tensor]:
+        """Append each segment's tokens [n_s] to its slot in one pass; logits [n_s, vocab] float32 each."""
+        return self.forward(segments)
+
+    def rollback(self, slot: int, length: int) -> None:
+        if not 0 <= length <= self._lengths[slot]:
+            raise ValueError(f"cannot roll slot {slot} back to {length}: it holds {self._lengths[slot]}")
+        self._lengths[slot] = length
+
+    @torch.inference_mode()
+    def forward(self, segments: Sequence[tuple[int, Tensor]], logits: bool = True) -> list[Tensor]:
+        """One pass over the stacked tokens of `segments` (slot, token_ids [n_s]), slots distinct; their
+        logits [n_s, vocab] (none when `logits` is False)."""
+        slots = [slot for slot, _ in segments]
+        tokens = [ids.reshape(-1).long() for _, ids in segments]
+        if len(set(slots)) != len(slots) or not all(0 <= slot < self.count for slot in slots):
+            raise ValueError(f"slots {slots} are not distinct slots of 0..{self.count - 1}")
+        rows = torch.tensor([t.shape[0] for t in tokens], dtype=torch.int64)  # [segments]
+        starts = torch.tensor([self._lengths[slot] for slot in slots], dtype=torch.int64)  # [segments]
+        if bool((starts + rows > self.max_length).any()):
+            raise ValueError(f"{int((starts + rows).max())} positions exceed max_length {self.max_length}")
+        target, n = self.target, int(rows.sum())
+        if n == 0:
+            return [torch.empty(0, self.vocab_size) for _ in segments] if logits else []
+        x = target._embed(torch.cat(tokens))  # [n, hidden]
+        index = torch.tensor(slots)
+        keys, values = self._keys[:, index], self._values[:, index]  # [layers, segments]
+        scratch = torch.empty(n * target._scratch_per_token, dtype=torch.float32)
+        for i, args in enumerate(target._kernel_layers):
+            kernels.layer_slots(args, x, rows, starts, keys[i], values[i], scratch)
+        for slot, start, count in zip(slots, starts.tolist(), rows.tolist()):
+            self._lengths[slot] = start + count
+        if not logits:
+            return []
+        hidden = rms_norm(x, target.norm, target.eps)  # [n, hidden]
+        return list(target.lm_head(hidden).float().split(rows.tolist()))  # [n_s, vocab] each

@@ -110,6 +110,47 @@ class CopyCost(Protocol):
         ...
 
 
+@runtime_checkable
+class Slots(Protocol):
+    """The KV caches of several requests at once, one slot each, whose rows are scored in one pass.
+
+    Each slot is a `Target`'s cache of its own: its own length, prefill and rollback (a length,
+    never a copy). `score` runs one forward pass over the new tokens of several slots, each its own
+    number of positions after its own context; the linear maps stream the weights once for all the
+    rows, and a row's logits are bitwise what they would be without the other rows in the pass.
+    """
+
+    vocab_size: int
+    max_length: int  # positions each slot can hold
+    count: int  # slots: 0..count-1
+
+    def length(self, slot: int) -> int:
+        """Number of positions in `slot`'s cache."""
+        ...
+
+    def prefill(self, slot: int, token_ids: Tensor) -> None:
+        """Reset `slot`'s cache and fill it with `token_ids` [n] (n may be 0); no logits."""
+        ...
+
+    def score(self, segments: Sequence[tuple[int, Tensor]]) -> list[Tensor]:
+        """Append each segment's tokens [n_s] to its slot's cache (slots distinct) in one pass;
+        their logits [n_s, vocab], segment by segment."""
+        ...
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Keep only the first `length` positions of `slot`'s cache."""
+        ...
+
+
+@runtime_checkable
+class SlottedTarget(Protocol):
+    """Makes slots (`Slots`) over its weights: the caches of several requests decoded in one batch."""
+
+    def slots(self, count: int) -> Slots:
+        """`count` empty slots of this target's context window, sharing its weights."""
+        ...
+
+
 Capability = TypeVar("Capability")
 
 # What each capability lets a backend do, for the error of a drafter that needs it.
@@ -118,6 +159,7 @@ ABILITIES: dict[type, str] = {
     RunsLayerSubsets: "runs a subset of its layers",
     QuantizedCopies: "makes a quantized copy of itself",
     AdoptsCache: "adopts another target's cache",
+    SlottedTarget: "scores the rows of several requests in one pass (slots)",
 }
 
 

@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from specsample.api import Chunk, Completion, SpecSampler
 from specsample.policy import KPolicy
 from specsample.server.metrics import ServerMetrics
+from specsample.server.scheduler import BatchWorker
 from specsample.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, error_body
 from specsample.server.worker import EngineWorker, InvalidRequest, Job, QueueFull
 
@@ -45,15 +46,18 @@ SPECULATIVE_FIELDS = ("drafter", "acceptance_rate", "mean_accepted_length", "dra
 def create_app(
     sampler: SpecSampler,
     *,
-    k: int | KPolicy | None = None,
+    k: int | str | KPolicy | None = None,
     max_queue: int = 16,
     api_key: str | None = None,
     default_max_tokens: int = 256,
+    max_batch: int = 1,
 ) -> FastAPI:
-    """An app serving `sampler`; generations run one at a time, at most `max_queue` admitted; K by the
-    policy `k` (None: the sampler's configuration's)."""
+    """An app serving `sampler`; generations run one at a time, or up to `max_batch` together (continuous
+    batching, `scheduler.BatchWorker`); at most `max_queue` admitted; K by the policy `k` (None: the
+    sampler's configuration's; with `max_batch` above 1 a spec, each slot its own policy of it)."""
     metrics = ServerMetrics()
-    worker = EngineWorker(sampler, metrics, max_queue=max_queue, k=k, default_max_tokens=default_max_tokens)
+    worker = make_worker(sampler, metrics, max_queue=max_queue, k=k, default_max_tokens=default_max_tokens,
+                         max_batch=max_batch)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -94,6 +98,21 @@ def create_app(
         return await respond(request, body, job, TextReply(name))
 
     return app
+
+
+def make_worker(
+    sampler: SpecSampler, metrics: ServerMetrics, *, max_queue: int, k: int | str | KPolicy | None,
+    default_max_tokens: int, max_batch: int,
+) -> EngineWorker | BatchWorker:
+    """The one-at-a-time worker, or the continuous batching one where `max_batch` is above 1."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    if max_batch == 1:
+        return EngineWorker(sampler, metrics, max_queue=max_queue, k=k, default_max_tokens=default_max_tokens)
+    if not (k is None or isinstance(k, (int, str))):
+        raise ValueError("with max_batch above 1, K is a spec (an integer, auto, ...): each slot has a policy of it")
+    return BatchWorker(sampler, metrics, max_queue=max_queue, max_batch=max_batch, k=k,
+                       default_max_tokens=default_max_tokens)
 
 
 class TextReply:

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from specsample.stats import Stats
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 
 
@@ -39,6 +40,11 @@ class ServerMetrics:
         self.queue_seconds = self._latency("specsample_queue_wait_seconds", "From arrival to the start of generation.")
         self.first_token_seconds = self._latency("specsample_time_to_first_token_seconds",
                                                  "From arrival to the first chunk.")
+        # continuous batching (--max-batch above 1): per step of the batch
+        self.batch_size = Histogram("specsample_batch_size", "Requests in a step of the batch.",
+                                    buckets=BATCH_BUCKETS, registry=registry)
+        self.rows_per_step = Histogram("specsample_rows_per_step", "Rows (positions) scored in a step of the batch.",
+                                       buckets=BATCH_BUCKETS, registry=registry)
 
     def _latency(self, name: str, help: str) -> Histogram:
         return Histogram(name, help, buckets=LATENCY_BUCKETS, registry=self.registry)

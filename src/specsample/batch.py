@@ -1,0 +1,160 @@
+"""Batched decoding: the decode loop of engine.py as a step over several running requests.
+
+Each running request holds a slot of the target's `Slots` (models/target.py): a KV cache of its
+own, which, as in engine.py, holds every token of its text but the pending one. A step asks each
+request's drafter for its draft (K by its slot's policy), scores [pending, draft_tokens] of every
+request in one target pass (each slot its own rows after its own context: the weights stream once
+for all of them), verifies each request on its own rows with its own `SamplingParams` and
+`RandomSource`, rolls each slot back to its accepted length and emits each request's tokens.
+
+Requests join (`add`: their slot's prefill) and leave (`remove`) between steps, so a server admits
+waiting requests into the running batch (continuous batching). A row's logits do not depend on the
+other rows of the pass (`Slots`), so a request's tokens are those engine.decode gives it alone, for
+a greedy request and for a request with a seed, whatever else runs and whenever it joined.
+
+Each slot keeps a drafter and a K policy, used by one request after another: the drafters are forks
+of one drafter (`drafters.base.Forks`), so lookup drafters share what they learn across requests
+(the suffix drafter's tree of earlier ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import torch
+from torch import Tensor
+
+from specsample.drafters.base import Draft, Drafter, forked
+from specsample.engine import check_lengths, cut_at_eos
+from specsample.models.target import Slots
+from specsample.policy import KPolicy
+from specsample.sampling import RandomSource, SamplingParams
+from specsample.stats import Stats, Step
+from specsample.verify import ChainVerifier
+
+
+@dataclass(eq=False)
+class Request:
+    """One request of a batch: what it asks for, and where it is."""
+
+    prompt_ids: Tensor  # [n]
+    params: SamplingParams
+    max_new_tokens: int
+    random: RandomSource
+    stats: Stats = field(default_factory=Stats)
+    slot: int | None = None  # while running
+    pending: int = 0  # the last token of the text, not yet in the slot's cache
+    produced: int = 0  # tokens emitted so far
+    done: bool = False  # ended by an EOS token or max_new_tokens
+
+
+@dataclass
+class Planned:
+    """A running request's part of a step: its draft, and the numbers it is drawn and verified with."""
+
+    request: Request
+    draft: Draft
+    numbers: RandomSource
+    start: int  # the slot's length before the pass
+    draft_seconds: float
+
+
+class Batch:
+    """Running requests sharing one target pass per step, at most `slots.count` at once."""
+
+    def __init__(
+        self,
+        slots: Slots,
+        drafter: Drafter,
+        policy: Callable[[], KPolicy],
+        *,
+        eos_token_ids: frozenset[int],
+        verifier: ChainVerifier = ChainVerifier(),
+    ) -> None:
+        self.slots, self.eos_token_ids, self.verifier = slots, eos_token_ids, verifier
+        self.drafters = [forked(drafter) for _ in range(slots.count)]  # per slot
+        self.policies = [policy() for _ in range(slots.count)]  # per slot
+        self.free = list(range(slots.count - 1, -1, -1))  # slots without a request, next last
+        self.running: list[Request] = []
+        self.rows = 0  # rows scored by the last step
+
+    @property
+    def full(self) -> bool:
+        return not self.free
+
+    def add(self, request: Request) -> None:
+        """Start `request` in a free slot: prefill its prompt but the last token. ValueError for a
+        request that does not fit the context window or when every slot is taken."""
+        check_lengths(self.slots, request.prompt_ids.shape[0], request.max_new_tokens)
+        if not self.free:
+            raise ValueError(f"all {self.slots.count} slots are taken")
+        start = perf_counter()
+        slot = self.free.pop()
+        self.slots.prefill(slot, request.prompt_ids[:-1])
+        self.drafters[slot].begin(request.prompt_ids, request.params)
+        self.policies[slot].begin()
+        request.slot, request.pending = slot, int(request.prompt_ids[-1])
+        request.stats.prompt_tokens = request.prompt_ids.shape[0]
+        request.stats.prefill_seconds = perf_counter() - start
+        self.running.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take `request` out of the batch (ended, or cancelled between steps) and free its slot."""
+        if request not in self.running:
+            return
+        self.running.remove(request)
+        self.free.append(request.slot)
+        request.stats.policy = self.policies[request.slot].estimates()
+        request.slot = None
+
+    def step(self) -> list[tuple[Request, list[int]]]:
+        """One verification step of every running request: each request's new tokens. Requests that
+        ended (EOS, max_new_tokens) are marked `done` and leave the batch."""
+        start = perf_counter()
+        planned = [self._plan(request) for request in self.running]
+        self.rows = sum(len(p.draft) + 1 for p in planned)
+        scoring = perf_counter()
+        logits = self.slots.score([(p.request.slot, self._rows(p)) for p in planned])  # [k_i + 1, vocab] each
+        pass_seconds = perf_counter() - scoring
+        out = [(p.request, self._verify(p, rows, pass_seconds)) for p, rows in zip(planned, logits)]
+        for request, _ in out:
+            request.stats.decode_seconds += perf_counter() - start
+            if request.done:
+                self.remove(request)
+        return out
+
+    def _plan(self, request: Request) -> Planned:
+        """The request's draft: K by its slot's policy, at most what max_new_tokens leaves."""
+        start = perf_counter()
+        policy, drafter = self.policies[request.slot], self.drafters[request.slot]
+        k = min(policy.choose(), request.max_new_tokens - request.produced - 1)
+        numbers = request.random.at(request.produced)  # offset i: output position produced + i
+        draft = drafter.propose(k, numbers) if k > 0 else Draft.empty()
+        if draft.confidence is not None:
+            draft = draft.prefix(policy.keep(draft.confidence))
+        return Planned(request, draft, numbers, self.slots.length(request.slot), perf_counter() - start)
+
+    @staticmethod
+    def _rows(planned: Planned) -> Tensor:
+        """The tokens a request scores: [pending, draft_tokens] [k + 1]."""
+        return torch.cat([torch.tensor([planned.request.pending]), planned.draft.tokens])
+
+    def _verify(self, planned: Planned, logits: Tensor, pass_seconds: float) -> list[int]:
+        """Verify one request's draft on its logits [k + 1, vocab], roll its slot back and record the step."""
+        start = perf_counter()
+        request, draft = planned.request, planned.draft
+        verdict = self.verifier(draft.tokens, draft.probs, logits, request.params, planned.numbers)
+        self.slots.rollback(request.slot, planned.start + 1 + verdict.accepted)
+        emitted = draft.tokens[: verdict.accepted].tolist() + [verdict.next_token]
+        self.drafters[request.slot].observe(emitted)
+        new = cut_at_eos(emitted, self.eos_token_ids)
+        verify_seconds = pass_seconds + perf_counter() - start  # the shared pass, then its own verification
+        step = Step(len(draft), verdict.accepted, len(new), planned.draft_seconds, verify_seconds)
+        request.stats.record(step)
+        self.policies[request.slot].observe(step)
+        request.produced += len(new)
+        request.pending = verdict.next_token
+        request.done = new[-1] in self.eos_token_ids or request.produced >= request.max_new_tokens
+        return new

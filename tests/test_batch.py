@@ -1,0 +1,177 @@
+"""Batched decoding (batch.py): each request's tokens are those it gets decoded alone.
+
+Requests run in a batch of fewer slots than requests, so later ones join as earlier ones end
+(continuous batching); each one's greedy tokens, and its tokens under a seed at temperature 1, must
+equal engine.decode's of the same request alone, whatever else shares its passes and whenever it
+joined. A request removed mid-batch frees its slot for the next one and changes nothing for the
+others. The bundled model on its GGUF blocks does the same on real prompts with the suffix drafter,
+whose forks share one tree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsample.batch import Batch, Request
+from specsample.drafters import NgramDrafter, NoDrafter, SuffixDrafter
+from specsample.drafters.base import Drafter
+from specsample.engine import decode
+from specsample.models import kernels
+from specsample.models.llama import LlamaTarget
+from specsample.policy import FixedK
+from specsample.sampling import CoupledSource, RandomSource, SamplingParams, make_generator
+from specsample.stats import Stats
+
+from conftest import tiny_llama
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels could not be built here")
+
+GREEDY = SamplingParams(temperature=0)
+DRAFTERS = {"none": (NoDrafter, 0), "ngram": (NgramDrafter, 3), "suffix": (SuffixDrafter, 4)}
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaTarget:
+    return LlamaTarget.from_hf(tiny_llama(64, seed=3, init_scale=0.5))
+
+
+def prompts(count: int, vocab: int = 64) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen) for _ in range(count)]
+
+
+def alone(target, drafter: Drafter, k: int, prompt: torch.Tensor, params: SamplingParams, max_new: int,
+          random: RandomSource, eos: frozenset[int] = frozenset()) -> list[int]:
+    steps = decode(target, drafter, FixedK(k), prompt, params, max_new_tokens=max_new, eos_token_ids=eos,
+                   random=random, stats=Stats())
+    return [t for step in steps for t in step]
+
+
+def run(batch: Batch, requests: list[Request], cancel: dict[int, Request] | None = None) -> dict[int, list[int]]:
+    """Decode `requests` through `batch`, admitting each as soon as a slot is free; `cancel` removes
+    a request after the given step. Tokens by request index."""
+    waiting, out, step = list(requests), {id(r): [] for r in requests}, 0
+    while waiting or batch.running:
+        while waiting and not batch.full:
+            batch.add(waiting.pop(0))
+        for request, new in batch.step():
+            out[id(request)] += new
+        step += 1
+        if cancel and step in cancel:
+            batch.remove(cancel[step])
+    return {i: out[id(r)] for i, r in enumerate(requests)}
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_greedy_batch_equals_alone(target, name):
+    make, k = DRAFTERS[name]
+    ps = prompts(7)
+    max_new = [5 + 6 * i for i in range(len(ps))]
+    batch = Batch(target.slots(3), make(), lambda: FixedK(k), eos_token_ids=frozenset())
+    requests = [Request(p, GREEDY, m, CoupledSource(0)) for p, m in zip(ps, max_new)]
+    got = run(batch, requests)
+    for i, (p, m) in enumerate(zip(ps, max_new)):
+        assert got[i] == alone(target, make(), k, p, GREEDY, m, CoupledSource(0)), f"request {i}"
+        assert requests[i].done and requests[i].stats.generated_tokens == m
+    assert sorted(batch.free) == [0, 1, 2] and not batch.running
+
+
+def test_seeded_sampling_batch_equals_alone(target):
+    """At temperature 1 with a seed, a request's tokens depend on its seed alone, not on its batch."""
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    ps = prompts(6)
+    batch = Batch(target.slots(4), SuffixDrafter(), lambda: FixedK(3), eos_token_ids=frozenset({5}))
+    requests = [Request(p, params, 40, CoupledSource(100 + i)) for i, p in enumerate(ps)]
+    got = run(batch, requests)
+    for i, p in enumerate(ps):
+        assert got[i] == alone(target, SuffixDrafter(), 3, p, params, 40, CoupledSource(100 + i), frozenset({5}))
+    assert any(5 in tokens for tokens in got.values())  # some request ended at its EOS token
+
+
+def test_cancelled_request_frees_its_slot(target):
+    ps = prompts(5)
+    batch = Batch(target.slots(2), NgramDrafter(), lambda: FixedK(3), eos_token_ids=frozenset())
+    requests = [Request(p, GREEDY, 30, CoupledSource(0)) for p in ps]
+    got = run(batch, requests, cancel={3: requests[1]})
+    assert requests[1].slot is None and not requests[1].done and 0 < len(got[1]) < 30
+    assert got[1] == alone(target, NgramDrafter(), 3, ps[1], GREEDY, 30, CoupledSource(0))[: len(got[1])]
+    for i in (0, 2, 3, 4):  # request 2 took the cancelled one's slot
+        assert got[i] == alone(target, NgramDrafter(), 3, ps[i], GREEDY, 30, CoupledSource(0)), f"request {i}"
+
+
+def test_bad_requests_are_refused(target):
+    batch = Batch(target.slots(1), NoDrafter(), lambda: FixedK(0), eos_token_ids=frozenset())
+    with pytest.raises(ValueError, match="context window"):
+        batch.add(Request(torch.arange(10), GREEDY, target.max_length, CoupledSource(0)))
+    with pytest.raises(ValueError, match="empty"):
+        batch.add(Request(torch.tensor([], dtype=torch.long), GREEDY, 4, CoupledSource(0)))
+    batch.add(Request(torch.arange(3), GREEDY, 4, CoupledSource(0)))
+    with pytest.raises(ValueError, match="all 1 slots are taken"):
+        batch.add(Request(torch.arange(3), GREEDY, 4, CoupledSource(0)))
+    assert batch.free == []
+
+
+def test_drafters_with_a_model_cache_do_not_fork(target):
+    from specsample.drafters import DraftModelDrafter
+
+    with pytest.raises(ValueError, match="DraftModelDrafter keeps a model's cache"):
+        Batch(target.slots(2), DraftModelDrafter(target), lambda: FixedK(2), eos_token_ids=frozenset())
+
+
+def test_suffix_forks_share_what_they_learn():
+    parent = SuffixDrafter()
+    a, b = parent.fork(), parent.fork()
+    a.begin(torch.tensor([1, 2, 3, 4, 5, 6]), GREEDY)
+    b.begin(torch.tensor([9, 1, 2, 3]), GREEDY)
+    assert b.lookup(3) == [4, 5, 6]  # b drafts from a's text
+    a.begin(torch.tensor([7]), GREEDY)  # a files its first request under the shared history
+    assert list(parent.history) == [[1, 2, 3, 4, 5, 6]] and parent.history_size == 6
+
+
+def test_bundled_model_batch_equals_alone():
+    """The bundled model on its GGUF blocks, real prompts, the suffix drafter: greedy tokens in a batch of
+    3 slots equal those of each request alone."""
+    from specsample.models import gguf_blocks
+    from specsample.models.loading import load_model
+    from specsample.text import encode_prompt
+
+    loaded = load_model()
+    target = gguf_blocks.gguf_target(loaded.model, loaded.gguf)
+    texts = ["List the planets of the solar system.", "Write a haiku about rain.", "What is 17 * 23?",
+             "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox"]
+    ps = [torch.tensor(encode_prompt(loaded.tokenizer, text, True)) for text in texts]
+    batch = Batch(target.slots(3), SuffixDrafter(), lambda: FixedK(4), eos_token_ids=loaded.eos_token_ids)
+    requests = [Request(p, GREEDY, 24, CoupledSource(0)) for p in ps]
+    got = run(batch, requests)
+    for i, p in enumerate(ps):
+        expected = alone(target, SuffixDrafter(), 4, p, GREEDY, 24, CoupledSource(0), loaded.eos_token_ids)
+        assert got[i] == expected, f"prompt {texts[i]!r}"
+    assert sum(r.stats.accepted_tokens for r in requests) > 0
+
+
+@pytest.fixture(scope="module")
+def sampler():
+    from specsample.api import SpecSampler
+
+    return SpecSampler.load(drafter="suffix", backend="gguf")
+
+
+def test_generate_batch_equals_generate(sampler):
+    """The Python API: each completion of a batch is `generate`'s of its prompt alone (greedy, and
+    seeded at temperature 1), stop strings and max_new_tokens per request."""
+    prompts = ["Name three rivers.", "Count from one to twenty.", "Say hello.", "What is a cat?", "Spell 'batch'."]
+    greedy = dict(max_new_tokens=20, temperature=0, k=3, stop=[" is"])
+    batched = sampler.generate_batch(prompts, max_batch=3, **greedy)
+    for prompt, completion in zip(prompts, batched):
+        alone = sampler.generate(prompt, **greedy)
+        assert (completion.text, completion.token_ids, completion.finish_reason) == (
+            alone.text, alone.token_ids, alone.finish_reason)
+        assert completion.stats.generated_tokens == len(completion.token_ids) or completion.finish_reason == "stop"
+    assert any(c.finish_reason == "stop" for c in batched)
+    sampled = dict(max_new_tokens=16, temperature=1.0, k=3)
+    batched = sampler.generate_batch(prompts[:3], max_batch=2, seeds=[1, 2, 3], **sampled)
+    for prompt, seed, completion in zip(prompts, [1, 2, 3], batched):
+        assert completion.token_ids == sampler.generate(prompt, seed=seed, **sampled).token_ids
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        sampler.generate_batch(prompts[:3], seeds=[1, 2])
