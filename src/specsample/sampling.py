@@ -46,6 +46,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from specsample.verify.chain import ChainVerifier, Verdict
+    from specsample.verify.tree import TreeVerifier
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,14 @@ class RandomSource(Protocol):
         [k + 1, vocab]) with the rule of `verifier` that fits these numbers."""
         ...
 
+    def verify_tree(
+        self, verifier: TreeVerifier, draft_tokens: Tensor, parents: Tensor, draft_probs: Tensor | None,
+        target_probs: Tensor,
+    ) -> Verdict:
+        """Verify a tree draft (`verify.tree`: `parents` [n], `target_probs` [n + 1, vocab]) with the rule
+        of `verifier` that fits these numbers."""
+        ...
+
 
 @dataclass(frozen=True)
 class GeneratorSource:
@@ -199,6 +208,12 @@ class GeneratorSource:
         self, verifier: ChainVerifier, draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor
     ) -> Verdict:
         return verifier.sample(draft_tokens, draft_probs, target_probs, self.generator)
+
+    def verify_tree(
+        self, verifier: TreeVerifier, draft_tokens: Tensor, parents: Tensor, draft_probs: Tensor | None,
+        target_probs: Tensor,
+    ) -> Verdict:
+        return verifier.sample(draft_tokens, parents, draft_probs, target_probs, self.generator)
 
 
 class CoupledSource:
@@ -237,6 +252,13 @@ class CoupledSource:
         vocab = target_probs.shape[-1]
         noise = torch.stack([self.noise(i, vocab) for i in range(target_probs.shape[0])])  # [k + 1, vocab]
         return verifier.coupled(draft_tokens, target_probs, noise)
+
+    def verify_tree(
+        self, verifier: TreeVerifier, draft_tokens: Tensor, parents: Tensor, draft_probs: Tensor | None,
+        target_probs: Tensor,
+    ) -> Verdict:
+        vocab = target_probs.shape[-1]
+        return verifier.coupled(draft_tokens, parents, target_probs, lambda offset: self.noise(offset, vocab))
 
 
 def request_source(seed: int | None) -> RandomSource:

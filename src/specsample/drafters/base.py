@@ -12,10 +12,20 @@ probabilities draws draft token i from its draft_probs with `random.draw(probs, 
 which, for a request with a seed, uses the numbers of that token's output
 position, the ones the target's token there is drawn with (coupled drafting).
 A point-mass drafter needs no numbers.
+
+A draft may be a tree (`Draft.parents`): several candidate continuations verified in
+one target pass (`verify.tree`). A chain is the special case `parents = None`, so a
+chain drafter builds its `Draft` as before. Nodes are in topological order (a
+node's parent comes before it), so every prefix of a tree is a tree. A tree drafter
+with probabilities draws node i from draft_probs[i], the distribution it gives the
+node's position *given its parent and its earlier siblings* (siblings drawn without
+replacement, `verify.tree`); at a coupled source it draws the siblings of depth d
+with the numbers of offset d.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -23,6 +33,7 @@ import torch
 from torch import Tensor
 
 from specsample.sampling import RandomSource, SamplingParams
+from specsample.tree import chain_parents
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,12 @@ class Draft:
     # token by token (a stopping rule: whether token i is verified depends on tokens before it only,
     # so verification stays exact).
     confidence: Tensor | None = None
+    # [k] int64: the index of each node's parent in `tokens`, -1 for a child of the pending token
+    # (`specsample.tree`: every parent before its node); None for a chain (parents i - 1).
+    parents: Tensor | None = None
+    # Called by the engine with the target's logits of the scored draft, [k + 1, vocab] (row 0: the
+    # pending token, row i + 1: node i), for drafters that learn from them (drafters/recycle.py).
+    observe_logits: Callable[[Tensor], None] | None = None
 
     @staticmethod
     def empty() -> "Draft":
@@ -44,7 +61,15 @@ class Draft:
         def cut(t: Tensor | None) -> Tensor | None:
             return None if t is None else t[:n]
 
-        return Draft(self.tokens[:n], cut(self.probs), cut(self.confidence))
+        return Draft(self.tokens[:n], cut(self.probs), cut(self.confidence), cut(self.parents), self.observe_logits)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    def parent_array(self) -> Tensor:
+        """[k] int64 parent index of each node, -1 for the pending token's children; i - 1 for a chain."""
+        return chain_parents(len(self)) if self.parents is None else self.parents
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include <utility>
+#include <vector>
 
 // VL: floats per vector register; MAX_ROWS: rows of one register block; vectors(MR): the vectors
 // of one row in a register block of MR rows, so a block covers vectors(MR) VL columns.
@@ -218,15 +219,38 @@ static void weighted_values(const float* p, long ld, const float* v, long i0, lo
     for (int u = 0; u < C; u++) *(vfu*)(o + h * d + u * VL) = acc[h][u];
 }
 
+// Tree attention: copies of the keys (transposed, [d, w]) of positions from..len-1 of a row whose
+// positions from `start` on are the cache slots slots[i - start] (a tree node's path), and of the
+// values ([len - start, d]) of positions start..len-1, so that `dot_keys` and `weighted_values` run
+// on them as on keys and values in place: the same chains of float operations, bitwise.
+static void gather_path(const float* kt, const float* v, long d, long cap, long from, long len, const long* slots,
+                        long start, float* keys, long w, float* values) {
+  for (long i = from; i < len; i++) {
+    long pos = i < start ? i : slots[i - start];
+    for (long j = 0; j < d; j++) keys[j * w + i - from] = kt[j * cap + pos];
+    if (i >= start) memcpy(values + (i - start) * d, v + pos * d, d * sizeof(float));
+  }
+}
+
 // The attention of G heads of one token to positions 0..len-1 of their KV head (keys kt [d, cap],
-// values v [cap, d]): queries q [G, d], out [G, d]; scores holds G rows of ld floats.
+// values v [cap, d]): queries q [G, d], out [G, d]; scores holds G rows of ld floats. With `slots`
+// (tree attention), positions start..len-1 are the cache slots slots[0..len-start-1] instead, read
+// through copies in `gathered` (d (len - start + 2 VL) + (len - start) d floats, `gather_path`).
 template <int G>
 static void attend(const float* q, const float* kt, const float* v, long d, long cap, long len, float scale,
-                   float* scores, long ld, float* out) {
+                   float* scores, long ld, float* out, const long* slots = nullptr, long start = 0,
+                   float* gathered = nullptr) {
   constexpr int B = span(G);
   long blocks = (len + VL - 1) / VL, b = 0;
-  for (; b + B <= blocks; b += B) dot_keys<G, B>(q, kt, d, cap, b, scores, ld);
-  for (; b < blocks; b++) dot_keys<G, 1>(q, kt, d, cap, b, scores, ld);
+  long in_place = slots ? start / VL : blocks;  // blocks whose keys are read in place
+  for (; b + B <= in_place; b += B) dot_keys<G, B>(q, kt, d, cap, b, scores, ld);
+  for (; b < in_place; b++) dot_keys<G, 1>(q, kt, d, cap, b, scores, ld);
+  long w = (blocks - in_place) * VL;  // positions of the gathered keys, from in_place VL on
+  float* path_values = gathered + d * w;
+  if (slots) {
+    gather_path(kt, v, d, cap, in_place * VL, len, slots, start, gathered, w, path_values);
+    for (; b < blocks; b++) dot_keys<G, 1>(q, gathered - in_place * VL, d, w, b, scores, ld);
+  }
   for (int h = 0; h < G; h++) {
     float* row = scores + h * ld;
     for (long i = len; i < blocks * VL; i++) row[i] = -__builtin_inff();  // not positions of this token
@@ -253,18 +277,27 @@ static void attend(const float* q, const float* kt, const float* v, long d, long
     for (int h = 0; h < G; h++) {
       float* o = out + h * d;
       for (long j = 0; j < d; j++) o[j] = 0;
-      for (long i = 0; i < len; i++)
-        for (long j = 0; j < d; j++) o[j] += scores[h * ld + i] * v[i * d + j];
+      for (long i = 0; i < len; i++) {
+        const float* row = slots && i >= start ? path_values + (i - start) * d : v + i * d;
+        for (long j = 0; j < d; j++) o[j] += scores[h * ld + i] * row[j];
+      }
     }
     return;
   }
   // Column blocks of C vectors, each over IC positions before the next block reads their values
   // from L1 (on AVX-512 a head of 64 is one block).
   constexpr int C = span(G) == 3 ? 2 : span(G);  // 2 + 2 + ... rather than 3 + 3 + 1 + 1 for d = 8 VL
-  for (long i0 = 0; i0 < len; i0 += IC) {
-    long i1 = i0 + IC < len ? i0 + IC : len, c = 0;
+  long direct = slots ? start : len;  // positions whose values are read in place
+  for (long i0 = 0; i0 < direct; i0 += IC) {
+    long i1 = i0 + IC < direct ? i0 + IC : direct, c = 0;
     for (; c + C * VL <= d; c += C * VL) weighted_values<G, C>(scores, ld, v + c, i0, i1, d, out + c, c == 0);
     for (; c < d; c += VL) weighted_values<G, 1>(scores, ld, v + c, i0, i1, d, out + c, c == 0);
+  }
+  const float* moved = path_values - start * d;  // row i of the path's values at moved + i d
+  for (long i0 = direct; i0 < len; i0 += IC) {
+    long i1 = i0 + IC < len ? i0 + IC : len, c = 0;
+    for (; c + C * VL <= d; c += C * VL) weighted_values<G, C>(scores, ld, moved + c, i0, i1, d, out + c, false);
+    for (; c < d; c += VL) weighted_values<G, 1>(scores, ld, moved + c, i0, i1, d, out + c, false);
   }
 }
 
@@ -275,12 +308,22 @@ static void attend(const float* q, const float* kt, const float* v, long d, long
 // multiple of 16 and not of 1024 (rows of keys a power of two apart would share cache sets);
 // out [n, heads d]. Query head h reads KV head h / (heads / kv_heads); token t sees positions
 // 0..start+t. A job is one token's query heads of one KV head, or HEADS of them if more.
+// With `parents` [n] (a tree: token t's parent among the n, -1 for none, parents[t] < t), token t
+// sits at position start + its depth (its rotary angle), is written to slot start + t, and sees
+// positions 0..start-1 and the slots of its ancestors and itself, as its path scored as a chain would.
 static void attention(float* qkv, long n, long heads, long kv_heads, long d, const float* cos,
-                      const float* sin, float* keys, float* values, long cap, long start, float* out) {
+                      const float* sin, float* keys, float* values, long cap, long start, float* out,
+                      const long* parents = nullptr) {
   long width = (heads + 2 * kv_heads) * d, groups = heads / kv_heads, half = d / 2;
+  std::vector<long> depth(parents ? n : 0), slots(parents ? n * n : 0);  // slots [t, depth]: t's path
+  for (long t = 0; parents && t < n; t++) {
+    depth[t] = parents[t] < 0 ? 0 : depth[parents[t]] + 1;
+    for (long u = t, a = depth[t]; a >= 0; u = parents[u], a--) slots[t * n + a] = start + u;
+  }
   for (long t = 0; t < n; t++) {
     float* row = qkv + t * width;
-    const float *c = cos + t * d, *s = sin + t * d;
+    long position = parents ? depth[t] : t;
+    const float *c = cos + position * d, *s = sin + position * d;
     for (long h = 0; h < heads + kv_heads; h++) {
       float x[1024], *y = row + h * d;
       memcpy(x, y, d * sizeof(float));
@@ -298,6 +341,7 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
 #pragma omp parallel if (n * heads * end * d >= 500000)
   {
     float* scores = new float[HEADS * ld];
+    float* gathered = parents ? new float[d * (2 * n + 2 * VL)] : nullptr;  // `attend`'s copies of a path
 #pragma omp for schedule(static)
     for (long job = 0; job < n * kv_heads * parts; job++) {
       long t = job / (kv_heads * parts), g = job / parts % kv_heads, part = job % parts;
@@ -305,15 +349,17 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
       const float* q = qkv + t * width + h0 * d;
       const float *kt = keys + g * d * cap, *v = values + g * cap * d;
       float* o = out + t * heads * d + h0 * d;
-      long len = start + t + 1;
+      long len = start + (parents ? depth[t] : t) + 1;
+      const long* path = parents ? slots.data() + t * n : nullptr;
       switch (h1 - h0) {
-        case 1: attend<1>(q, kt, v, d, cap, len, scale, scores, ld, o); break;
-        case 2: attend<2>(q, kt, v, d, cap, len, scale, scores, ld, o); break;
-        case 3: attend<3>(q, kt, v, d, cap, len, scale, scores, ld, o); break;
-        default: attend<4>(q, kt, v, d, cap, len, scale, scores, ld, o); break;
+        case 1: attend<1>(q, kt, v, d, cap, len, scale, scores, ld, o, path, start, gathered); break;
+        case 2: attend<2>(q, kt, v, d, cap, len, scale, scores, ld, o, path, start, gathered); break;
+        case 3: attend<3>(q, kt, v, d, cap, len, scale, scores, ld, o, path, start, gathered); break;
+        default: attend<4>(q, kt, v, d, cap, len, scale, scores, ld, o, path, start, gathered); break;
       }
     }
     delete[] scores;
+    delete[] gathered;
   }
 }
 
@@ -382,7 +428,8 @@ static void linear(int type, const float* x, long M, long K, const void* w, cons
 
 // One decoder layer over x [M, hidden] (the residual stream, updated in place) at positions
 // start..start+M-1. scratch holds M (hidden + (heads + 2 kv_heads) d + heads d + 3 inter) floats.
-extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, float* scratch) {
+// With `parents` [M] (null for a chain), the M tokens are a tree (`attention`).
+extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, float* scratch, const long* parents) {
   long H = L->hidden, qkv_width = (L->heads + 2 * L->kv_heads) * L->d, att_width = L->heads * L->d;
   long I = L->inter;
   float *h = scratch, *qkv = h + M * H, *att = qkv + M * qkv_width, *gu = att + M * att_width;
@@ -390,7 +437,7 @@ extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, f
   rms_norm(x, L->attn_norm, M, H, L->eps, h);
   linear(L->fqkv, h, M, H, L->wqkv, L->sqkv, qkv_width, qkv, L->bqkv, 0);
   attention(qkv, M, L->heads, L->kv_heads, L->d, L->cos + start * L->d, L->sin + start * L->d,
-            L->keys, L->values, L->cap, start, att);
+            L->keys, L->values, L->cap, start, att, parents);
   linear(L->fo, att, M, att_width, L->wo, L->so, H, x, L->bo, 1);
   rms_norm(x, L->mlp_norm, M, H, L->eps, h);
   linear(L->fgu, h, M, H, L->wgu, L->sgu, 2 * I, gu, 0, 0);

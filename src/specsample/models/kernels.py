@@ -146,7 +146,7 @@ def _build(source: str, isa: str) -> ctypes.CDLL | None:
                    ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
     fn.restype = None
     fn = lib.specsample_layer
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = None
     fn = lib.specsample_layer_slots
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 5
@@ -349,14 +349,20 @@ def scratch_size(hidden: int, heads: int, kv_heads: int, head_dim: int, intermed
     return hidden + (2 * heads + 2 * kv_heads) * head_dim + 3 * intermediate
 
 
-def layer(args: LayerArgs, x: Tensor, start: int, scratch: Tensor) -> None:
+def layer(args: LayerArgs, x: Tensor, start: int, scratch: Tensor, parents: Tensor | None = None) -> None:
     """One decoder layer over the residual stream x [n, hidden] (updated in place) at positions start..
 
     In one call: RMSNorm, the fused QKV product, rotary embedding, K/V written into the
     cache, causal grouped-query attention, the output projection added into x, RMSNorm,
     the fused gate/up product, SiLU(gate) * up and the down projection added into x.
+
+    With `parents` [n] int64 (contiguous; a tree: each token's parent among the n, -1 for none, before
+    it), token t is written to cache slot start + t, takes the rotary angle of position start + its
+    depth and attends to positions 0..start-1 and its ancestors' slots and its own (tree attention):
+    its output is bitwise that of its root-to-node path scored as a chain at start.
     """
-    _library().specsample_layer(ctypes.addressof(args), x.data_ptr(), x.shape[0], start, scratch.data_ptr())
+    tree = None if parents is None else parents.data_ptr()
+    _library().specsample_layer(ctypes.addressof(args), x.data_ptr(), x.shape[0], start, scratch.data_ptr(), tree)
 
 
 def layer_slots(args: LayerArgs, x: Tensor, rows: Tensor, starts: Tensor, keys: Tensor, values: Tensor,

@@ -37,6 +37,7 @@ from torch import Tensor
 from specsample.models import kernels
 from specsample.models.ops import rms_norm, rope_tables, rotate
 from specsample.models.target import FeatureStore, Target, normalized
+from specsample.tree import depths, visibility
 
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
 # Rope types whose frequencies do not depend on the sequence length, so one
@@ -264,6 +265,27 @@ class LlamaTarget:
         """Append `token_ids` [n]; return their logits [n, vocab] in float32."""
         return self.forward(token_ids)
 
+    def score_tree(self, token_ids: Tensor, parents: Tensor) -> Tensor:
+        """Append a tree of tokens [n] with `parents` [n] (`target.ScoresTrees`); their logits [n, vocab]. On
+        the kernels a node's logits are bitwise its path's scored as a chain; on torch ops, to rounding."""
+        return self.forward(token_ids, parents=parents.long().contiguous())
+
+    @torch.inference_mode()
+    def keep_path(self, start: int, nodes: Sequence[int]) -> None:
+        """Keep tree tokens `nodes` as positions start.. (`target.ScoresTrees`): only rows that move are copied."""
+        nodes = torch.as_tensor(list(nodes), dtype=torch.long)
+        source, target = start + nodes, torch.arange(start, start + nodes.shape[0])
+        moving = source != target
+        if moving.any():
+            source, target = source[moving], target[moving]
+            if self.kernels:  # keys [layers, kv_heads, dim, cap]
+                self.k_cache[..., target] = self.k_cache[..., source]
+            else:
+                self.k_cache[:, :, target] = self.k_cache[:, :, source]
+            self.v_cache[:, :, target] = self.v_cache[:, :, source]
+        self._features.keep(start, nodes)
+        self.rollback(start + nodes.shape[0])
+
     def rollback(self, length: int) -> None:
         """Keep the first `length` positions of the cache."""
         if not 0 <= length <= self._length:
@@ -350,14 +372,17 @@ class LlamaTarget:
 
     @torch.inference_mode()
     def forward(
-        self, token_ids: Tensor, layers: Sequence[int] | None = None, logits: bool = True
+        self, token_ids: Tensor, layers: Sequence[int] | None = None, logits: bool = True,
+        parents: Tensor | None = None,
     ) -> Tensor | None:
-        """Append `token_ids` [n] running only `layers` (default: all); logits [n, vocab] or None."""
-        return self.forward_embeddings(self._embed(token_ids.reshape(-1).long()), layers, logits)
+        """Append `token_ids` [n] running only `layers` (default: all); logits [n, vocab] or None.
+        With `parents` [n] int64, the tokens are a tree (`score_tree`)."""
+        return self.forward_embeddings(self._embed(token_ids.reshape(-1).long()), layers, logits, parents)
 
     @torch.inference_mode()
     def forward_embeddings(
-        self, x: Tensor, layers: Sequence[int] | None = None, logits: bool = True
+        self, x: Tensor, layers: Sequence[int] | None = None, logits: bool = True,
+        parents: Tensor | None = None,
     ) -> Tensor | None:
         """`forward` from input embeddings x [n, hidden] (overwritten): for decoders whose input is
         not a token embedding, such as a draft head's fused (feature, token) input."""
@@ -372,13 +397,15 @@ class LlamaTarget:
             if self.kernels:
                 scratch = torch.empty(n * self._scratch_per_token, dtype=torch.float32)
                 for i in layer_ids:
-                    kernels.layer(self._kernel_layers[i], x, start, scratch)
+                    kernels.layer(self._kernel_layers[i], x, start, scratch, parents)
                     if i + 1 in recording:
                         outputs[i + 1] = normalized(x)
             else:
                 mask = self._mask(start, n)
                 cos = self.cos[start : start + n, None]  # [n, 1, dim]
                 sin = self.sin[start : start + n, None]
+                if parents is not None:
+                    mask, cos, sin = self._tree_inputs(start, parents)
                 for i in layer_ids:
                     x = self._layer(i, x, start, mask, cos, sin)
                     if i + 1 in recording:
@@ -431,6 +458,15 @@ class LlamaTarget:
         mask = torch.zeros(n, start + n, dtype=self.dtype)
         mask.masked_fill_(keys[None, :] > queries[:, None], float("-inf"))  # [n, start + n]
         return mask.repeat(self.heads // self.kv_heads, 1)  # [groups * n, start + n]
+
+    def _tree_inputs(self, start: int, parents: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """For a tree of n tokens at slots start..: the additive mask [groups * n, start + n] (each sees the
+        cache and its ancestors) and the rotary tables [n, 1, dim] of positions start + depth."""
+        n = parents.shape[0]
+        mask = torch.zeros(n, start + n, dtype=self.dtype)
+        mask[:, start:].masked_fill_(~visibility(parents), float("-inf"))
+        positions = start + depths(parents)
+        return mask.repeat(self.heads // self.kv_heads, 1), self.cos[positions, None], self.sin[positions, None]
 
     def _layer(self, i: int, x: Tensor, start: int, mask: Tensor | None, cos: Tensor, sin: Tensor) -> Tensor:
         """One decoder layer over x [n, hidden]; writes K and V of positions start.. into the cache."""

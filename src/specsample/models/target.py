@@ -99,6 +99,26 @@ class AdoptsCache(Protocol):
 
 
 @runtime_checkable
+class ScoresTrees(Protocol):
+    """Scores a tree of tokens in one pass (tree attention) and keeps one root-to-node path of it.
+
+    The n tokens of a tree (`specsample.tree`: `parents` [n], -1 for a child of the cached text) are
+    appended at cache slots length..length+n-1; each is scored at the position after its ancestors
+    and sees the cached text, its ancestors and itself. `keep_path` then moves the K and V of a
+    path's tokens (a few rows) to consecutive slots, so the cache holds one contiguous text again.
+    """
+
+    def score_tree(self, token_ids: Tensor, parents: Tensor) -> Tensor:
+        """Append the tree `token_ids` [n] with `parents` [n]; return their logits [n, vocab]."""
+        ...
+
+    def keep_path(self, start: int, nodes: Sequence[int]) -> None:
+        """After `score_tree` at cache length `start`: keep tokens `nodes` (a root-to-node path, indices into
+        the tree) as positions start, start + 1, ..., and the cache length start + len(nodes)."""
+        ...
+
+
+@runtime_checkable
 class CopyCost(Protocol):
     """Declares what a backend's quantized copy (`QuantizedCopies`) costs: the default configuration
     (`specsample.defaults`) drafts with it only where it is cheap."""
@@ -160,6 +180,7 @@ ABILITIES: dict[type, str] = {
     QuantizedCopies: "makes a quantized copy of itself",
     AdoptsCache: "adopts another target's cache",
     SlottedTarget: "scores the rows of several requests in one pass (slots)",
+    ScoresTrees: "scores a tree of tokens in one pass",
 }
 
 
@@ -227,6 +248,15 @@ class FeatureStore:
             self.rows[i][start:end] = outputs[i]
         if start <= self.valid:
             self.valid = end
+
+    def keep(self, start: int, nodes: Tensor) -> None:
+        """Rows of positions start + nodes [m] move to start..start+m-1 (`ScoresTrees.keep_path`)."""
+        if self.final is None:
+            return
+        source, target = start + nodes, torch.arange(start, start + nodes.shape[0])
+        for rows in (self.final, *self.rows.values()):
+            rows[target] = rows[source]
+        self.truncate(start + nodes.shape[0])
 
     def truncate(self, length: int) -> None:
         """Positions from `length` on no longer hold what a full pass over the text gives."""

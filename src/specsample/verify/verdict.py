@@ -9,8 +9,14 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class Verdict:
-    accepted: int  # number of leading draft tokens accepted
+    accepted: int  # number of leading draft tokens accepted (of a tree: the depth of the accepted path)
     next_token: int  # the recovered token (on a rejection) or the bonus token
+    path: tuple[int, ...] | None = None  # a tree draft's accepted nodes, root first; None for a chain
+
+    @property
+    def nodes(self) -> list[int] | slice:
+        """The accepted draft tokens' indices in the draft: the path of a tree, the first `accepted` of a chain."""
+        return slice(0, self.accepted) if self.path is None else list(self.path)
 
 
 def leading_true(mask: Tensor) -> Tensor:
