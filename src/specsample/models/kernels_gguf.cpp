@@ -428,9 +428,16 @@ extern "C" void specsample_gguf_quantize(const float* x, long M, long K, long ld
   quantize_rows(x, M, K, ldx, q, d, s);
 }
 
+// A matrix stacked from parts of different GGML types along its output rows (a fused QKV whose V is
+// of another type than Q and K, as Q4_K_M files have): not a GGML type id.
+enum { STACKED = 1000 };
+
 // y[M, N] (+)= x[M, K] @ W^T (+ bias) for W of GGML type `type` (2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K,
 // 14 Q6_K) packed as qs and scales (above: fp16 scales, or a K type's records); K a multiple of 32
-// (of 256 for K types); row strides ldx, ldy. Returns 0, or -1 for a type it does not know (y untouched).
+// (of 256 for K types); row strides ldx, ldy. Or, for type STACKED (1000), qs is an int64 table
+// [count, then per part: type, rows, qs, scales] whose parts, each one of those types, give the
+// rows of W in order (their rows summing to N; scales unused), each part computed as alone.
+// Returns 0, or -1 for a type it does not know or a table that does not add up (y then undefined).
 extern "C" int specsample_gemm_gguf(int type, const float* x, long M, long K, long ldx, const uint8_t* qs,
                                     const uint16_t* scales, long N, float* y, long ldy, const float* bias,
                                     int add) {
@@ -441,6 +448,19 @@ extern "C" int specsample_gemm_gguf(int type, const float* x, long M, long K, lo
     case Q8_0: gemm<Q8_0>(x, M, K, ldx, qs, sc, N, y, ldy, bias, add); return 0;
     case Q4_K: gemm<Q4_K>(x, M, K, ldx, qs, sc, N, y, ldy, bias, add); return 0;
     case Q6_K: gemm<Q6_K>(x, M, K, ldx, qs, sc, N, y, ldy, bias, add); return 0;
+    case STACKED: {
+      const int64_t* table = (const int64_t*)qs;
+      long row = 0;
+      for (int64_t i = 0; i < table[0]; i++) {
+        const int64_t* part = table + 1 + 4 * i;
+        if (part[0] == STACKED || row + part[1] > N) return -1;
+        if (specsample_gemm_gguf((int)part[0], x, M, K, ldx, (const uint8_t*)part[2], (const uint16_t*)part[3], part[1],
+                                 y + row, ldy, bias ? bias + row : 0, add))
+          return -1;
+        row += part[1];
+      }
+      return row == N ? 0 : -1;
+    }
     default: return -1;
   }
 }
