@@ -1,15 +1,15 @@
 """The GGUF block kernels (kernels_gguf.cpp) on every instruction set this machine can run.
 
 Each build (native, AVX2, portable) is loaded side by side and swapped in for
-`kernels._library`, as in test_kernels.py. For Q4_0, Q4_1, Q8_0, Q4_K and Q6_K and every
-row count 1 to 16, a product must match float64 references within stated bounds:
+`kernels._library`, as in test_kernels.py. For Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K and
+every row count 1 to 16, a product must match float64 references within stated bounds:
 
 - exact activations: the `gguf` package's dequantization of W times the float64 of
   the kernel's own int8 activations (its quantization is checked bitwise against a
   torch mirror). The block sums are exact integers, so only the float32 chain over
   the blocks rounds: at most (chain * blocks + 2) roundings of 2^-24 relative to the
   sum of the products' magnitudes, |xq| @ |W|^T, where chain is the multiply-adds per
-  block (1 for Q4_0 and Q8_0; 2 for Q4_1 and Q4_K, the min, and Q6_K, two sub-blocks);
+  block (1 for Q4_0, Q5_0 and Q8_0; 2 for Q4_1, Q5_1 and Q4_K, the min, and Q6_K, two sub-blocks);
 - the float activations x: that bound plus the activation rounding, at most half a
   quantization step per input, sum over blocks of d_x / 2 * sum |w|.
 
@@ -32,12 +32,14 @@ from specsample.models import gguf_blocks, kernels
 
 from test_kernels import FLAGS
 
-Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = (GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"))
-FORMATS = [Q4_0, Q4_1, Q8_0, Q4_K, Q6_K]
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = (
+    GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")
+)
+FORMATS = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K]
 K_TYPES = {Q4_K, Q6_K}
 OUT = 100  # a partial last panel of 16 columns
 UNIT = 2.0**-24  # float32 rounding, relative
-CHAIN = {Q4_0: 1, Q8_0: 1, Q4_1: 2, Q4_K: 2, Q6_K: 2}  # multiply-adds per block and output
+CHAIN = {Q4_0: 1, Q5_0: 1, Q8_0: 1, Q4_1: 2, Q5_1: 2, Q4_K: 2, Q6_K: 2}  # multiply-adds per block and output
 
 
 def inputs(qtype: GGMLQuantizationType) -> int:

@@ -43,8 +43,11 @@ Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
 FORMATS = {
     GGMLQuantizationType.Q4_0: (18, 1),
     GGMLQuantizationType.Q4_1: (20, 2),
+    GGMLQuantizationType.Q5_0: (22, 1),
+    GGMLQuantizationType.Q5_1: (24, 2),
     GGMLQuantizationType.Q8_0: (34, 1),
 }
+FIVE_BITS = {GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1}  # qh (4 bytes) before the nibbles
 
 
 # K type -> the fields of its scale record per super-block and column: (name, count, bytes each).
@@ -102,17 +105,13 @@ def pack_blocks(raw: np.ndarray, qtype: int) -> BlockMatrix:
     panels = -(-out_features // COLS)
     padded = np.zeros((panels * COLS, blocks, block_bytes), dtype=np.uint8)
     padded[:out_features] = raw.reshape(out_features, blocks, block_bytes)
-    by_panel = padded.reshape(panels, COLS, blocks, block_bytes)  # [p, col, b, bytes]
-    scales = by_panel[..., : 2 * halves].copy().view(np.float16)  # [p, col, b, halves]
-    scales = scales.transpose(0, 2, 3, 1)  # [p, b, halves, col]
-    ints = by_panel[..., 2 * halves :]  # [p, col, b, 16 | 32]
-    chunks = ints.shape[-1] // 4  # Q4: 4 chunks (low and high nibbles), Q8_0: 8 groups
-    ints = ints.reshape(panels, COLS, blocks, chunks, 4).transpose(0, 2, 3, 1, 4)  # [p, b, chunk, col, 4]
+    scales = padded[..., : 2 * halves].copy().view(np.float16)  # [p * col, b, halves]
+    scales = scales.reshape(panels, COLS, blocks, halves).transpose(0, 2, 3, 1)  # [p, b, halves, col]
+    ints = padded[..., 2 * halves :]  # [p * col, b, 16 | 32 | Q5: 4 + 16]
+    if qtype in FIVE_BITS:  # the nibbles, then their fifth bits
+        ints = np.concatenate([ints[..., 4:], _fifth_bytes(ints[..., :4])], axis=-1)
     return BlockMatrix(
-        qtype,
-        torch.from_numpy(np.ascontiguousarray(ints).reshape(panels, blocks, -1)),
-        torch.from_numpy(np.ascontiguousarray(scales)),
-        out_features,
+        qtype, torch.from_numpy(_to_panels(ints)), torch.from_numpy(np.ascontiguousarray(scales)), out_features,
         blocks * QK,
     )
 
@@ -121,13 +120,27 @@ def unpack_rows(matrix: BlockMatrix, rows: np.ndarray) -> np.ndarray:
     """The inverse of `pack_blocks` for rows `rows` [n]: the file's bytes, uint8 [n, blocks * block bytes]."""
     if matrix.qtype in RECORDS:
         return _unpack_k(matrix, rows)
-    panels, blocks, _ = matrix.qs.shape
-    panel, col = rows // COLS, rows % COLS
-    ints = matrix.qs.numpy().reshape(panels, blocks, -1, COLS, 4)[panel, :, :, col]  # [n, b, chunk, 4]
-    scales = matrix.scales.numpy()[panel, :, :, col]  # [n, b, halves]
-    n = len(rows)
-    raw = np.concatenate([scales.view(np.uint8).reshape(n, blocks, -1), ints.reshape(n, blocks, -1)], axis=-1)
-    return raw.reshape(n, -1)
+    ints = _from_panels(matrix.qs.numpy(), rows)  # [n, b, bytes]
+    if matrix.qtype in FIVE_BITS:
+        ints = np.concatenate([_qh_bytes(ints[..., 16:]), ints[..., :16]], axis=-1)
+    scales = matrix.scales.numpy()[rows // COLS, :, :, rows % COLS]  # [n, b, halves]
+    n, blocks = len(rows), ints.shape[1]
+    return np.concatenate([scales.view(np.uint8).reshape(n, blocks, -1), ints], axis=-1).reshape(n, -1)
+
+
+def _fifth_bytes(qh: np.ndarray) -> np.ndarray:
+    """A Q5 block's fifth bits, qh [..., 4] (a little-endian uint32, bit k for input k), as 4 bytes: byte i
+    holds at bit c that of input 4c + i and at bit 4 + c that of input 16 + 4c + i."""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little").reshape(*qh.shape[:-1], 2, 4, 4)  # [..., half, c, i]
+    weights = (1 << (np.arange(2)[:, None] * 4 + np.arange(4)[None, :])).astype(np.uint8)  # [half, c]
+    return (bits * weights[..., None]).sum(axis=(-3, -2), dtype=np.uint8)
+
+
+def _qh_bytes(fifth: np.ndarray) -> np.ndarray:
+    """The inverse of `_fifth_bytes`."""
+    bits = np.unpackbits(fifth, axis=-1, bitorder="little").reshape(*fifth.shape[:-1], 4, 2, 4)  # [..., i, half, c]
+    by_input = bits.transpose(*range(fifth.ndim - 1), -2, -1, -3)  # [..., half, c, i]: input 16 half + 4c + i
+    return np.packbits(by_input.reshape(*fifth.shape[:-1], 32), axis=-1, bitorder="little")
 
 
 def _to_panels(per_row: np.ndarray) -> np.ndarray:

@@ -287,8 +287,8 @@ def matmul_gguf(
     bias: Tensor | None = None,
     out: Tensor | None = None,
 ) -> Tensor:
-    """x [n, in] @ W.T (+ bias) -> [n, out] for W of GGML type `qtype` (2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K,
-    14 Q6_K) in the panels of `gguf_blocks.pack_blocks` (qs uint8, scales float16, or the K types'
+    """x [n, in] @ W.T (+ bias) -> [n, out] for W of GGML type `qtype` (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1,
+    8 Q8_0, 12 Q4_K, 14 Q6_K) in the panels of `gguf_blocks.pack_blocks` (qs uint8, scales float16, or the K types'
     uint8 records); with `out`, adds into it. For `qtype` GGUF_STACKED, qs is the int64 table of
     parts of `gguf_blocks.stacked_linear` (scales None).
 
