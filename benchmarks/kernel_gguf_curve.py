@@ -4,7 +4,9 @@ Two measurements, each over the builds asked for (`--isa native,avx2`):
 
 - `matmul`: one pass of products over the bundled model's weight shapes (576x576, 1536x576,
   576x1536, 49152x576; out x in), with random blocks of each format (Q4_0, Q4_1, Q8_0) and a
-  float32 copy packed as `kernels.pack` does, for n = 1, 2, 4, 8, 16 rows;
+  float32 copy packed as `kernels.pack` does, for n = 1, 2, 4, 8, 16 rows; the K types (Q4_K,
+  Q6_K: inputs in 256-blocks) over the same shapes with 512 inputs for 576, beside Q4_0 and Q8_0
+  at those shapes;
 - `target` (with --target): a whole forward pass of the bundled model on the fast backend, on
   its own GGUF blocks (`gguf_blocks.gguf_target`) and in float32, after a context of 200
   tokens (bench.cost_curve's measurement, as benchmarks/kernel_isa_curve.py does it).
@@ -33,26 +35,34 @@ from gguf import GGMLQuantizationType
 from specsample.models import gguf_blocks, kernels
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]  # [out, in]
-FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+SHAPES_K = [(512, 512), (1536, 512), (512, 1536), (49152, 512)]  # inputs in whole 256-blocks
+Q = GGMLQuantizationType
+# (label, format, shapes): float32 is None
+PASSES = [(f.name, f, SHAPES) for f in (Q.Q4_0, Q.Q4_1, Q.Q8_0)] + [("float32", None, SHAPES)] + [
+    (f"{f.name} (in 512)", f, SHAPES_K) for f in (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K)
+]
 
 
 def random_blocks(qtype: GGMLQuantizationType, out_features: int, in_features: int, rng) -> gguf_blocks.BlockMatrix:
     """Random integers with small fp16 scales (and mins) in the file layout, packed: timing needs no real weights."""
-    block_bytes, halves = gguf_blocks.FORMATS[qtype]
-    raw = rng.integers(0, 256, (out_features, in_features // 32, block_bytes), dtype=np.uint8)
-    scales = np.full((out_features, in_features // 32, halves), 0.01, dtype=np.float16)
-    raw[..., : 2 * halves] = scales.view(np.uint8)
+    values, block_bytes = gguf_blocks.gguf_quant_sizes(qtype)
+    raw = rng.integers(0, 256, (out_features, in_features // values, block_bytes), dtype=np.uint8)
+    # the fp16 scales: first in the block (Q4_0, Q4_1 d and m, Q8_0, Q4_K d and dmin), last in Q6_K's
+    at, count = (block_bytes - 2, 1) if qtype == Q.Q6_K else (0, 2 if qtype in (Q.Q4_1, Q.Q4_K) else 1)
+    raw[..., at : at + 2 * count] = np.full((out_features, in_features // values, count), 0.01, np.float16).view(np.uint8)
     return gguf_blocks.pack_blocks(raw.reshape(out_features, -1), qtype)
 
 
-def matmul_passes(rng) -> dict[str, Callable[[list[torch.Tensor]], None]]:
-    """Label -> a pass of products over SHAPES for inputs xs [n, in] (one per shape)."""
+def matmul_passes(rng) -> dict[str, tuple[list[tuple[int, int]], Callable[[list[torch.Tensor]], None]]]:
+    """Label -> (shapes, a pass of products over them for inputs xs [n, in], one per shape)."""
     passes = {}
-    for qtype in FORMATS:
-        matrices = [random_blocks(qtype, o, i, rng) for o, i in SHAPES]
-        passes[qtype.name] = lambda xs, ms=matrices: [m(x) for m, x in zip(ms, xs)]
-    packed = [kernels.pack(torch.randn(o, i)) for o, i in SHAPES]
-    passes["float32"] = lambda xs: [kernels.matmul(x, p, o) for p, x, (o, _) in zip(packed, xs, SHAPES)]
+    for label, qtype, shapes in PASSES:
+        if qtype is None:
+            packed = [kernels.pack(torch.randn(o, i)) for o, i in shapes]
+            passes[label] = shapes, lambda xs, ps=packed, sh=shapes: [kernels.matmul(x, p, o) for p, x, (o, _) in zip(ps, xs, sh)]
+        else:
+            matrices = [random_blocks(qtype, o, i, rng) for o, i in shapes]
+            passes[label] = shapes, lambda xs, ms=matrices: [m(x) for m, x in zip(ms, xs)]
     return passes
 
 
@@ -71,12 +81,11 @@ def time_rounds(jobs: dict[tuple, Callable[[], None]], repeats: int, clock) -> d
 def matmul_curve(libs: dict[str, object], ns: list[int], repeats: int, clock) -> None:
     """Print f(1) and f(n)/f(1) of a pass of products over SHAPES, per build and format."""
     passes = matmul_passes(np.random.default_rng(0))
-    inputs = {n: [torch.randn(n, i) for _, i in SHAPES] for n in ns}
     jobs = {}
     for build, lib in libs.items():
-        for label, run in passes.items():
+        for label, (shapes, run) in passes.items():
             for n in ns:
-                def job(run=run, xs=inputs[n], lib=lib):
+                def job(run=run, xs=[torch.randn(n, i) for _, i in shapes], lib=lib):
                     with mock.patch.object(kernels, "_library", lambda: lib):
                         run(xs)
                 jobs[(build, label, n)] = job

@@ -1,15 +1,15 @@
 """The GGUF block kernels (kernels_gguf.cpp) on every instruction set this machine can run.
 
 Each build (native, AVX2, portable) is loaded side by side and swapped in for
-`kernels._library`, as in test_kernels.py. For Q4_0, Q4_1, Q8_0, Q4_K and Q6_K and every
-row count 1 to 16, a product must match float64 references within stated bounds:
+`kernels._library`, as in test_kernels.py. For Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K and
+every row count 1 to 16, a product must match float64 references within stated bounds:
 
 - exact activations: the `gguf` package's dequantization of W times the float64 of
   the kernel's own int8 activations (its quantization is checked bitwise against a
   torch mirror). The block sums are exact integers, so only the float32 chain over
   the blocks rounds: at most (chain * blocks + 2) roundings of 2^-24 relative to the
   sum of the products' magnitudes, |xq| @ |W|^T, where chain is the multiply-adds per
-  block (1 for Q4_0 and Q8_0; 2 for Q4_1 and Q4_K, the min, and Q6_K, two sub-blocks);
+  block (1 for Q4_0, Q5_0 and Q8_0; 2 for Q4_1, Q5_1 and Q4_K, the min, and Q6_K, two sub-blocks);
 - the float activations x: that bound plus the activation rounding, at most half a
   quantization step per input, sum over blocks of d_x / 2 * sum |w|.
 
@@ -32,12 +32,14 @@ from specsample.models import gguf_blocks, kernels
 
 from test_kernels import FLAGS
 
-Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = (GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"))
-FORMATS = [Q4_0, Q4_1, Q8_0, Q4_K, Q6_K]
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = (
+    GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")
+)
+FORMATS = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K]
 K_TYPES = {Q4_K, Q6_K}
 OUT = 100  # a partial last panel of 16 columns
 UNIT = 2.0**-24  # float32 rounding, relative
-CHAIN = {Q4_0: 1, Q8_0: 1, Q4_1: 2, Q4_K: 2, Q6_K: 2}  # multiply-adds per block and output
+CHAIN = {Q4_0: 1, Q5_0: 1, Q8_0: 1, Q4_1: 2, Q5_1: 2, Q4_K: 2, Q6_K: 2}  # multiply-adds per block and output
 
 
 def inputs(qtype: GGMLQuantizationType) -> int:
@@ -435,3 +437,42 @@ def test_the_head_drafts_from_int8_on_every_build(isa):
     x = torch.randn(5, 64)
     ours, theirs = int8.forward_embeddings(x.clone()), float32.forward_embeddings(x.clone())
     assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+
+
+def test_a_stack_of_types_runs_each_part_as_alone(isa):
+    """A fused matrix of parts of different types (a Q4_K_M file's Q6_K V beside Q4_K Q and K) runs each
+    part on its own kernel (the kernels' STACKED entry): bitwise the parts' products side by side."""
+    parts = [gguf_blocks.pack_blocks(random_raw(qtype, rows, 512, seed=rows), qtype)
+             for qtype, rows in ((Q4_K, 48), (Q6_K, 37), (Q8_0, 16), (Q4_0, 5))]
+    stacked = gguf_blocks.stacked_linear(parts, torch.randn(106))
+    x = activations(7, 512, seed=11)
+    alone = torch.cat([part(x) for part in parts], -1) + stacked.bias
+    assert torch.equal(stacked(x), alone)
+    rows = torch.tensor([0, 47, 48, 84, 85, 101, 105])
+    assert torch.equal(gguf_blocks.linear_rows(stacked, rows), torch.cat([part.dequantize() for part in parts])[rows])
+    stacked.weight[2] += 1  # the table's rows no longer add up
+    with pytest.raises(ValueError):
+        stacked(x)
+
+
+def test_a_layer_runs_a_stacked_qkv_in_its_cxx_call(bundled):
+    """The decoder layer's C++ call takes a stacked QKV: the bundled model with each layer's Q, K and V
+    packed apart and stacked gives bitwise the logits of the fused matrix (576 and 192 rows are whole panels)."""
+    from dataclasses import replace
+
+    from specsample.models.llama import LlamaTarget
+
+    if not kernels.available():
+        pytest.skip("the kernels could not be built here")
+    fused = gguf_blocks.file_target(bundled.path)
+    heads = [fused.heads, fused.kv_heads, None]
+    layers = [
+        replace(layer, qkv=gguf_blocks.stacked_linear(
+            [gguf_blocks.read_matrix(bundled, [f"blk.{i}.attn_{x}.weight"], [h]) for x, h in zip("qkv", heads)], None))
+        for i, layer in enumerate(fused.layers)
+    ]
+    stacked = LlamaTarget(layers, None, fused.norm, fused.lm_head, fused.cos, fused.sin, heads=fused.heads,
+                          kv_heads=fused.kv_heads, head_dim=fused.head_dim, eps=fused.eps)
+    assert stacked.layers[0].qkv.qtype == gguf_blocks.STACKED
+    ids = torch.arange(100, 120)
+    assert torch.equal(stacked.score(ids), fused.score(ids))

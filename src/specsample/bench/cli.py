@@ -47,12 +47,12 @@ def cost_curve(
     context_length: Annotated[int, typer.Option(help="Cached tokens each forward pass attends over.")] = 200,
     max_n: Annotated[int, typer.Option(help="Largest number of new tokens per pass.")] = 16,
     repeats: Annotated[int, typer.Option(help="Repetitions; each f(n) is their median.")] = 7,
-    backends: Annotated[str, typer.Option(help="Comma-separated Target backends: fast, transformers, llamacpp.")] = "fast,transformers",
+    backends: Annotated[str, typer.Option(help="Comma-separated Target backends: fast, transformers, llamacpp, gguf.")] = "fast,transformers",
     threads: Annotated[Optional[int], typer.Option(help="CPU threads of every backend (default: one per core).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
 ) -> None:
     """f(n)/f(1): the cost of one forward pass over n new tokens, for n = 1..max_n (llamacpp: the GGUF
-    file at its own quantization on llama.cpp; the other backends: its float32 weights)."""
+    file at its own quantization on llama.cpp; gguf: on its own blocks; the other backends: its float32 weights)."""
     import json
 
     from rich.console import Console
@@ -70,7 +70,7 @@ def cost_curve(
         check_backend(name)
     _setup(threads)
     # llama.cpp runs the file itself: without another backend, only the tokenizer is loaded
-    loaded = load_model(model, tokenizer_only=set(names) == {"llamacpp"})
+    loaded = load_model(model, tokenizer_only=set(names) <= {"llamacpp", "gguf"})
     text = "\n".join(p.turns[0] for p in read_bench_prompts(None, "all"))
     ids = cc.context_tokens(loaded.tokenizer, text, context_length + max_n)
     targets = cc.targets(loaded, names, threads)

@@ -67,6 +67,8 @@ def load_target(
         target = LlamaCppTarget(bundled_gguf() if path is None else Path(path).expanduser(), n_threads=threads)
         return load_model(path, tokenizer_only=True), target
     if backend == "gguf":
+        if path is not None and Path(path).expanduser().is_dir():
+            raise ValueError(f"the gguf backend runs GGUF files, and {path} is not one")
         loaded = load_model(path, tokenizer_only=True)
         return loaded, make_target(loaded, backend, threads=threads)
     loaded = load_model(path, trust_remote_code=trust_remote_code)

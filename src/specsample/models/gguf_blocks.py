@@ -32,6 +32,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from torch import Tensor
 
+from specsample.models.llama import Linear
+
 COLS = 16  # output columns per panel
 QK = 32  # inputs per block
 QK_K = 256  # inputs per super-block of the K types
@@ -41,8 +43,11 @@ Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
 FORMATS = {
     GGMLQuantizationType.Q4_0: (18, 1),
     GGMLQuantizationType.Q4_1: (20, 2),
+    GGMLQuantizationType.Q5_0: (22, 1),
+    GGMLQuantizationType.Q5_1: (24, 2),
     GGMLQuantizationType.Q8_0: (34, 1),
 }
+FIVE_BITS = {GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1}  # qh (4 bytes) before the nibbles
 
 
 # K type -> the fields of its scale record per super-block and column: (name, count, bytes each).
@@ -100,17 +105,13 @@ def pack_blocks(raw: np.ndarray, qtype: int) -> BlockMatrix:
     panels = -(-out_features // COLS)
     padded = np.zeros((panels * COLS, blocks, block_bytes), dtype=np.uint8)
     padded[:out_features] = raw.reshape(out_features, blocks, block_bytes)
-    by_panel = padded.reshape(panels, COLS, blocks, block_bytes)  # [p, col, b, bytes]
-    scales = by_panel[..., : 2 * halves].copy().view(np.float16)  # [p, col, b, halves]
-    scales = scales.transpose(0, 2, 3, 1)  # [p, b, halves, col]
-    ints = by_panel[..., 2 * halves :]  # [p, col, b, 16 | 32]
-    chunks = ints.shape[-1] // 4  # Q4: 4 chunks (low and high nibbles), Q8_0: 8 groups
-    ints = ints.reshape(panels, COLS, blocks, chunks, 4).transpose(0, 2, 3, 1, 4)  # [p, b, chunk, col, 4]
+    scales = padded[..., : 2 * halves].copy().view(np.float16)  # [p * col, b, halves]
+    scales = scales.reshape(panels, COLS, blocks, halves).transpose(0, 2, 3, 1)  # [p, b, halves, col]
+    ints = padded[..., 2 * halves :]  # [p * col, b, 16 | 32 | Q5: 4 + 16]
+    if qtype in FIVE_BITS:  # the nibbles, then their fifth bits
+        ints = np.concatenate([ints[..., 4:], _fifth_bytes(ints[..., :4])], axis=-1)
     return BlockMatrix(
-        qtype,
-        torch.from_numpy(np.ascontiguousarray(ints).reshape(panels, blocks, -1)),
-        torch.from_numpy(np.ascontiguousarray(scales)),
-        out_features,
+        qtype, torch.from_numpy(_to_panels(ints)), torch.from_numpy(np.ascontiguousarray(scales)), out_features,
         blocks * QK,
     )
 
@@ -119,13 +120,27 @@ def unpack_rows(matrix: BlockMatrix, rows: np.ndarray) -> np.ndarray:
     """The inverse of `pack_blocks` for rows `rows` [n]: the file's bytes, uint8 [n, blocks * block bytes]."""
     if matrix.qtype in RECORDS:
         return _unpack_k(matrix, rows)
-    panels, blocks, _ = matrix.qs.shape
-    panel, col = rows // COLS, rows % COLS
-    ints = matrix.qs.numpy().reshape(panels, blocks, -1, COLS, 4)[panel, :, :, col]  # [n, b, chunk, 4]
-    scales = matrix.scales.numpy()[panel, :, :, col]  # [n, b, halves]
-    n = len(rows)
-    raw = np.concatenate([scales.view(np.uint8).reshape(n, blocks, -1), ints.reshape(n, blocks, -1)], axis=-1)
-    return raw.reshape(n, -1)
+    ints = _from_panels(matrix.qs.numpy(), rows)  # [n, b, bytes]
+    if matrix.qtype in FIVE_BITS:
+        ints = np.concatenate([_qh_bytes(ints[..., 16:]), ints[..., :16]], axis=-1)
+    scales = matrix.scales.numpy()[rows // COLS, :, :, rows % COLS]  # [n, b, halves]
+    n, blocks = len(rows), ints.shape[1]
+    return np.concatenate([scales.view(np.uint8).reshape(n, blocks, -1), ints], axis=-1).reshape(n, -1)
+
+
+def _fifth_bytes(qh: np.ndarray) -> np.ndarray:
+    """A Q5 block's fifth bits, qh [..., 4] (a little-endian uint32, bit k for input k), as 4 bytes: byte i
+    holds at bit c that of input 4c + i and at bit 4 + c that of input 16 + 4c + i."""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little").reshape(*qh.shape[:-1], 2, 4, 4)  # [..., half, c, i]
+    weights = (1 << (np.arange(2)[:, None] * 4 + np.arange(4)[None, :])).astype(np.uint8)  # [half, c]
+    return (bits * weights[..., None]).sum(axis=(-3, -2), dtype=np.uint8)
+
+
+def _qh_bytes(fifth: np.ndarray) -> np.ndarray:
+    """The inverse of `_fifth_bytes`."""
+    bits = np.unpackbits(fifth, axis=-1, bitorder="little").reshape(*fifth.shape[:-1], 4, 2, 4)  # [..., i, half, c]
+    by_input = bits.transpose(*range(fifth.ndim - 1), -2, -1, -3)  # [..., half, c, i]: input 16 half + 4c + i
+    return np.packbits(by_input.reshape(*fifth.shape[:-1], 32), axis=-1, bitorder="little")
 
 
 def _to_panels(per_row: np.ndarray) -> np.ndarray:
@@ -363,8 +378,39 @@ def read_matrix(path: str | Path | TensorIndex, names: list[str], permute_heads:
     return pack_blocks(np.concatenate([raw for raw, _ in parts]), types.pop())
 
 
-def as_matrix(linear) -> BlockMatrix:
-    """The BlockMatrix of a llama.Linear holding GGUF blocks (weight: qs, scales: fp16 scales)."""
+STACKED = 1000  # kernels.GGUF_STACKED: a llama.Linear of parts of different GGML types (`stacked_linear`)
+
+
+@dataclass
+class Stack:
+    """A matrix of BlockMatrix parts of different types, stacked along the output rows."""
+
+    parts: list[BlockMatrix]
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.out_features for part in self.parts)
+
+    def rows(self, rows: Tensor) -> Tensor:
+        """Rows `rows` [n] of the stacked weight, dequantized: float32 [n, in]."""
+        ends = np.cumsum([part.out_features for part in self.parts])  # [parts]
+        which = np.searchsorted(ends, rows.numpy(), side="right")  # [n] part of each row
+        out = torch.empty(len(rows), self.parts[0].in_features)
+        for i, part in enumerate(self.parts):
+            picked = torch.from_numpy(np.flatnonzero(which == i))
+            if len(picked):
+                out[picked] = part.rows(rows[picked] - int(ends[i] - part.out_features))
+        return out
+
+    def dequantize(self) -> Tensor:
+        return torch.cat([part.dequantize() for part in self.parts])
+
+
+def as_matrix(linear) -> BlockMatrix | Stack:
+    """The BlockMatrix of a llama.Linear holding GGUF blocks (weight: qs, scales: fp16 scales), or the
+    Stack of a stacked one."""
+    if linear.qtype == STACKED:
+        return Stack(linear.parts)
     return BlockMatrix(GGMLQuantizationType(linear.qtype), linear.weight, linear.scales, linear.out_features,
                        linear.weight.shape[1] * QK)
 
@@ -377,9 +423,35 @@ def linear_rows(linear, rows: Tensor) -> Tensor:
 
 def block_linear(matrix: BlockMatrix, bias: Tensor | None):
     """A llama.Linear that runs `matrix` on the block kernels."""
-    from specsample.models.llama import Linear
-
     return Linear(matrix.qs, bias, matrix.out_features, True, matrix.scales, int(matrix.qtype))
+
+
+@dataclass
+class StackedLinear(Linear):
+    """A llama.Linear of GGUF block parts of different types (`stacked_linear`)."""
+
+    parts: list[BlockMatrix] | None = None  # what the table's pointers point into
+
+
+def stacked_linear(parts: list[BlockMatrix], bias: Tensor | None):
+    """A llama.Linear whose output rows are those of `parts` in order, each on its own block kernel: a fused
+    QKV of different types (a Q4_K_M file's Q6_K V beside Q4_K Q and K). Its weight is the kernels' table
+    [count, then per part: type, rows, qs, scales] (int64 pointers); it keeps `parts` alive."""
+    table = [len(parts)] + [v for m in parts for v in (int(m.qtype), m.out_features, m.qs.data_ptr(), m.scales.data_ptr())]
+    out_features = sum(m.out_features for m in parts)
+    return StackedLinear(torch.tensor(table, dtype=torch.int64), bias, out_features, True, None, STACKED, parts)
+
+
+def fused_linear(parts: list[BlockMatrix], bias: Tensor | None):
+    """`parts` stacked along their output rows as one llama.Linear: one packed matrix if they are of one
+    type, else a stacked one."""
+    kinds = {m.qtype for m in parts}
+    if len(kinds) > 1:
+        return stacked_linear(parts, bias)
+    if len(parts) == 1:
+        return block_linear(parts[0], bias)
+    raw = np.concatenate([m.raw_rows(np.arange(m.out_features)) for m in parts])
+    return block_linear(pack_blocks(raw, kinds.pop()), bias)
 
 
 # GGUF architectures `file_target` builds (llama covers Mistral and SmolLM2 too), and those whose
@@ -461,15 +533,17 @@ class FileRows:
 
 def file_linear(index: TensorIndex, names: list[str], heads: list[int | None] | None, bias: Tensor | None):
     """The tensors `names` stacked (a fused QKV or gate/up) as a llama.Linear: on their GGUF blocks where
-    one block kernel takes them all, else dequantized by the `gguf` package into float32 panels."""
-    from specsample.models.llama import Linear
-
-    try:
-        return block_linear(read_matrix(index, names, heads), bias)
-    except ValueError:
-        parts = [read_raw(index, name, h) for name, h in zip(names, heads or [None] * len(names))]
-        weight = np.concatenate([dequantize(raw, kind) for raw, kind in parts])  # [out, in] float32
-        return Linear.from_weight(torch.from_numpy(weight), bias, torch.float32, True)
+    block kernels take them all (one packed matrix, or parts of different types stacked), else
+    dequantized by the `gguf` package into float32 panels."""
+    heads = heads or [None] * len(names)
+    kinds = {index.tensors[name][1] for name in names}
+    if all(supported(kind) for kind in kinds):
+        if len(kinds) == 1:
+            return block_linear(read_matrix(index, names, heads), bias)
+        return stacked_linear([read_matrix(index, [name], [h]) for name, h in zip(names, heads)], bias)
+    parts = [read_raw(index, name, h) for name, h in zip(names, heads)]
+    weight = np.concatenate([dequantize(raw, kind) for raw, kind in parts])  # [out, in] float32
+    return Linear.from_weight(torch.from_numpy(weight), bias, torch.float32, True)
 
 
 def file_target(path: str | Path, max_length: int | None = None):
@@ -561,22 +635,32 @@ COPY_TYPE = GGMLQuantizationType.Q4_0
 COPY_ABOVE = 6.0
 
 
-def bits_per_weight(linear) -> float:
-    """Bits per weight a llama.Linear streams: its GGUF type's, or 32 (float32 panels), 8 (int8 panels)."""
-    if linear.qtype:
-        values, block_bytes = gguf_quant_sizes(GGMLQuantizationType(linear.qtype))
-        return 8 * block_bytes / values
-    return 8.0 if linear.scales is not None else 32.0
+def bits_per_weight(qtype: int) -> float:
+    """Bits per weight of a GGML type."""
+    values, block_bytes = gguf_quant_sizes(GGMLQuantizationType(qtype))
+    return 8 * block_bytes / values
+
+
+def lower_bits(matrix: BlockMatrix) -> BlockMatrix:
+    """`matrix` requantized to COPY_TYPE if it has more than COPY_ABOVE bits per weight, else itself."""
+    if bits_per_weight(matrix.qtype) <= COPY_ABOVE:
+        return matrix
+    return pack_blocks(quantize(matrix.dequantize().numpy(), COPY_TYPE), COPY_TYPE)
 
 
 def requantized(linear):
-    """`linear` in COPY_TYPE blocks if it has more than COPY_ABOVE bits per weight, else `linear` itself (shared)."""
-    if bits_per_weight(linear) <= COPY_ABOVE:
-        return linear
+    """`linear` with its blocks of more than COPY_ABOVE bits per weight requantized to COPY_TYPE (float32
+    panels: all of it), or `linear` itself (shared) where none has."""
     from specsample.models import kernels
 
-    weight = as_matrix(linear).dequantize() if linear.qtype else kernels.unpack(linear.weight, linear.out_features)
-    return block_linear(pack_blocks(quantize(weight.numpy(), COPY_TYPE), COPY_TYPE), linear.bias)
+    if not linear.qtype:
+        weight = kernels.unpack_rows(linear.weight, torch.arange(linear.out_features), linear.scales)  # [out, in]
+        return block_linear(pack_blocks(quantize(weight.numpy(), COPY_TYPE), COPY_TYPE), linear.bias)
+    parts = linear.parts if linear.qtype == STACKED else [as_matrix(linear)]
+    lowered = [lower_bits(part) for part in parts]
+    if all(a is b for a, b in zip(lowered, parts)):
+        return linear
+    return fused_linear(lowered, linear.bias)
 
 
 # f(1) of the lower-bit copy over its target's, by the GGML type of the target's layer matrices
@@ -590,7 +674,7 @@ MEASURED_COPY_COST = {"Q8_0": 0.71}
 def block_copy_cost(target) -> float | None:
     """What `lower_bit_copy` of `target` costs per target pass, as measured (MEASURED_COPY_COST), or None."""
     types = {linear.qtype for layer in target.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)}
-    if len(types) != 1 or not next(iter(types)):
+    if len(types) != 1 or not supported(next(iter(types))):
         return None
     return MEASURED_COPY_COST.get(GGMLQuantizationType(types.pop()).name)
 

@@ -278,34 +278,40 @@ def gguf_instruction_set() -> str:
     return lib.specsample_gguf_isa().decode()
 
 
+GGUF_STACKED = 1000  # kernels_gguf.cpp's STACKED: a matrix of parts of different GGML types
+
+
 def matmul_gguf(
     x: Tensor,
     qtype: int,
     qs: Tensor,
-    scales: Tensor,
+    scales: Tensor | None,
     out_features: int,
     bias: Tensor | None = None,
     out: Tensor | None = None,
 ) -> Tensor:
-    """x [n, in] @ W.T (+ bias) -> [n, out] for W of GGML type `qtype` (2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K,
-    14 Q6_K) in the panels of `gguf_blocks.pack_blocks` (qs uint8, scales float16, or the K types'
-    uint8 records); with `out`, adds into it.
+    """x [n, in] @ W.T (+ bias) -> [n, out] for W of GGML type `qtype` (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1,
+    8 Q8_0, 12 Q4_K, 14 Q6_K) in the panels of `gguf_blocks.pack_blocks` (qs uint8, scales float16, or the K types'
+    uint8 records); with `out`, adds into it. For `qtype` GGUF_STACKED, qs is the int64 table of
+    parts of `gguf_blocks.stacked_linear` (scales None).
 
     The activations are quantized per 32-block to int8 first (`quantize_activations`), so the result
     is that int8 x times the dequantized W, to float32 rounding of the block sums.
     """
     in_features = x.shape[1]
-    assert x.dtype == torch.float32 and x.stride(1) == 1 and in_features % 32 == 0
-    assert qs.dtype == torch.uint8 and scales.dtype in (torch.float16, torch.uint8) and qs.is_contiguous() and scales.is_contiguous()
-    assert qs.shape[:2] == (-(-out_features // 16), in_features // 32) and (bias is None or bias.dtype == torch.float32)
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and in_features % 32 == 0 and qs.is_contiguous()
+    assert bias is None or bias.dtype == torch.float32
+    if qtype != GGUF_STACKED:
+        assert qs.dtype == torch.uint8 and scales.dtype in (torch.float16, torch.uint8) and scales.is_contiguous()
+        assert qs.shape[:2] == (-(-out_features // 16), in_features // 32)
     n = x.shape[0]
     add = out is not None
     if out is None:
         out = torch.empty(n, out_features, dtype=torch.float32)
     assert out.stride(1) == 1 and out.shape == (n, out_features)
     status = _library().specsample_gemm_gguf(
-        qtype, x.data_ptr(), n, in_features, x.stride(0), qs.data_ptr(), scales.data_ptr(), out_features,
-        out.data_ptr(), out.stride(0), None if bias is None else bias.data_ptr(), int(add),
+        qtype, x.data_ptr(), n, in_features, x.stride(0), qs.data_ptr(), None if scales is None else scales.data_ptr(),
+        out_features, out.data_ptr(), out.stride(0), None if bias is None else bias.data_ptr(), int(add),
     )
     if status:
         raise ValueError(f"GGML type {qtype} has no block kernel")

@@ -1,4 +1,4 @@
-// Small-row matrix multiply over GGUF quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K); loaded by kernels.py,
+// Small-row matrix multiply over GGUF quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K); loaded by kernels.py,
 // compiled there together with kernels.cpp into one library (same flags, same cache key), so that
 // kernels.cpp's decoder layer can call it. docs/kernels-gguf.md says why and how it measures.
 //
@@ -10,7 +10,9 @@
 //                                    for Q4, inputs 4c..4c+3 in the low nibbles and 16+4c..16+4c+3
 //                                    in the high nibbles (unsigned 0..15; GGUF's own nibble order)
 //   scales [panels, K / 32, S, 16]   fp16: d of each column (and, Q4_1, its min m after it)
-// Block values: Q4_0 d (u - 8), Q4_1 d u + m, Q8_0 d q.
+// Block values: Q4_0 d (u - 8), Q4_1 d u + m, Q8_0 d q; Q5_0 d (u - 16), Q5_1 d u + m, whose fifth
+// bits follow the nibbles in one more 64-byte chunk: byte 4j + i holds, for column j, at bit c the
+// fifth bit of input 4c + i and at bit 4 + c that of input 16 + 4c + i.
 //
 // The K types keep 256-input super-blocks of 8 (Q4_K) or 16 (Q6_K) sub-blocks, each with its own
 // small integer scale. Their integers are repacked into the same 32-input blocks (Q6_K: the low
@@ -57,14 +59,19 @@
 
 namespace {
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // GGML type ids
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // GGML type ids
 enum { QK = 32, COLS = 16, MAX_ROWS = 16, PREFETCH = 1024, SUB = 8 };  // SUB: 32-blocks per super-block
 
 // Bytes of block integers per panel and block.
-constexpr int qbytes(int type) { return type == Q8_0 ? COLS * QK : type == Q6_K ? COLS * QK * 3 / 4 : COLS * QK / 2; }
-constexpr int nscales(int type) { return type == Q4_1 ? 2 : 1; }
-// Like Q4_1: unsigned nibbles, a scale and a min per column and block.
-constexpr bool with_min(int type) { return type == Q4_1 || type == Q4_K; }
+constexpr bool five_bits(int type) { return type == Q5_0 || type == Q5_1; }
+constexpr int qbytes(int type) {
+  return type == Q8_0 ? COLS * QK : type == Q6_K ? COLS * QK * 3 / 4 : five_bits(type) ? COLS * QK * 5 / 8 : COLS * QK / 2;
+}
+constexpr int nscales(int type) { return type == Q4_1 || type == Q5_1 ? 2 : 1; }
+// Like Q4_1: unsigned integers, a scale and a min per column and block.
+constexpr bool with_min(int type) { return type == Q4_1 || type == Q5_1 || type == Q4_K; }
+// What the unsigned integers are offset by (Q4_0: u - 8, Q5_0: u - 16), taken off as that times sx.
+constexpr int offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0; }
 // 32-blocks per scale record, and bytes of a panel's record (fp16 scales, or a K type's meta).
 constexpr int per_record(int type) { return type == Q4_K || type == Q6_K ? SUB : 1; }
 constexpr int record_bytes(int type) {
@@ -157,6 +164,11 @@ inline VI high_bits(VI v, int c) {
   VI moved = c == 0 ? _mm512_slli_epi16(v, 4) : c == 1 ? _mm512_slli_epi16(v, 2) : c == 2 ? v : _mm512_srli_epi16(v, 2);
   return _mm512_and_si512(moved, splat_byte(0x30));
 }
+// Bit b of each byte moved to bit 4 (the rest zero).
+inline VI bit_to_4(VI v, int b) {
+  VI moved = b < 4 ? _mm512_slli_epi16(v, 4 - b) : b == 4 ? v : _mm512_srli_epi16(v, b - 4);
+  return _mm512_and_si512(moved, splat_byte(0x10));
+}
 inline VI bor(VI a, VI b) { return _mm512_or_si512(a, b); }
 inline VI minus(VI a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
 inline VF halves(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
@@ -182,6 +194,10 @@ inline VI nibbles(VI v, int high) { return _mm256_and_si256(high ? _mm256_srli_e
 inline VI high_bits(VI v, int c) {
   VI moved = c == 0 ? _mm256_slli_epi16(v, 4) : c == 1 ? _mm256_slli_epi16(v, 2) : c == 2 ? v : _mm256_srli_epi16(v, 2);
   return _mm256_and_si256(moved, splat_byte(0x30));
+}
+inline VI bit_to_4(VI v, int b) {
+  VI moved = b < 4 ? _mm256_slli_epi16(v, 4 - b) : b == 4 ? v : _mm256_srli_epi16(v, b - 4);
+  return _mm256_and_si256(moved, splat_byte(0x10));
 }
 inline VI bor(VI a, VI b) { return _mm256_or_si256(a, b); }
 inline VI minus(VI a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
@@ -226,6 +242,13 @@ inline void unpack(const uint8_t* q, int h, VI w[8]) {
       w[4 + c] = bor(w[4 + c], high_bits(high, c));
     }
   }
+  if (five_bits(T)) {
+    VI fifth = load(base + 4 * 64);
+    for (int c = 0; c < 4; c++) {
+      w[c] = bor(w[c], bit_to_4(fifth, c));
+      w[4 + c] = bor(w[4 + c], bit_to_4(fifth, 4 + c));
+    }
+  }
 }
 
 // The unsigned dot product of groups g0..g1-1 of one block with row xm, per column (exact int32).
@@ -236,9 +259,10 @@ inline VI udot(const VI w[8], const int8_t* xm, int g0, int g1) {
   for (int g = g0; g < g1; g++) acc = _mm512_dpbusd_epi32(acc, w[g], splat(xm + 4 * g));
   return acc;
 #else
-  // int16 pair sums: Q4 at most 2 * 15 * 127 per group, all 8 summed; Q6_K 2 * 63 * 127, two summed.
+  // int16 pair sums: Q4 at most 2 * 15 * 127 per group, all 8 summed; Q5 2 * 31 * 127, four summed;
+  // Q6_K 2 * 63 * 127, two summed.
   const VI ones = _mm256_set1_epi16(1);
-  const int run = T == Q6_K ? 2 : 8;
+  const int run = T == Q6_K ? 2 : five_bits(T) ? 4 : 8;
   VI acc = _mm256_setzero_si256();
   for (int g = g0; g < g1; g += run) {
     VI pairs = _mm256_maddubs_epi16(w[g], splat(xm + 4 * g));
@@ -256,7 +280,7 @@ inline VI dot(const VI w[8], const uint8_t* q, int h, const int8_t* xm, int32_t 
 #if defined(GGUF_VNNI)
   (void)q, (void)h;
   VI acc = udot<T>(w, xm, 0, 8);
-  return T == Q4_0 ? minus(acc, 8 * sx) : T == Q8_0 ? minus(acc, 128 * sx) : acc;
+  return T == Q8_0 ? minus(acc, 128 * sx) : offset(T) ? minus(acc, offset(T) * sx) : acc;
 #else
   if (T == Q8_0) {
     const VI ones = _mm256_set1_epi16(1);
@@ -270,7 +294,7 @@ inline VI dot(const VI w[8], const uint8_t* q, int h, const int8_t* xm, int32_t 
     return acc;
   }
   VI acc = udot<T>(w, xm, 0, 8);
-  return T == Q4_0 ? minus(acc, 8 * sx) : acc;
+  return offset(T) ? minus(acc, offset(T) * sx) : acc;
 #endif
 }
 
@@ -288,7 +312,7 @@ inline void block_scales(const uint8_t* rec, long b, int h, VF& dw, VF& dw2, VF&
     dw2 = vmul(halves(d), sbytes(rec + 2 * COLS + (2 * j + 1) * COLS + h * LANES));
   } else {
     dw = halves(d);
-    if (T == Q4_1) mw = halves(d + COLS);
+    if (with_min(T)) mw = halves(d + COLS);
   }
 }
 
@@ -333,8 +357,8 @@ void panel(const Acts& a, int rows, const uint8_t* q, const uint8_t* sc, float* 
 #else
 #define GGUF_ISA "portable"
 
-// The block integer of column j, input k (Q4_0: u - 8, Q4_1 and Q4_K: u, Q6_K: u - 32, Q8_0: q) of
-// one packed block.
+// The block integer of column j, input k (Q4_0: u - 8, Q5_0: u - 16, Q4_1, Q5_1 and Q4_K: u, Q6_K: u - 32,
+// Q8_0: q) of one packed block.
 template <int T>
 inline int weight(const uint8_t* q, int j, int k) {
   if (T == Q8_0) return (int8_t)q[(k / 4) * 64 + j * 4 + k % 4];
@@ -344,7 +368,8 @@ inline int weight(const uint8_t* q, int j, int k) {
     uint8_t high = q[(4 + k / 16) * 64 + j * 4 + k % 4];
     return (u | ((high >> (2 * ((k % 16) / 4))) & 3) << 4) - 32;
   }
-  return T == Q4_0 ? u - 8 : u;
+  if (five_bits(T)) u |= (q[4 * 64 + j * 4 + k % 4] >> ((k % 16) / 4 + (k < 16 ? 0 : 4)) & 1) << 4;
+  return u - offset(T);
 }
 
 // Column j's float scales of block b (record rec): as block_scales in the vector paths.
@@ -360,7 +385,7 @@ inline void column_scales(const uint8_t* rec, long b, int j, float& dw, float& d
     dw2 = half_to_float(d[j]) * (float)(int8_t)rec[2 * COLS + (2 * s + 1) * COLS + j];
   } else {
     dw = half_to_float(d[j]);
-    if (T == Q4_1) mw = half_to_float(d[COLS + j]);
+    if (with_min(T)) mw = half_to_float(d[COLS + j]);
   }
 }
 
@@ -428,9 +453,16 @@ extern "C" void specsample_gguf_quantize(const float* x, long M, long K, long ld
   quantize_rows(x, M, K, ldx, q, d, s);
 }
 
-// y[M, N] (+)= x[M, K] @ W^T (+ bias) for W of GGML type `type` (2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K,
-// 14 Q6_K) packed as qs and scales (above: fp16 scales, or a K type's records); K a multiple of 32
-// (of 256 for K types); row strides ldx, ldy. Returns 0, or -1 for a type it does not know (y untouched).
+// A matrix stacked from parts of different GGML types along its output rows (a fused QKV whose V is
+// of another type than Q and K, as Q4_K_M files have): not a GGML type id.
+enum { STACKED = 1000 };
+
+// y[M, N] (+)= x[M, K] @ W^T (+ bias) for W of GGML type `type` (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0,
+// 12 Q4_K, 14 Q6_K) packed as qs and scales (above: fp16 scales, or a K type's records); K a multiple of 32
+// (of 256 for K types); row strides ldx, ldy. Or, for type STACKED (1000), qs is an int64 table
+// [count, then per part: type, rows, qs, scales] whose parts, each one of those types, give the
+// rows of W in order (their rows summing to N; scales unused), each part computed as alone.
+// Returns 0, or -1 for a type it does not know or a table that does not add up (y then undefined).
 extern "C" int specsample_gemm_gguf(int type, const float* x, long M, long K, long ldx, const uint8_t* qs,
                                     const uint16_t* scales, long N, float* y, long ldy, const float* bias,
                                     int add) {
@@ -438,9 +470,24 @@ extern "C" int specsample_gemm_gguf(int type, const float* x, long M, long K, lo
   switch (type) {
     case Q4_0: gemm<Q4_0>(x, M, K, ldx, qs, sc, N, y, ldy, bias, add); return 0;
     case Q4_1: gemm<Q4_1>(x, M, K, ldx, qs, sc, N, y, ldy, bias, add); return 0;
+    case Q5_0: gemm<Q5_0>(x, M, K, ldx, qs, sc, N, y, ldy, bias, add); return 0;
+    case Q5_1: gemm<Q5_1>(x, M, K, ldx, qs, sc, N, y, ldy, bias, add); return 0;
     case Q8_0: gemm<Q8_0>(x, M, K, ldx, qs, sc, N, y, ldy, bias, add); return 0;
     case Q4_K: gemm<Q4_K>(x, M, K, ldx, qs, sc, N, y, ldy, bias, add); return 0;
     case Q6_K: gemm<Q6_K>(x, M, K, ldx, qs, sc, N, y, ldy, bias, add); return 0;
+    case STACKED: {
+      const int64_t* table = (const int64_t*)qs;
+      long row = 0;
+      for (int64_t i = 0; i < table[0]; i++) {
+        const int64_t* part = table + 1 + 4 * i;
+        if (part[0] == STACKED || row + part[1] > N) return -1;
+        if (specsample_gemm_gguf((int)part[0], x, M, K, ldx, (const uint8_t*)part[2], (const uint16_t*)part[3], part[1],
+                                 y + row, ldy, bias ? bias + row : 0, add))
+          return -1;
+        row += part[1];
+      }
+      return row == N ? 0 : -1;
+    }
     default: return -1;
   }
 }
