@@ -328,11 +328,13 @@ class PassCost:
         self.smoothing = smoothing
         self.seconds: dict[int, float] = {}  # rows -> moving average of a pass's seconds
         self.count: dict[int, int] = {}  # rows -> passes measured
+        self.curve: tuple[list[int], list[float]] | None = None  # the fit, refitted when a pass is measured
 
     def observe(self, rows: int, seconds: float) -> None:
         old = self.seconds.get(rows, seconds)
         self.seconds[rows] = old + self.smoothing * (seconds - old)
         self.count[rows] = self.count.get(rows, 0) + 1
+        self.curve = None
 
     @property
     def measured(self) -> bool:
@@ -342,9 +344,10 @@ class PassCost:
         """f at (fractional) `rows`; 1.0 before any measurement."""
         if not self.seconds:
             return np.ones(len(rows))
-        measured = sorted(self.seconds)
-        fitted = nondecreasing([self.seconds[r] for r in measured], [min(self.count[r], 10) for r in measured])
-        return np.interp(rows, measured, fitted)
+        if self.curve is None:
+            measured = sorted(self.seconds)
+            self.curve = measured, nondecreasing([self.seconds[r] for r in measured], [min(self.count[r], 10) for r in measured])
+        return np.interp(rows, *self.curve)
 
 
 class BatchCostModelK(CostModelK):
