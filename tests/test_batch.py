@@ -175,3 +175,46 @@ def test_generate_batch_equals_generate(sampler):
         assert completion.token_ids == sampler.generate(prompt, seed=seed, **sampled).token_ids
     with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
         sampler.generate_batch(prompts[:3], seeds=[1, 2])
+
+
+def run_policy(cost, other_rows: int, steps: int = 60) -> list[int]:
+    """K chosen by the batch-aware cost model over `steps` steps of a request in a batch whose other
+    requests score `other_rows` rows for as many tokens, each draft token accepted with probability 0.8."""
+    from specsample.policy import BatchCostModelK
+    from specsample.stats import Step
+
+    policy, rng, chosen = BatchCostModelK(), torch.Generator().manual_seed(0), []
+    for _ in range(steps):
+        policy.see_batch(cost, other_rows, other_rows)
+        k = policy.choose()
+        accepted = int(torch.cumprod(torch.rand(k, generator=rng) < 0.8, 0).sum()) if k else 0
+        policy.observe(Step(k, accepted, accepted + 1, 1e-6 * k, float(cost([other_rows + 1 + k])[0])))
+        chosen.append(k)
+    return chosen
+
+
+def test_batch_cost_model_turns_speculation_down_where_rows_cost():
+    """Where a pass costs the same whatever its rows, the request drafts; where every row costs as much
+    as another request's (compute-bound), a draft accepted 80% of the time does not pay: K goes to 0."""
+    from specsample.policy import PassCost
+
+    flat, linear = PassCost(), PassCost()
+    for rows in range(1, 100):
+        flat.observe(rows, 0.010)
+        linear.observe(rows, 0.001 * rows)
+    assert linear([4.5])[0] == pytest.approx(0.0045) and flat([500])[0] == pytest.approx(0.010)
+    assert min(run_policy(flat, other_rows=15)[-20:]) >= 4
+    assert max(run_policy(linear, other_rows=15)[-20:]) == 0
+
+
+def test_batch_runs_the_batch_aware_policy(target):
+    """`auto` in a batch (parse_batch_k): the batch measures f(rows) and each slot's policy sees it."""
+    from specsample.policy import BatchCostModelK, parse_batch_k
+
+    batch = Batch(target.slots(3), SuffixDrafter(), lambda: parse_batch_k("auto"), eos_token_ids=frozenset())
+    ps = prompts(4)
+    got = run(batch, [Request(p, GREEDY, 30, CoupledSource(0)) for p in ps])
+    for i, p in enumerate(ps):
+        assert got[i] == alone(target, SuffixDrafter(), 0, p, GREEDY, 30, CoupledSource(0))
+    assert all(isinstance(policy, BatchCostModelK) and policy.cost is batch.cost for policy in batch.policies)
+    assert batch.cost.measured and max(batch.cost.seconds) > 1

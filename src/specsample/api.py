@@ -24,7 +24,7 @@ from specsample.engine import decode
 from specsample.models import LoadedModel, Target, load_target
 from specsample.models.choice import resolve
 from specsample.models.target import SlottedTarget, require
-from specsample.policy import KPolicy, parse_k
+from specsample.policy import KPolicy, parse_batch_k, parse_k
 from specsample.sampling import SamplingParams, request_source
 from specsample.stats import Stats
 from specsample.text import IncrementalDecoder, Message, StopMatcher, encode_prompt
@@ -230,7 +230,7 @@ class SpecSampler:
         of its drafter, each slot with a K policy of the spec `k` (None: the configuration's)."""
         slots = require(self.target, SlottedTarget, "batched decoding").slots(max_batch)
         spec = self.configuration.k if k is None else k
-        return Batch(slots, self.drafter, lambda: parse_k(spec), eos_token_ids=self.model.eos_token_ids,
+        return Batch(slots, self.drafter, lambda: parse_batch_k(spec), eos_token_ids=self.model.eos_token_ids,
                      verifier=self.verifier)
 
     def request(

@@ -14,7 +14,9 @@ a greedy request and for a request with a seed, whatever else runs and whenever 
 
 Each slot keeps a drafter and a K policy, used by one request after another: the drafters are forks
 of one drafter (`drafters.base.Forks`), so lookup drafters share what they learn across requests
-(the suffix drafter's tree of earlier ones).
+(the suffix drafter's tree of earlier ones). The batch measures f(rows), the seconds of its pass
+over all its rows (`policy.PassCost`); a policy that sees the batch (`policy.SeesBatch`, `auto` in a
+batch) chooses K knowing it and the other requests' rows, and drafts less where rows stop being free.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import Tensor
 from specsample.drafters.base import Draft, Drafter, forked
 from specsample.engine import check_lengths, cut_at_eos
 from specsample.models.target import Slots
-from specsample.policy import KPolicy
+from specsample.policy import KPolicy, PassCost, SeesBatch
 from specsample.sampling import RandomSource, SamplingParams
 from specsample.stats import Stats, Step
 from specsample.verify import ChainVerifier
@@ -48,6 +50,8 @@ class Request:
     pending: int = 0  # the last token of the text, not yet in the slot's cache
     produced: int = 0  # tokens emitted so far
     done: bool = False  # ended by an EOS token or max_new_tokens
+    rows: int = 1  # rows it scored at its last step (1 before its first)
+    emitted: int = 1  # tokens it emitted at its last step
 
 
 @dataclass
@@ -79,6 +83,7 @@ class Batch:
         self.free = list(range(slots.count - 1, -1, -1))  # slots without a request, next last
         self.running: list[Request] = []
         self.rows = 0  # rows scored by the last step
+        self.cost = PassCost()  # f(rows) of this batch's passes, for the policies that see the batch
 
     @property
     def full(self) -> bool:
@@ -113,11 +118,12 @@ class Batch:
         """One verification step of every running request: each request's new tokens. Requests that
         ended (EOS, max_new_tokens) are marked `done` and leave the batch."""
         start = perf_counter()
+        self.rows = sum(request.rows for request in self.running)  # as planned so far
         planned = [self._plan(request) for request in self.running]
-        self.rows = sum(len(p.draft) + 1 for p in planned)
         scoring = perf_counter()
         logits = self.slots.score([(p.request.slot, self._rows(p)) for p in planned])  # [k_i + 1, vocab] each
         pass_seconds = perf_counter() - scoring
+        self.cost.observe(self.rows, pass_seconds)
         out = [(p.request, self._verify(p, rows, pass_seconds)) for p, rows in zip(planned, logits)]
         for request, _ in out:
             request.stats.decode_seconds += perf_counter() - start
@@ -129,11 +135,16 @@ class Batch:
         """The request's draft: K by its slot's policy, at most what max_new_tokens leaves."""
         start = perf_counter()
         policy, drafter = self.policies[request.slot], self.drafters[request.slot]
+        if isinstance(policy, SeesBatch):
+            other_tokens = sum(r.emitted for r in self.running) - request.emitted
+            policy.see_batch(self.cost, self.rows - request.rows, other_tokens)
         k = min(policy.choose(), request.max_new_tokens - request.produced - 1)
         numbers = request.random.at(request.produced)  # offset i: output position produced + i
         draft = drafter.propose(k, numbers) if k > 0 else Draft.empty()
         if draft.confidence is not None:
             draft = draft.prefix(policy.keep(draft.confidence))
+        self.rows += len(draft) + 1 - request.rows
+        request.rows = len(draft) + 1
         return Planned(request, draft, numbers, self.slots.length(request.slot), perf_counter() - start)
 
     @staticmethod
@@ -155,6 +166,7 @@ class Batch:
         request.stats.record(step)
         self.policies[request.slot].observe(step)
         request.produced += len(new)
+        request.emitted = len(new)
         request.pending = verdict.next_token
         request.done = new[-1] in self.eos_token_ids or request.produced >= request.max_new_tokens
         return new

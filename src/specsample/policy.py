@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 from torch import Tensor
@@ -37,6 +37,16 @@ class KPolicy(Protocol):
 
     def estimates(self) -> dict:
         """What the policy believes now, for the statistics."""
+        ...
+
+
+@runtime_checkable
+class SeesBatch(Protocol):
+    """A K policy that chooses K knowing the batch its request runs in (batch.py)."""
+
+    def see_batch(self, cost: PassCost, other_rows: float, other_tokens: float) -> None:
+        """Before `choose`: the batch's pass cost f(rows), and the rows and expected tokens of the other
+        requests of the step."""
         ...
 
 
@@ -316,6 +326,78 @@ class CostModelK:
         }
 
 
+class PassCost:
+    """f(R): the seconds of one target pass over R rows, the rows of every request of a batch (batch.py),
+    measured online by the batch: a moving average per R, fitted nondecreasing and interpolated, flat
+    beyond the largest R measured (so more rows look free until measured, and get tried)."""
+
+    def __init__(self, smoothing: float = 0.2) -> None:
+        self.smoothing = smoothing
+        self.seconds: dict[int, float] = {}  # rows -> moving average of a pass's seconds
+        self.count: dict[int, int] = {}  # rows -> passes measured
+        self.curve: tuple[list[int], list[float]] | None = None  # the fit, refitted when a pass is measured
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows, seconds)
+        self.seconds[rows] = old + self.smoothing * (seconds - old)
+        self.count[rows] = self.count.get(rows, 0) + 1
+        self.curve = None
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.seconds)
+
+    def __call__(self, rows: Sequence[float]) -> np.ndarray:
+        """f at (fractional) `rows`; 1.0 before any measurement."""
+        if not self.seconds:
+            return np.ones(len(rows))
+        if self.curve is None:
+            measured = sorted(self.seconds)
+            self.curve = measured, nondecreasing([self.seconds[r] for r in measured], [min(self.count[r], 10) for r in measured])
+        return np.interp(rows, *self.curve)
+
+
+class BatchCostModelK(CostModelK):
+    """The cost model for a request in a batch: the K that maximises the batch's expected tokens per
+    second, the other requests' rows and tokens taken as they were at their last step.
+
+    A step of the batch costs f(R), R the rows of every request (`PassCost`, measured by the batch
+    at each R), and emits the tokens of every request; this request's K adds its draft length d to R
+    and its expected accepted tokens to the tokens. Where extra rows are free (f flat: a few requests,
+    weights streamed once whatever the rows) K is as for one request; where they cost as much as a
+    request's row (f linear in R: many requests, compute-bound), a draft must be accepted more
+    often than the batch's tokens per row to pay, and K turns down, to 0. Acceptance and drafting
+    cost are measured per request as by `CostModelK`.
+    """
+
+    def __init__(self, **options) -> None:
+        self.cost: PassCost | None = None
+        self.other_rows, self.other_tokens = 0.0, 0.0
+        super().__init__(**options)
+
+    def see_batch(self, cost: PassCost, other_rows: float, other_tokens: float) -> None:
+        """Before `choose`: the batch's cost curve, and the rows and expected tokens of the other requests."""
+        self.cost, self.other_rows, self.other_tokens = cost, other_rows, other_tokens
+
+    def predict(self) -> None:
+        super().predict()
+        if self.cost is not None and self.cost.measured:
+            verify = self.target_seconds([1 + d for d in self.draft_length])
+            self.rates = [  # [K] expected tokens per second of the whole batch
+                (self.other_tokens + t) / (self.seconds_per_draft_token * d + f)
+                for t, d, f in zip(self.tokens_per_step, self.draft_length, verify)
+            ]
+
+    def target_seconds(self, n: Sequence[float]) -> np.ndarray:
+        """f(other rows + n) of the batch, once measured; before, as for one request."""
+        if self.cost is None or not self.cost.measured:
+            return super().target_seconds(n)
+        return self.cost([self.other_rows + x for x in n])
+
+    def estimates(self) -> dict:
+        return {**super().estimates(), "policy": "cost-model-batch", "other_rows": self.other_rows}
+
+
 def nondecreasing(values: Sequence[float], weights: Sequence[float]) -> list[float]:
     """The weighted least-squares nondecreasing fit of `values` (isotonic regression, pool adjacent
     violators): what scipy.optimize.isotonic_regression computes, without its per-call overhead
@@ -361,3 +443,11 @@ def parse_k(spec: str | int) -> KPolicy:
     except ValueError:
         forms = ", ".join(AUTO_POLICIES)
         raise ValueError(f"k must be an integer >= 0 or one of {forms}, got {spec!r}") from None
+
+
+def parse_batch_k(spec: str | int) -> KPolicy:
+    """The K policy of a request in a batch: as `parse_k`, with the cost model aware of the batch
+    (`BatchCostModelK`) for `auto` and `auto:cost`."""
+    if isinstance(spec, str) and AUTO_POLICIES.get(spec.strip().lower()) is CostModelK:
+        return BatchCostModelK()
+    return parse_k(spec)

@@ -127,10 +127,16 @@ class BatchWorker:
         return request
 
     def _drop_cancelled(self) -> None:
-        """Requests whose client went away leave the batch, freeing their slots."""
-        for request, running in list(self.running.items()):
+        """Requests whose client went away leave the batch, freeing their slots, or the queue."""
+        for running in list(self.running.values()):
             if running.job.cancelled.is_set():
                 self._leave(running, "cancelled")
+        with self.wake:
+            gone = [job for job in self.waiting if job.cancelled.is_set()]
+            for job in gone:
+                self.waiting.remove(job)
+        for job in gone:
+            self._end(job, "cancelled")
 
     def _step(self) -> None:
         """One step of every running request; each one's text goes to its client."""

@@ -1,0 +1,158 @@
+"""The client-count curve of the server: one at a time against continuous batching, with and without
+speculation, for 1, 2, 4, 8 and 16 concurrent streaming clients.
+
+Each configuration is a `specsample serve` process on loopback (the bundled model unless `--model`,
+`--backend`, `--drafter`): `--max-batch 1` (one generation at a time, the server before batching) and
+`--max-batch M`, each with `--k auto` (speculation) and `--k 0` (none). Every server is started
+first; then, for each client count in turn, each server gets the same run, so configurations are
+interleaved in time on a shared machine. A run is C clients, each streaming `--requests` greedy
+requests one after another through the official `openai` client: never-tuned Spec-Bench prompts
+(odd question_ids past the first TUNED_PER_CATEGORY of each category, first turn), `--max-tokens`
+each. It prints per configuration and client count: aggregate generated tokens per wall second, the
+median per-request tokens per second (its tokens over its time from arrival to last token), time to
+first token (median, p95), the mean requests per batch step and rows per step from the server's
+/metrics, and how many responses differ from the same prompt served to one client by the
+one-at-a-time server with speculation (greedy: must be 0). `--out` writes the rows as JSON.
+
+    python benchmarks/batch_clients.py --clients 1,2,4,8,16 --max-batch 16 --requests 2 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from specsample.prompts import TUNED_PER_CATEGORY, packaged_prompts, read_prompts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, max_batch: int, k: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [sys.executable, "-m", "specsample.cli", "serve", "--port", str(port), "--max-batch", str(max_batch),
+               "--k", k, "--max-queue", "64", "--backend", args.backend, "--drafter", args.drafter]
+    if args.model:
+        command += ["--model", args.model]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the server {' '.join(command)} did not start")
+        time.sleep(0.5)
+
+
+def one_request(client: openai.OpenAI, prompt: str, max_tokens: int) -> dict:
+    start = time.perf_counter()
+    first, text, tokens = None, "", 0
+    stream = client.chat.completions.create(model="x", messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=max_tokens, temperature=0, stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            text += chunk.choices[0].delta.content
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    return {"prompt": prompt, "text": text, "tokens": tokens, "ttft": (first or end) - start, "seconds": end - start}
+
+
+def batch_metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith(("specsample_batch_size_", "specsample_rows_per_step_")) and not s.labels}
+
+
+def run_clients(url: str, prompts: list[str], clients: int, requests: int, max_tokens: int) -> dict:
+    """`clients` threads, each streaming `requests` prompts in turn; the run's figures."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=1200)
+    work = [[prompts[(c * requests + r) % len(prompts)] for r in range(requests)] for c in range(clients)]
+    before = batch_metrics(url)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        done = pool.map(lambda mine: [one_request(client, p, max_tokens) for p in mine], work)
+        results = [r for per_client in done for r in per_client]
+    wall = time.perf_counter() - start
+    after = batch_metrics(url)
+    steps = after.get("specsample_batch_size_count", 0) - before.get("specsample_batch_size_count", 0)
+    ttft = sorted(r["ttft"] for r in results)
+    return {
+        "clients": clients, "requests": len(results), "tokens": sum(r["tokens"] for r in results), "wall_seconds": wall,
+        "aggregate_tokens_per_second": sum(r["tokens"] for r in results) / wall,
+        "median_request_tokens_per_second": statistics.median(r["tokens"] / r["seconds"] for r in results),
+        "ttft_median": statistics.median(ttft), "ttft_p95": ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))],
+        "mean_batch_size": (after.get("specsample_batch_size_sum", 0) - before.get("specsample_batch_size_sum", 0)) / steps
+        if steps else 1.0,
+        "mean_rows_per_step": (after.get("specsample_rows_per_step_sum", 0) - before.get("specsample_rows_per_step_sum", 0))
+        / steps if steps else None,
+        "texts": {r["prompt"]: r["text"] for r in results},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", default="1,2,4,8,16")
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=2, help="requests per client and run")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--model")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--drafter", default="suffix")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    counts = [int(c) for c in args.clients.split(",")]
+    prompts = [p.turns[0] for p in read_prompts(packaged_prompts(), split="odd", skip=TUNED_PER_CATEGORY)]
+    configs = {"one-at-a-time k=auto": (1, "auto"), "one-at-a-time k=0": (1, "0"),
+               f"batch {args.max_batch} k=auto": (args.max_batch, "auto"), f"batch {args.max_batch} k=0": (args.max_batch, "0")}
+    servers = {name: start_server(args, *config) for name, config in configs.items()}
+    rows, reference = [], {}
+    try:
+        for clients in counts:
+            for name, (process, url) in servers.items():
+                row = run_clients(url, prompts, clients, args.requests, args.max_tokens)
+                if name == "one-at-a-time k=auto" and clients == 1:
+                    reference.update(row["texts"])
+                missing = [p for p in row["texts"] if p not in reference]
+                for prompt in missing:  # the reference: this prompt served alone
+                    reference[prompt] = run_clients(servers["one-at-a-time k=auto"][1], [prompt], 1, 1, args.max_tokens)["texts"][prompt]
+                row["differing"] = sum(text != reference[p] for p, text in row["texts"].items())
+                row["config"] = name
+                del row["texts"]
+                rows.append(row)
+                print(f"{name:24s} clients {clients:2d}: {row['aggregate_tokens_per_second']:7.1f} tok/s aggregate, "
+                      f"{row['median_request_tokens_per_second']:6.1f} median per request, TTFT "
+                      f"{row['ttft_median']:.2f}/{row['ttft_p95']:.2f} s (median/p95), batch {row['mean_batch_size']:.1f}, "
+                      f"rows/step {row['mean_rows_per_step'] or 0:.1f}, differing {row['differing']}", flush=True)
+    finally:
+        for process, _ in servers.values():
+            process.terminate()
+            process.wait()
+    if args.out:
+        machine = {"cpu": platform.processor(), "cores": os.cpu_count(), "command": " ".join(sys.argv)}
+        with open(args.out, "w") as f:
+            json.dump({"machine": machine, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
