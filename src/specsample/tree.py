@@ -40,3 +40,20 @@ def visibility(parents: Tensor) -> Tensor:
         if parent >= 0:
             seen[t] |= seen[parent]
     return seen
+
+
+def trie(sequences: list[list[int]]) -> tuple[list[int], list[int]]:
+    """The tree (tokens, parents) of the prefixes of `sequences`: shared prefixes merged, the first
+    sequence's tokens first, a token's first-seen siblings before later ones."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for sequence in sequences:
+        parent = -1
+        for token in sequence:
+            if (parent, token) not in index:
+                index[parent, token] = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+            parent = index[parent, token]
+    return tokens, parents
