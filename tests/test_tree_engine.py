@@ -100,10 +100,25 @@ def test_suffix_tree_drafts_several_continuations():
 
 
 def test_backend_without_trees_refuses_a_tree_drafter():
-    model = tiny_llama(VOCAB, seed=3)
+    """A backend that does not declare ScoresTrees (llama.cpp's) gets a one-line error."""
+
+    class ChainOnly:  # a Target that scores chains only, as LlamaCppTarget
+        vocab_size, max_length, length = VOCAB, 128, 0
+
     with pytest.raises(ValueError, match="scores a tree of tokens in one pass") as error:
-        make_drafter("recycle", loaded(model), TransformersTarget(model))
-    assert "\n" not in str(error.value)
+        make_drafter("recycle", loaded(tiny_llama(VOCAB, seed=3)), ChainOnly())
+    assert "\n" not in str(error.value) and "ChainOnly" in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["recycle", "suffix-tree"])
+def test_transformers_backend_trees_are_token_identical(name):
+    """The transformers backend scores trees with a 4D mask: greedy output as plain decoding's."""
+    model = tiny_llama(VOCAB, seed=3, init_scale=0.5)
+    target = TransformersTarget(model)
+    greedy = SamplingParams(temperature=0)
+    plain, _ = run(target, NoDrafter(), greedy, 0)
+    out, stats = run(target, make_drafter(name, loaded(model), target), greedy, 12)
+    assert out == plain and stats.accepted_tokens > 0
 
 
 def test_a_chain_draft_stays_a_chain():
