@@ -139,3 +139,17 @@ def test_bundled_model_greedy_tree_drafters_are_token_identical():
         out, stats = run(target, make_drafter(name, model, target), greedy, 10, new=32, prompt=ids)
         assert out == plain, name
         assert stats.accepted_tokens > 0, name
+
+
+def test_stats_by_depth_and_rank():
+    from specsample.stats import Step
+
+    stats = Stats()
+    parents = torch.tensor([-1, -1, 0, 0, 2])
+    stats.record(Step(5, 2, 3, 0.0, 0.0, parents, (0, 3)))  # accepted node 0 (rank 0), then node 3 (rank 1)
+    stats.record(Step(5, 0, 1, 0.0, 0.0, parents, ()))
+    tree = stats.to_dict()["tree"]
+    assert tree["mean_nodes"] == 5 and tree["mean_accepted_depth"] == 1
+    # depth 0: rank 0 reached twice, accepted once; rank 1 reached twice, never; depth 1: both reached once
+    assert tree["acceptance_by_depth_rank"] == {"0,0": 0.5, "0,1": 0.0, "1,0": 0.0, "1,1": 1.0}
+    assert "tree" not in Stats().to_dict()

@@ -76,7 +76,9 @@ def decode(
             emitted = draft.tokens[verdict.nodes].tolist() + [verdict.next_token]
             drafter.observe(emitted)
             new = cut_at_eos(emitted, eos_token_ids)
-            step = Step(len(draft), verdict.accepted, len(new), t_verify - t_draft, t_other - t_verify)
+            step = Step(
+                len(draft), verdict.accepted, len(new), t_verify - t_draft, t_other - t_verify, draft.parents, verdict.path
+            )
             stats.record(step)
             policy.observe(step)
             stats.decode_seconds += perf_counter() - t_draft

@@ -57,3 +57,15 @@ def trie(sequences: list[list[int]]) -> tuple[list[int], list[int]]:
                 parents.append(parent)
             parent = index[parent, token]
     return tokens, parents
+
+
+def reached(parents: Tensor, path: tuple[int, ...]) -> list[tuple[int, int, bool]]:
+    """(depth, sibling rank, accepted) of each node that a verification accepting `path` (root first) reached:
+    the children of the root and of the accepted nodes. Rank r: the node is its parent's (r + 1)-th child."""
+    children = children_of(parents)
+    rows = [0] + [node + 1 for node in path]
+    return [
+        (depth, rank, depth < len(path) and path[depth] == child)
+        for depth, row in enumerate(rows)
+        for rank, child in enumerate(children[row])
+    ]
