@@ -15,7 +15,7 @@ from specsample.drafters.recycle import RecycleDrafter, template
 from specsample.drafters.suffix import SuffixTreeDrafter
 from specsample.models import TransformersTarget, make_target
 from specsample.models.loading import LoadedModel
-from specsample.policy import FixedK
+from specsample.policy import CostModelK, FixedK
 from specsample.sampling import CoupledSource, GeneratorSource, SamplingParams, make_generator
 from specsample.stats import Stats
 
@@ -32,10 +32,11 @@ def loaded(model) -> LoadedModel:
     return LoadedModel(model, None, "tiny", frozenset(), 0.0)
 
 
-def run(target, drafter, params, k: int, random=None, new: int = 40, prompt=PROMPT) -> tuple[list[int], Stats]:
+def run(target, drafter, params, k, random=None, new: int = 40, prompt=PROMPT) -> tuple[list[int], Stats]:
+    """Decode with K = k, or with the policy k."""
     stats = Stats()
     steps = engine.decode(
-        target, drafter, FixedK(k), prompt, params, max_new_tokens=new, eos_token_ids=frozenset(),
+        target, drafter, FixedK(k) if isinstance(k, int) else k, prompt, params, max_new_tokens=new, eos_token_ids=frozenset(),
         random=random or GeneratorSource(make_generator(0)), stats=stats,
     )
     return [t for step in steps for t in step], stats
@@ -52,6 +53,8 @@ def test_greedy_tree_drafters_are_token_identical(name, packed):
         out, stats = run(target, drafter, greedy, k)
         assert out == plain, (name, k)
         assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0, (name, k)
+    out, _ = run(target, drafter, greedy, CostModelK())  # trees cut by the tree-size policy
+    assert out == plain, (name, "auto")
 
 
 @pytest.mark.parametrize("name", ["recycle", "suffix-tree"])
@@ -153,3 +156,21 @@ def test_stats_by_depth_and_rank():
     # depth 0: rank 0 reached twice, accepted once; rank 1 reached twice, never; depth 1: both reached once
     assert tree["acceptance_by_depth_rank"] == {"0,0": 0.5, "0,1": 0.0, "1,0": 0.0, "1,1": 1.0}
     assert "tree" not in Stats().to_dict()
+
+
+def test_tree_size_policy_keeps_the_nodes_that_pay():
+    """Eight children of the root, priors 0.7 / 2**rank, f(n) = 1 + (n - 1) / 8: tokens per second
+    1, 1.51, 1.64, 1.62, ... for 0, 1, 2, 3 nodes, so two are kept; once rank 1 and 2 are measured
+    always accepted, more are."""
+    from specsample.stats import Step
+
+    policy = CostModelK()
+    policy.observe_cost(1, 1.0)
+    policy.observe_cost(9, 2.0)
+    parents = torch.full((8,), -1)
+    assert policy.keep_tree(parents) == 2
+    for _ in range(20):
+        policy.observe(Step(3, 1, 2, 0.0, 2.0, torch.tensor([-1, -1]), (1,)))  # rank 1 accepted, rank 0 not
+    assert policy.tree_rate(0, 1) > 0.9 and policy.tree_rate(0, 0) < 0.1
+    assert policy.keep_tree(parents) == 2  # rank 1 now pays alone, rank 0 is kept to reach it
+    assert policy.keep_tree(torch.tensor([-1, -1, 1, 1])) == 4  # and rank 1's children (prior) too

@@ -67,6 +67,8 @@ def decode(
             draft = drafter.propose(k, numbers) if k > 0 else Draft.empty()
             if draft.confidence is not None:
                 draft = draft.prefix(policy.keep(draft.confidence))
+            elif draft.is_tree:
+                draft = draft.prefix(policy.keep_tree(draft.parents))
             t_verify = perf_counter()
             if draft.is_tree:
                 verdict = verify_tree(target, pending, draft, params, numbers, tree_verifier)
