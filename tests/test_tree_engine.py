@@ -174,3 +174,20 @@ def test_tree_size_policy_keeps_the_nodes_that_pay():
     assert policy.tree_rate(0, 1) > 0.9 and policy.tree_rate(0, 0) < 0.1
     assert policy.keep_tree(parents) == 2  # rank 1 now pays alone, rank 0 is kept to reach it
     assert policy.keep_tree(torch.tensor([-1, -1, 1, 1])) == 4  # and rank 1's children (prior) too
+
+
+def test_check_broken_verifier_breaks_trees_too():
+    """`check --broken` passes BROKEN, whose tree rules accept the path of first children: greedy output
+    then differs from plain decoding's (the self-test of the identity check has something to catch)."""
+    from specsample.verify.check import BROKEN
+
+    model = tiny_llama(VOCAB, seed=3, init_scale=0.5)
+    target = make_target(loaded(model))
+    greedy = SamplingParams(temperature=0)
+    plain, _ = run(target, NoDrafter(), greedy, 0)
+    stats = Stats()
+    steps = engine.decode(
+        target, make_drafter("recycle", loaded(model), target), FixedK(8), PROMPT, greedy, max_new_tokens=40,
+        eos_token_ids=frozenset(), random=GeneratorSource(make_generator(0)), stats=stats, verifier=BROKEN,
+    )
+    assert [t for step in steps for t in step] != plain

@@ -48,7 +48,6 @@ def decode(
     random: RandomSource,
     stats: Stats,
     verifier: ChainVerifier = ChainVerifier(),
-    tree_verifier: TreeVerifier = TreeVerifier(),
 ) -> Iterator[list[int]]:
     """Yield the new tokens of each verification step until EOS or max_new_tokens."""
     check_lengths(target, prompt_ids.shape[0], max_new_tokens)
@@ -71,7 +70,7 @@ def decode(
                 draft = draft.prefix(policy.keep_tree(draft.parents))
             t_verify = perf_counter()
             if draft.is_tree:
-                verdict = verify_tree(target, pending, draft, params, numbers, tree_verifier)
+                verdict = verify_tree(target, pending, draft, params, numbers, verifier.tree)
             else:
                 verdict = verify(target, pending, draft, params, numbers, verifier)
             t_other = perf_counter()
