@@ -12,6 +12,12 @@ position (`random.at(produced)`), so a source whose numbers are keyed by
 output position (`sampling.CoupledSource`) gives every position the same
 numbers whatever the drafter and K; the engine never asks which source or
 which drafter it holds.
+
+A draft may be a tree (`Draft.parents`, drafted only for targets that declare
+`ScoresTrees`): the step scores [pending, nodes...] in one pass with tree
+attention, verifies with `verify.tree`, and keeps the accepted path's keys and
+values as the cache's next positions (`keep_path`). A draft that carries an
+`observe_logits` hook is shown the pass's logits.
 """
 
 from __future__ import annotations
@@ -23,11 +29,11 @@ import torch
 from torch import Tensor
 
 from specsample.drafters.base import Draft, Drafter
-from specsample.models.target import Target
+from specsample.models.target import ScoresTrees, Target
 from specsample.policy import KPolicy
 from specsample.sampling import RandomSource, SamplingParams
 from specsample.stats import Stats, Step
-from specsample.verify import ChainVerifier, Verdict
+from specsample.verify import ChainVerifier, TreeVerifier, Verdict
 
 
 def decode(
@@ -60,13 +66,20 @@ def decode(
             draft = drafter.propose(k, numbers) if k > 0 else Draft.empty()
             if draft.confidence is not None:
                 draft = draft.prefix(policy.keep(draft.confidence))
+            elif draft.is_tree:
+                draft = draft.prefix(policy.keep_tree(draft.parents))
             t_verify = perf_counter()
-            verdict = verify(target, pending, draft, params, numbers, verifier)
+            if draft.is_tree:
+                verdict = verify_tree(target, pending, draft, params, numbers, verifier.tree)
+            else:
+                verdict = verify(target, pending, draft, params, numbers, verifier)
             t_other = perf_counter()
-            emitted = draft.tokens[: verdict.accepted].tolist() + [verdict.next_token]
+            emitted = draft.tokens[verdict.nodes].tolist() + [verdict.next_token]
             drafter.observe(emitted)
             new = cut_at_eos(emitted, eos_token_ids)
-            step = Step(len(draft), verdict.accepted, len(new), t_verify - t_draft, t_other - t_verify)
+            step = Step(
+                len(draft), verdict.accepted, len(new), t_verify - t_draft, t_other - t_verify, draft.parents, verdict.path
+            )
             stats.record(step)
             policy.observe(step)
             stats.decode_seconds += perf_counter() - t_draft
@@ -91,8 +104,30 @@ def verify(
     position), and roll the cache back."""
     start = target.length
     logits = target.score(torch.cat([torch.tensor([pending]), draft.tokens]))  # [k + 1, vocab]
+    if draft.observe_logits is not None:
+        draft.observe_logits(logits)
     verdict = verifier(draft.tokens, draft.probs, logits, params, random)
     target.rollback(start + 1 + verdict.accepted)
+    return verdict
+
+
+def verify_tree(
+    target: ScoresTrees,
+    pending: int,
+    draft: Draft,
+    params: SamplingParams,
+    random: RandomSource,
+    verifier: TreeVerifier,
+) -> Verdict:
+    """Score the tree [pending, nodes] (pending the root) in one pass, verify it with `random`, and keep
+    the accepted path in the cache."""
+    start = target.length
+    parents = torch.cat([torch.tensor([-1]), draft.parents + 1])  # [n + 1]: node i is row i + 1
+    logits = target.score_tree(torch.cat([torch.tensor([pending]), draft.tokens]), parents)  # [n + 1, vocab]
+    if draft.observe_logits is not None:
+        draft.observe_logits(logits)
+    verdict = verifier(draft.tokens, draft.parents, draft.probs, logits, params, random)
+    target.keep_path(start, [0] + [node + 1 for node in verdict.path])
     return verdict
 
 

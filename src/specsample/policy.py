@@ -11,11 +11,13 @@ import numpy as np
 from torch import Tensor
 
 from specsample.stats import Step
+from specsample.tree import depths, reached
 
 
 CONFIDENCE_BINS = 10  # a drafter's confidence is calibrated per tenth of its range
 CALIBRATION_PRIOR = 4.0  # the drafter's own figure counts as this many observations
 COST_EVIDENCE_STEPS = 2  # drafting steps before the drafter's cheapest one bounds the optimism about its cost
+RANK_DECAY = 0.5  # a tree node's prior acceptance: prior_acceptance * RANK_DECAY ** (its sibling rank)
 
 
 class KPolicy(Protocol):
@@ -29,6 +31,10 @@ class KPolicy(Protocol):
 
     def keep(self, confidence: Tensor) -> int:
         """How many tokens of a draft to verify, given the drafter's confidence in each [k]."""
+        ...
+
+    def keep_tree(self, parents: Tensor) -> int:
+        """How many nodes of a point-mass tree draft to verify (a prefix: a tree), given its `parents` [n]."""
         ...
 
     def observe(self, step: Step) -> None:
@@ -67,6 +73,9 @@ class FixedK:
     def keep(self, confidence: Tensor) -> int:
         return len(confidence)
 
+    def keep_tree(self, parents: Tensor) -> int:
+        return len(parents)
+
     def observe(self, step: Step) -> None:
         pass
 
@@ -93,6 +102,9 @@ class HeuristicK:
 
     def keep(self, confidence: Tensor) -> int:
         return len(confidence)
+
+    def keep_tree(self, parents: Tensor) -> int:
+        return len(parents)
 
     def observe(self, step: Step) -> None:
         if step.drafted == 0:
@@ -136,6 +148,15 @@ class CostModelK:
     drafter's own figure worth `CALIBRATION_PRIOR` observations, since a drafter
     close to the target (its own int8 copy) is accepted far more often than its
     own probabilities say.
+
+    Tree drafts (`Draft.parents`): K is the node budget, and the prefix of the
+    tree that is verified (`keep_tree`) is the one with the most expected tokens
+    per second of verification: node i is accepted with probability the product,
+    over its path, of the acceptance measured at each node's depth and sibling
+    rank (`tree_reached`, `tree_accepted`, decayed like the counts above, from a
+    prior of `prior_acceptance` times RANK_DECAY per rank), and n nodes cost
+    f(1 + n). Which nodes are verified then depends on the tree's shape, never
+    on a draw, so a point-mass tree stays exact.
     """
 
     def __init__(
@@ -170,6 +191,8 @@ class CostModelK:
         self.confidence_reached = np.zeros(CONFIDENCE_BINS)
         self.confidence_accepted = np.zeros(CONFIDENCE_BINS)
         self.kept_confidence: np.ndarray | None = None  # [n] of the draft prefix now being verified
+        self.tree_reached: dict[tuple[int, int], float] = {}  # (depth, rank) -> decayed tree nodes reached there
+        self.tree_accepted: dict[tuple[int, int], float] = {}  # of them accepted
         self.k = k_max
         self.begin()
 
@@ -200,6 +223,40 @@ class CostModelK:
         self.kept_confidence = raw[:n]
         return n
 
+    def keep_tree(self, parents: Tensor) -> int:
+        """The prefix of the tree with the most expected tokens per second of its verification pass."""
+        if not len(parents):
+            return 0
+        accepted = self.node_acceptance(parents)  # [n] P(node i is accepted)
+        tokens = 1 + np.concatenate([[0.0], np.cumsum(accepted)])  # [n + 1] with the first n nodes
+        seconds = self.target_seconds(np.arange(1.0, len(parents) + 2))  # [n + 1] f(1 + n)
+        return int(np.argmax(tokens / seconds))
+
+    def node_acceptance(self, parents: Tensor) -> np.ndarray:
+        """[n] P(node i is accepted): the product over its path of the acceptance at (depth, rank)."""
+        through: list[float] = []
+        ranks: dict[int, int] = {}  # parent -> children so far
+        for depth, parent in zip(depths(parents).tolist(), parents.tolist()):
+            rank = ranks[parent] = ranks.get(parent, -1) + 1
+            above = 1.0 if parent < 0 else through[parent]
+            through.append(above * self.tree_rate(depth, rank))
+        return np.array(through)
+
+    def tree_rate(self, depth: int, rank: int) -> float:
+        """P(a node at (depth, rank) is accepted | its parent is), measured, shrunk toward the prior."""
+        prior = self.prior_acceptance * RANK_DECAY**rank
+        reached, accepted = self.tree_reached.get((depth, rank), 0.0), self.tree_accepted.get((depth, rank), 0.0)
+        return (accepted + self.prior_weight * prior) / (reached + self.prior_weight)
+
+    def observe_tree(self, step: Step) -> None:
+        """Count the tree nodes the step's verification reached, and accepted, by depth and rank."""
+        for key in self.tree_reached:
+            self.tree_reached[key] *= self.decay
+            self.tree_accepted[key] *= self.decay
+        for depth, rank, accepted in reached(step.parents, step.path or ()):
+            self.tree_reached[depth, rank] = self.tree_reached.get((depth, rank), 0.0) + 1
+            self.tree_accepted[depth, rank] = self.tree_accepted.get((depth, rank), 0.0) + accepted
+
     def calibrated(self, confidence: np.ndarray) -> np.ndarray:
         """The acceptance rate measured at these confidences [k], shrunk toward them."""
         bins = confidence_bins(confidence)
@@ -208,6 +265,8 @@ class CostModelK:
 
     def observe(self, step: Step) -> None:
         self.observe_confidence(step)
+        if step.parents is not None:
+            self.observe_tree(step)
         self.observe_cost(step.drafted + 1, step.verify_seconds)
         self.scale_counts(self.decay if self.k else self.idle_decay)
         if self.k == 0:

@@ -5,11 +5,19 @@
   bonus token included (plain decoding scores 1.0).
 - acceptance by draft position: of the drafts that reached position i, the
   fraction whose token i was accepted.
+- of tree drafts (`tree`, only when some step drafted a tree): the tree size,
+  the accepted depth, and the acceptance by depth and sibling rank: of the
+  nodes verification reached (children of the root or of an accepted node) at
+  depth d with rank r (the parent's (r + 1)-th child), the fraction accepted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from specsample.tree import reached
 
 
 @dataclass(frozen=True)
@@ -19,6 +27,8 @@ class Step:
     emitted: int  # tokens emitted (accepted + 1, less any cut at EOS or a limit)
     draft_seconds: float
     verify_seconds: float
+    parents: Tensor | None = None  # a tree draft's parent array, None for a chain
+    path: tuple[int, ...] | None = None  # a tree draft's accepted nodes
 
 
 @dataclass
@@ -37,6 +47,11 @@ class Stats:
     drafted_at: list[int] = field(default_factory=list)  # drafts reaching position i
     accepted_at: list[int] = field(default_factory=list)  # of them, accepted at position i
     policy: dict = field(default_factory=dict)  # the K policy's estimates as the request ended
+    tree_steps: int = 0  # steps that verified a tree draft
+    tree_nodes: int = 0  # their nodes
+    tree_depth: int = 0  # their accepted depths, summed
+    reached_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (depth, rank) -> nodes reached
+    accepted_in_tree: dict[tuple[int, int], int] = field(default_factory=dict)  # of them accepted
 
     def record(self, step: Step) -> None:
         self.steps += 1
@@ -52,6 +67,27 @@ class Stats:
         for i in range(step.drafted):
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < step.accepted
+        if step.parents is not None:
+            self.record_tree(step.parents, step.path or ())
+
+    def record_tree(self, parents: Tensor, path: tuple[int, ...]) -> None:
+        self.tree_steps += 1
+        self.tree_nodes += parents.shape[0]
+        self.tree_depth += len(path)
+        for depth, rank, accepted in reached(parents, path):
+            self.reached_at[depth, rank] = self.reached_at.get((depth, rank), 0) + 1
+            self.accepted_in_tree[depth, rank] = self.accepted_in_tree.get((depth, rank), 0) + accepted
+
+    def tree_dict(self) -> dict:
+        """Tree size, accepted depth and acceptance by "depth,rank" of the tree steps."""
+        return {
+            "steps": self.tree_steps,
+            "mean_nodes": self.tree_nodes / self.tree_steps,
+            "mean_accepted_depth": self.tree_depth / self.tree_steps,
+            "acceptance_by_depth_rank": {
+                f"{d},{r}": self.accepted_in_tree[d, r] / n for (d, r), n in sorted(self.reached_at.items())
+            },
+        }
 
     @property
     def acceptance_rate(self) -> float:
@@ -92,4 +128,5 @@ class Stats:
             "verify_seconds": self.verify_seconds,
             "other_seconds": self.other_seconds,
             "policy": self.policy,
+            **({"tree": self.tree_dict()} if self.tree_steps else {}),
         }

@@ -40,3 +40,32 @@ def visibility(parents: Tensor) -> Tensor:
         if parent >= 0:
             seen[t] |= seen[parent]
     return seen
+
+
+def trie(sequences: list[list[int]]) -> tuple[list[int], list[int]]:
+    """The tree (tokens, parents) of the prefixes of `sequences`: shared prefixes merged, the first
+    sequence's tokens first, a token's first-seen siblings before later ones."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for sequence in sequences:
+        parent = -1
+        for token in sequence:
+            if (parent, token) not in index:
+                index[parent, token] = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+            parent = index[parent, token]
+    return tokens, parents
+
+
+def reached(parents: Tensor, path: tuple[int, ...]) -> list[tuple[int, int, bool]]:
+    """(depth, sibling rank, accepted) of each node that a verification accepting `path` (root first) reached:
+    the children of the root and of the accepted nodes. Rank r: the node is its parent's (r + 1)-th child."""
+    children = children_of(parents)
+    rows = [0] + [node + 1 for node in path]
+    return [
+        (depth, rank, depth < len(path) and path[depth] == child)
+        for depth, row in enumerate(rows)
+        for rank, child in enumerate(children[row])
+    ]

@@ -238,6 +238,9 @@ class ChoiceCounter:
     def keep(self, confidence) -> int:
         return self.policy.keep(confidence)
 
+    def keep_tree(self, parents) -> int:
+        return self.policy.keep_tree(parents)
+
     def observe(self, step) -> None:
         self.policy.observe(step)
 

@@ -16,13 +16,14 @@ from specsample.drafters.draft_model import DraftModelDrafter
 from specsample.drafters.fallback import FallbackDrafter, check_lookup
 from specsample.drafters.head import HeadDrafter, shipped_head_dir
 from specsample.drafters.layerskip import LayerSkipDrafter
-from specsample.drafters.ngram import NgramDrafter
+from specsample.drafters.ngram import NgramDrafter, NgramTreeDrafter
 from specsample.drafters.none import NoDrafter
 from specsample.drafters.quantized import quantized_drafter
-from specsample.drafters.suffix import SuffixDrafter
+from specsample.drafters.recycle import RecycleChainDrafter, RecycleDrafter
+from specsample.drafters.suffix import SuffixDrafter, SuffixTreeDrafter
 from specsample.models import LoadedModel, Target, load_target
 from specsample.models.loading import with_weights
-from specsample.models.target import RecordsFeatures, RunsLayerSubsets, require
+from specsample.models.target import RecordsFeatures, RunsLayerSubsets, ScoresTrees, require
 
 # A factory builds a drafter for a loaded target model and its Target backend.
 DrafterFactory = Callable[[LoadedModel, Target], Drafter]
@@ -48,12 +49,23 @@ REGISTRY: dict[str, DrafterFactory] = {
     "suffix": lambda model, target: SuffixDrafter(),
     "layerskip": layerskip_drafter,
     "quantized": quantized_drafter,
+    # tree drafters (verify/tree.py), for targets that score a tree in one pass
+    "recycle": lambda model, target: trees(target, "recycle", RecycleDrafter),
+    "recycle-chain": lambda model, target: trees(target, "recycle-chain", RecycleChainDrafter),
+    "ngram-tree": lambda model, target: trees(target, "ngram-tree", NgramTreeDrafter),
+    "suffix-tree": lambda model, target: trees(target, "suffix-tree", SuffixTreeDrafter),
 }
 
 # Drafters that load their weights from a directory: `--drafter NAME:PATH`.
 PATH_REGISTRY: dict[str, Callable[[LoadedModel, Target, str], Drafter]] = {
     "head": head_drafter,
 }
+
+
+def trees(target: Target, name: str, make: Callable[[], Drafter]) -> Drafter:
+    """A tree drafter, if the target scores trees (`ScoresTrees`); else a one-line error."""
+    require(target, ScoresTrees, f"the {name} drafter (it drafts trees)")
+    return make()
 
 
 def require_features(target: Target) -> Target:
@@ -98,4 +110,7 @@ def check_same_vocabulary(target: LoadedModel, target_backend: Target, draft: Lo
         )
 
 
-__all__ = ["Draft", "Drafter", "DraftModelDrafter", "FallbackDrafter", "NgramDrafter", "NoDrafter", "REGISTRY", "SuffixDrafter", "make_drafter"]
+__all__ = [
+    "Draft", "Drafter", "DraftModelDrafter", "FallbackDrafter", "NgramDrafter", "NgramTreeDrafter", "NoDrafter",
+    "REGISTRY", "RecycleDrafter", "SuffixDrafter", "SuffixTreeDrafter", "make_drafter",
+]

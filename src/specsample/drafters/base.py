@@ -56,6 +56,14 @@ class Draft:
     def empty() -> "Draft":
         return Draft(torch.empty(0, dtype=torch.long), None)
 
+    @staticmethod
+    def tree(
+        tokens: list[int], parents: list[int], observe_logits: Callable[[Tensor], None] | None = None
+    ) -> "Draft":
+        """A tree of point masses: `tokens` [n] with `parents` [n] (`specsample.tree`)."""
+        as_long = lambda values: torch.tensor(values, dtype=torch.long)
+        return Draft(as_long(tokens), None, parents=as_long(parents), observe_logits=observe_logits)
+
     def prefix(self, n: int) -> "Draft":
         """The first n tokens of the draft."""
         def cut(t: Tensor | None) -> Tensor | None:

@@ -17,6 +17,9 @@ from torch import Tensor
 
 from specsample.drafters.base import Draft
 from specsample.sampling import RandomSource, SamplingParams
+from specsample.tree import trie
+
+BRANCHES = 4  # earlier matches a tree drafts the continuations of
 
 
 class LookupDrafter:
@@ -82,3 +85,38 @@ def copy_from(tokens: list[int], start: int, k: int) -> list[int]:
     for i in range(start, start + k):
         out.append(tokens[i] if i < length else out[i - length])
     return out
+
+
+class NgramTreeDrafter(NgramDrafter):
+    """`ngram` drafting a tree: the continuations of up to `branches` earlier occurrences of the longest
+    matching suffix (the latest first, which gets half of the k nodes), merged where they agree."""
+
+    def __init__(self, max_n: int = 4, min_n: int = 1, branches: int = BRANCHES) -> None:
+        super().__init__(max_n, min_n)
+        self.branches = branches
+        self.starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> where its latest continuations start
+
+    def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
+        self.starts = {}
+        super().begin(prompt_ids, params)
+
+    def extend(self, new: list[int]) -> None:
+        end = len(self.tokens)
+        super().extend(new)
+        for start in range(end, len(self.tokens)):
+            for n in range(self.min_n, min(self.max_n, start) + 1):
+                starts = self.starts.setdefault(tuple(self.tokens[start - n : start]), [])
+                starts.append(start)
+                del starts[: -self.branches]
+
+    def propose(self, k: int, random: RandomSource) -> Draft:
+        for n in range(min(self.max_n, len(self.tokens)), self.min_n - 1, -1):
+            starts = self.starts.get(tuple(self.tokens[-n:]))
+            if starts:
+                latest, *others = starts[::-1]
+                first = max(1, k // 2) if others else k
+                rest = max(1, (k - first) // max(1, len(others)))
+                continuations = [self.copy(latest, first)] + [self.copy(s, rest) for s in others]
+                tokens, parents = trie(continuations)
+                return Draft.tree(tokens[:k], parents[:k])
+        return Draft.tree([], [])

@@ -20,12 +20,14 @@ The proposal is a point mass (no probabilities), verified exactly at any tempera
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 
 from torch import Tensor
 
+from specsample.drafters.base import Draft
 from specsample.drafters.ngram import LookupDrafter
-from specsample.sampling import SamplingParams
+from specsample.sampling import RandomSource, SamplingParams
 
 
 class Node:
@@ -92,6 +94,32 @@ class SuffixTree:
             node = child
         return out
 
+    def speculation_tree(
+        self, node: Node, limit: int, max_depth: int, min_probability: float
+    ) -> tuple[list[int], list[int]]:
+        """SuffixDecoding's speculation tree below `node`: (tokens, parents) of up to `limit` nodes, added
+        best first by the empirical probability of their path (ties: the most recent), each of
+        probability at least `min_probability` and depth below `max_depth`."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        heap: list[tuple[float, int, int, int, Node, int]] = []  # (-probability, -last, order, token, node, parent)
+
+        def push(above: Node, index: int, probability: float, depth: int) -> None:
+            for token, child in above.children.items() if depth < max_depth else ():
+                p = probability * child.count / above.count
+                if p >= min_probability:
+                    heapq.heappush(heap, (-p, -child.last, len(heap) + len(tokens), token, child, index))
+
+        push(node, -1, 1.0, 0)
+        depth = [0]  # of the nodes added, by index + 1 (the root's children at 0)
+        while heap and len(tokens) < limit:
+            probability, _, _, token, child, parent = heapq.heappop(heap)
+            tokens.append(token)
+            parents.append(parent)
+            depth.append(depth[parent + 1] + 1)
+            push(child, len(tokens) - 1, -probability, depth[-1])
+        return tokens, parents
+
 
 class SuffixDrafter(LookupDrafter):
     def __init__(
@@ -118,12 +146,17 @@ class SuffixDrafter(LookupDrafter):
 
     def lookup(self, k: int) -> list[int]:
         """The most frequent continuation of the longest suffix that occurred before with one."""
+        node, depth = self.matched()
+        return [] if node is None else self.tree.continuation(node, min(k, depth), self.min_probability)
+
+    def matched(self) -> tuple[Node | None, int]:
+        """The node of the longest suffix that occurred before with a continuation, and how deep to draft
+        below it (`growth` times the match length); None where no suffix did."""
         for match in range(min(self.max_match, len(self.active)), 0, -1):
             node = self.active[match - 1]
             if node.children:
-                limit = min(k, max(1, int(self.growth * match)))
-                return self.tree.continuation(node, limit, self.min_probability)
-        return []
+                return node, max(1, int(self.growth * match))
+        return None, 0
 
     def extend(self, new: list[int]) -> None:
         for token in new:
@@ -147,6 +180,17 @@ class SuffixDrafter(LookupDrafter):
         """A drafter for another request decoded at the same time (`base.Forks`): its own context,
         this one's tree and history, so each learns from the requests the others finished. A fork
         files its request under the shared history when it begins the next one."""
-        fork = SuffixDrafter(self.tree.depth, self.max_match, self.growth, self.min_probability, self.history_tokens)
+        fork = type(self)(self.tree.depth, self.max_match, self.growth, self.min_probability, self.history_tokens)
         fork.tree, fork.history = self.tree, self.history
         return fork
+
+
+class SuffixTreeDrafter(SuffixDrafter):
+    """`suffix` drafting SuffixDecoding's speculation tree (several continuations of the matched suffix,
+    the most frequent first) instead of its single most frequent one: up to k nodes."""
+
+    def propose(self, k: int, random: RandomSource) -> Draft:
+        node, depth = self.matched()
+        if node is None:
+            return Draft.tree([], [])
+        return Draft.tree(*self.tree.speculation_tree(node, k, depth, self.min_probability))

@@ -2,7 +2,8 @@
 
 Used for architectures the fast Llama backend does not cover. Rollback crops
 the cache, which slices views of the key/value tensors rather than copying.
-It keeps per-position features for a draft head (`RecordsFeatures`).
+It keeps per-position features for a draft head (`RecordsFeatures`), and scores
+trees (`ScoresTrees`) with a 4D attention mask and each token's position ids.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 from specsample.models.target import FeatureStore, normalized
+from specsample.tree import depths, visibility
 
 
 class TransformersTarget:
@@ -39,6 +41,32 @@ class TransformersTarget:
     @torch.inference_mode()
     def score(self, token_ids: Tensor) -> Tensor:
         return self._forward(token_ids, logits_to_keep=0)[0].float()  # [n, vocab]
+
+    @torch.inference_mode()
+    def score_tree(self, token_ids: Tensor, parents: Tensor) -> Tensor:
+        """Append a tree of tokens [n] with `parents` [n] (`target.ScoresTrees`); logits [n, vocab]: a mask
+        [1, 1, n, length + n] lets each see the cache, its ancestors and itself, at position length + depth."""
+        start, n = self.length, token_ids.shape[0]
+        seen = torch.ones(n, start + n, dtype=torch.bool)
+        seen[:, start:] = visibility(parents)
+        mask = torch.zeros(1, 1, n, start + n, dtype=self.model.dtype)
+        mask.masked_fill_(~seen, torch.finfo(self.model.dtype).min)
+        out = self.model(
+            input_ids=token_ids[None], past_key_values=self.cache, use_cache=True, attention_mask=mask,
+            position_ids=(start + depths(parents))[None],
+        )
+        self._features.truncate(start)  # a tree's positions are not the text's
+        return out.logits[0].float()  # [n, vocab]
+
+    @torch.inference_mode()
+    def keep_path(self, start: int, nodes: Sequence[int]) -> None:
+        """Keep tree tokens `nodes` as positions start.. (`target.ScoresTrees`): their keys and values move."""
+        source = start + torch.as_tensor(list(nodes), dtype=torch.long)
+        target = torch.arange(start, start + source.shape[0])
+        for layer in self.cache.layers:
+            layer.keys[:, :, target] = layer.keys[:, :, source]
+            layer.values[:, :, target] = layer.values[:, :, source]
+        self.rollback(start + source.shape[0])
 
     def rollback(self, length: int) -> None:
         if length < self.length:

@@ -274,17 +274,19 @@ class LlamaTarget:
     def keep_path(self, start: int, nodes: Sequence[int]) -> None:
         """Keep tree tokens `nodes` as positions start.. (`target.ScoresTrees`): only rows that move are copied."""
         nodes = torch.as_tensor(list(nodes), dtype=torch.long)
-        source, target = start + nodes, torch.arange(start, start + nodes.shape[0])
-        moving = source != target
-        if moving.any():
-            source, target = source[moving], target[moving]
-            if self.kernels:  # keys [layers, kv_heads, dim, cap]
-                self.k_cache[..., target] = self.k_cache[..., source]
-            else:
-                self.k_cache[:, :, target] = self.k_cache[:, :, source]
-            self.v_cache[:, :, target] = self.v_cache[:, :, source]
+        for i, node in enumerate(nodes.tolist()):  # slot start + i is never a later node's (nodes increase)
+            if node != i:
+                self._move_position(start + node, start + i)
         self._features.keep(start, nodes)
         self.rollback(start + nodes.shape[0])
+
+    def _move_position(self, source: int, target: int) -> None:
+        """Copy the keys and values of cache slot `source` to slot `target`, in every layer and head."""
+        if self.kernels:  # keys [layers, kv_heads, dim, cap]
+            self.k_cache[..., target].copy_(self.k_cache[..., source])
+        else:
+            self.k_cache[:, :, target].copy_(self.k_cache[:, :, source])
+        self.v_cache[:, :, target].copy_(self.v_cache[:, :, source])
 
     def rollback(self, length: int) -> None:
         """Keep the first `length` positions of the cache."""

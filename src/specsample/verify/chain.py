@@ -28,6 +28,7 @@ from torch import Tensor
 
 from specsample.sampling import RandomSource, SamplingParams, probs_from_logits, sample
 from specsample.verify.coupled import coupled_verify
+from specsample.verify.tree import TreeVerifier
 from specsample.verify.verdict import Verdict, leading_true, match_tokens
 
 
@@ -73,11 +74,13 @@ class ChainVerifier:
     else, over the target_probs of the request's sampling transform, the rule its `RandomSource`
     picks: `sample` (modified rejection sampling) for independent draws from a generator,
     `coupled` (token comparison, `verify.coupled`) for numbers keyed by output position. The engine
-    takes one as an argument, so a check can pass a verifier broken on purpose (`verify.check.BROKEN`)."""
+    takes one as an argument, so a check can pass a verifier broken on purpose (`verify.check.BROKEN`);
+    `tree` verifies tree drafts under the same rules (`verify.tree`)."""
 
     sample: Callable[[Tensor, Tensor | None, Tensor, torch.Generator], Verdict] = rejection_sample
     coupled: Callable[[Tensor, Tensor, Tensor], Verdict] = coupled_verify
     greedy: Callable[[Tensor, Tensor], Verdict] = greedy_verify
+    tree: TreeVerifier = TreeVerifier()
 
     def __call__(
         self,

@@ -54,7 +54,9 @@ from specsample.sampling import (
     CoupledSource, GeneratorSource, RandomSource, SamplingParams, gumbel_max, probs_from_logits, sample,
 )
 from specsample.stats import Stats
+from specsample.tree import children_of
 from specsample.verify.chain import ChainVerifier, Verdict
+from specsample.verify.tree import TreeVerifier
 
 ALPHA = 1e-3
 CONTEXTS = (
@@ -278,8 +280,39 @@ def accept_all_coupled(draft_tokens: Tensor, target_probs: Tensor, noise: Tensor
     return Verdict(k, int(gumbel_max(target_probs[k], noise[k])))
 
 
-# the `check --broken` self-test, broken in every mode
-BROKEN = ChainVerifier(sample=accept_all, coupled=accept_all_coupled, greedy=accept_all_greedy)
+def first_children(parents: Tensor) -> tuple[tuple[int, ...], int]:
+    """The path down a tree through every node's first child, and the target's row after it: what the
+    broken tree verifiers accept."""
+    children, path, row = children_of(parents), [], 0
+    while children[row]:
+        path.append(children[row][0])
+        row = path[-1] + 1
+    return tuple(path), row
+
+
+def accept_first_tree(draft_tokens, parents, draft_probs, target_probs, generator) -> Verdict:
+    """A broken tree sampler: accepts the path of first children, then draws the bonus token."""
+    path, row = first_children(parents)
+    return Verdict(len(path), sample(target_probs[row], generator), path)
+
+
+def accept_first_tree_greedy(draft_tokens, parents, target_logits) -> Verdict:
+    """A broken greedy tree verifier: accepts the path of first children, then the target's argmax."""
+    path, row = first_children(parents)
+    return Verdict(len(path), int(target_logits[row].argmax()), path)
+
+
+def accept_first_tree_coupled(draft_tokens, parents, target_probs, noise) -> Verdict:
+    """A broken coupled tree verifier: accepts the path of first children, then the coupled token after it."""
+    path, row = first_children(parents)
+    return Verdict(len(path), int(gumbel_max(target_probs[row], noise(len(path)))), path)
+
+
+# the `check --broken` self-test, broken in every mode, for chains and trees
+BROKEN = ChainVerifier(
+    sample=accept_all, coupled=accept_all_coupled, greedy=accept_all_greedy,
+    tree=TreeVerifier(sample=accept_first_tree, coupled=accept_first_tree_coupled, greedy=accept_first_tree_greedy),
+)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,193 @@
+"""The engine over tree drafts: greedy output token-identical to plain decoding for every tree
+drafter (a tiny model on the C++ kernels and on torch ops, and the bundled model on its GGUF blocks),
+seeded output identical to plain decoding's with the seed, the verification logits shown to the
+drafter that asks for them, and a backend without tree attention refusing a tree drafter in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specsample.engine as engine
+from specsample.drafters import NoDrafter, make_drafter
+from specsample.drafters.base import Draft
+from specsample.drafters.recycle import RecycleDrafter, template
+from specsample.drafters.suffix import SuffixTreeDrafter
+from specsample.models import TransformersTarget, make_target
+from specsample.models.loading import LoadedModel
+from specsample.policy import CostModelK, FixedK
+from specsample.sampling import CoupledSource, GeneratorSource, SamplingParams, make_generator
+from specsample.stats import Stats
+
+from conftest import tiny_llama
+from test_llama_backend import packed  # noqa: F401  (a fixture: kernels, then torch ops)
+
+TREE_DRAFTERS = ["recycle", "recycle-chain", "suffix-tree", "ngram-tree"]
+VOCAB = 64
+# a prompt that repeats, so the lookup drafters find matches
+PROMPT = torch.tensor([5, 9, 13, 2, 7, 5, 9, 13, 2, 7, 5, 9, 13, 2, 8, 30, 31, 5, 9])
+
+
+def loaded(model) -> LoadedModel:
+    return LoadedModel(model, None, "tiny", frozenset(), 0.0)
+
+
+def run(target, drafter, params, k, random=None, new: int = 40, prompt=PROMPT) -> tuple[list[int], Stats]:
+    """Decode with K = k, or with the policy k."""
+    stats = Stats()
+    steps = engine.decode(
+        target, drafter, FixedK(k) if isinstance(k, int) else k, prompt, params, max_new_tokens=new, eos_token_ids=frozenset(),
+        random=random or GeneratorSource(make_generator(0)), stats=stats,
+    )
+    return [t for step in steps for t in step], stats
+
+
+@pytest.mark.parametrize("name", TREE_DRAFTERS)
+def test_greedy_tree_drafters_are_token_identical(name, packed):
+    model = tiny_llama(VOCAB, seed=3, init_scale=0.5)
+    target = make_target(loaded(model))
+    greedy = SamplingParams(temperature=0)
+    plain, _ = run(target, NoDrafter(), greedy, 0)
+    drafter = make_drafter(name, loaded(model), target)
+    for k in (3, 12):
+        out, stats = run(target, drafter, greedy, k)
+        assert out == plain, (name, k)
+        assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0, (name, k)
+    out, _ = run(target, drafter, greedy, CostModelK())  # trees cut by the tree-size policy
+    assert out == plain, (name, "auto")
+
+
+@pytest.mark.parametrize("name", ["recycle", "suffix-tree"])
+def test_seeded_tree_drafters_give_plain_decoding_text(name):
+    model = tiny_llama(VOCAB, seed=3, init_scale=0.5)
+    target = make_target(loaded(model))
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    drafter = make_drafter(name, loaded(model), target)
+    accepted = 0
+    for seed in range(4):
+        plain, _ = run(target, NoDrafter(), params, 0, CoupledSource(seed))
+        out, stats = run(target, drafter, params, 8, CoupledSource(seed))
+        assert out == plain, (name, seed)
+        accepted += stats.accepted_tokens
+    assert accepted > 0
+
+
+def test_recycle_learns_from_the_verification_logits():
+    """The table is filled from the passes' logits only: empty at first, then the target's top tokens."""
+    model = tiny_llama(VOCAB, seed=3, init_scale=0.5)
+    target = make_target(loaded(model))
+    drafter = RecycleDrafter()
+    drafter.begin(PROMPT, SamplingParams(temperature=0))
+    draft = drafter.propose(8, GeneratorSource(make_generator(0)))
+    assert len(draft) == 0 and draft.is_tree and draft.observe_logits is not None
+    run(target, drafter, SamplingParams(temperature=0), 8, new=2)  # one tree step (an empty tree), one plain
+    target.prefill(PROMPT[:-1])
+    logits = target.score(PROMPT[-1:])[0]
+    assert drafter.next[int(PROMPT[-1])] == logits.topk(drafter.width).indices.tolist()
+
+
+def test_recycle_template_is_a_fixed_tree():
+    nodes = template(16, 4)
+    assert len(nodes) == 16 and all(parent < i for i, (parent, _) in enumerate(nodes))
+    assert [rank for parent, rank in nodes if parent == -1] == [0, 1, 2, 3]
+
+
+def test_suffix_tree_drafts_several_continuations():
+    drafter = SuffixTreeDrafter()
+    drafter.begin(torch.tensor([7, 1, 2, 3, 4, 7, 1, 2, 3, 5, 9, 7, 1, 2, 3, 4, 8, 7, 1, 2]), SamplingParams())
+    draft = drafter.propose(12, GeneratorSource(make_generator(0)))
+    tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
+    assert tokens[:2] == [3, 4] and parents[:2] == [-1, 0]  # after "7 1 2": 3, then most often 4
+    children_of_3 = [tokens[i] for i, p in enumerate(parents) if p == 0]
+    assert children_of_3 == [4, 5]  # then 4 (twice) before 5 (once)
+
+
+def test_backend_without_trees_refuses_a_tree_drafter():
+    """A backend that does not declare ScoresTrees (llama.cpp's) gets a one-line error."""
+
+    class ChainOnly:  # a Target that scores chains only, as LlamaCppTarget
+        vocab_size, max_length, length = VOCAB, 128, 0
+
+    with pytest.raises(ValueError, match="scores a tree of tokens in one pass") as error:
+        make_drafter("recycle", loaded(tiny_llama(VOCAB, seed=3)), ChainOnly())
+    assert "\n" not in str(error.value) and "ChainOnly" in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["recycle", "suffix-tree"])
+def test_transformers_backend_trees_are_token_identical(name):
+    """The transformers backend scores trees with a 4D mask: greedy output as plain decoding's."""
+    model = tiny_llama(VOCAB, seed=3, init_scale=0.5)
+    target = TransformersTarget(model)
+    greedy = SamplingParams(temperature=0)
+    plain, _ = run(target, NoDrafter(), greedy, 0)
+    out, stats = run(target, make_drafter(name, loaded(model), target), greedy, 12)
+    assert out == plain and stats.accepted_tokens > 0
+
+
+def test_a_chain_draft_stays_a_chain():
+    draft = Draft(torch.tensor([4, 5]), None)
+    assert not draft.is_tree and draft.parent_array().tolist() == [-1, 0]
+
+
+def test_bundled_model_greedy_tree_drafters_are_token_identical():
+    """The real model on its GGUF blocks, 32 new tokens: every tree drafter gives plain decoding's tokens."""
+    from specsample.models import load_target
+
+    model, target = load_target(None, "gguf")
+    ids = torch.tensor(model.tokenizer("Repeat after me: the quick brown fox jumps over the lazy dog. "
+                                       "The quick brown fox jumps over the lazy dog. The quick").input_ids)
+    greedy = SamplingParams(temperature=0)
+    plain, _ = run(target, NoDrafter(), greedy, 0, new=32, prompt=ids)
+    for name in TREE_DRAFTERS:
+        out, stats = run(target, make_drafter(name, model, target), greedy, 10, new=32, prompt=ids)
+        assert out == plain, name
+        assert stats.accepted_tokens > 0, name
+
+
+def test_stats_by_depth_and_rank():
+    from specsample.stats import Step
+
+    stats = Stats()
+    parents = torch.tensor([-1, -1, 0, 0, 2])
+    stats.record(Step(5, 2, 3, 0.0, 0.0, parents, (0, 3)))  # accepted node 0 (rank 0), then node 3 (rank 1)
+    stats.record(Step(5, 0, 1, 0.0, 0.0, parents, ()))
+    tree = stats.to_dict()["tree"]
+    assert tree["mean_nodes"] == 5 and tree["mean_accepted_depth"] == 1
+    # depth 0: rank 0 reached twice, accepted once; rank 1 reached twice, never; depth 1: both reached once
+    assert tree["acceptance_by_depth_rank"] == {"0,0": 0.5, "0,1": 0.0, "1,0": 0.0, "1,1": 1.0}
+    assert "tree" not in Stats().to_dict()
+
+
+def test_tree_size_policy_keeps_the_nodes_that_pay():
+    """Eight children of the root, priors 0.7 / 2**rank, f(n) = 1 + (n - 1) / 8: tokens per second
+    1, 1.51, 1.64, 1.62, ... for 0, 1, 2, 3 nodes, so two are kept; once rank 1 and 2 are measured
+    always accepted, more are."""
+    from specsample.stats import Step
+
+    policy = CostModelK()
+    policy.observe_cost(1, 1.0)
+    policy.observe_cost(9, 2.0)
+    parents = torch.full((8,), -1)
+    assert policy.keep_tree(parents) == 2
+    for _ in range(20):
+        policy.observe(Step(3, 1, 2, 0.0, 2.0, torch.tensor([-1, -1]), (1,)))  # rank 1 accepted, rank 0 not
+    assert policy.tree_rate(0, 1) > 0.9 and policy.tree_rate(0, 0) < 0.1
+    assert policy.keep_tree(parents) == 2  # rank 1 now pays alone, rank 0 is kept to reach it
+    assert policy.keep_tree(torch.tensor([-1, -1, 1, 1])) == 4  # and rank 1's children (prior) too
+
+
+def test_check_broken_verifier_breaks_trees_too():
+    """`check --broken` passes BROKEN, whose tree rules accept the path of first children: greedy output
+    then differs from plain decoding's (the self-test of the identity check has something to catch)."""
+    from specsample.verify.check import BROKEN
+
+    model = tiny_llama(VOCAB, seed=3, init_scale=0.5)
+    target = make_target(loaded(model))
+    greedy = SamplingParams(temperature=0)
+    plain, _ = run(target, NoDrafter(), greedy, 0)
+    stats = Stats()
+    steps = engine.decode(
+        target, make_drafter("recycle", loaded(model), target), FixedK(8), PROMPT, greedy, max_new_tokens=40,
+        eos_token_ids=frozenset(), random=GeneratorSource(make_generator(0)), stats=stats, verifier=BROKEN,
+    )
+    assert [t for step in steps for t in step] != plain
