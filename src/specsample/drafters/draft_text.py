@@ -29,9 +29,12 @@ class DraftText:
         self.ids: list[int] = []  # the draft model's tokens: the text's encoding, then the tokens drafted
 
     def begin(self, prompt_ids: list[int]) -> None:
+        """Start on the prompt: its text's encoding, all but the last token prefilled (as the target's),
+        so that the first draft costs what the later ones do."""
         self.target_ids = list(prompt_ids)
-        self.ids = []
-        self.model.prefill(torch.empty(0, dtype=torch.long))
+        ids = self.encoding()
+        self.ids = ids if len(ids) <= self.model.max_length else []  # too long a prompt: no draft (`sync`)
+        self.model.prefill(torch.tensor(self.ids[:-1], dtype=torch.long))
 
     def observe(self, tokens: list[int]) -> None:
         self.target_ids += tokens
@@ -40,15 +43,19 @@ class DraftText:
         """Encode the text for the draft model and roll its cache back to the tokens it still holds;
         False when there is nothing to draft from (the text ends inside a character, or k more
         tokens would not fit the draft model's context)."""
-        text = self.target_tokenizer.decode(self.target_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        if not text or text.endswith("\ufffd"):
-            return False
-        ids = self.draft_tokenizer.encode(text, add_special_tokens=True)
-        if len(ids) + k > self.model.max_length:
+        ids = self.encoding()
+        if not ids or len(ids) + k > self.model.max_length:
             return False
         self.model.rollback(min(self.model.length, common_prefix(self.ids, ids), len(ids) - 1))
         self.ids = ids
         return True
+
+    def encoding(self) -> list[int]:
+        """The draft tokenizer's tokens for the text; none while it ends inside a character."""
+        text = self.target_tokenizer.decode(self.target_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        if text.endswith("\ufffd"):
+            return []
+        return self.draft_tokenizer.encode(text, add_special_tokens=True)
 
     def logits(self) -> Tensor:
         """The draft model's logits [width] for the token after its tokens, feeding those not cached."""
