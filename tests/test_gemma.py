@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import torch
-
 from specsample.api import SpecSampler
 from specsample.models.loading import bundled_gguf
 from specsample.models.packaged import GEMMA3_PACKAGE, gemma3_270m
@@ -45,6 +43,5 @@ def test_greedy_output_with_a_draft_of_another_family_is_the_targets(paths, targ
 def test_gemma_runs_as_a_target_on_llamacpp(paths):
     sampler = SpecSampler.load(paths["gemma"], "none", backend="llamacpp", threads=1)
     assert sampler.target.vocab_size == len(sampler.model.tokenizer) == 262_144
-    ids = torch.tensor(sampler.model.tokenizer.encode("The capital of France is"))
-    sampler.target.prefill(ids[:-1])
-    assert "Paris" in sampler.model.tokenizer.decode(sampler.target.score(ids[-1:])[-1:].argmax(-1))
+    completion = sampler.generate("1, 2, 3, 4, 5, 6,", max_new_tokens=6, temperature=0, k=0, chat=False)
+    assert "7" in completion.text  # the base model counts on
