@@ -15,7 +15,8 @@ from typer.exceptions import Abort, Exit, TyperException
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 DRAFTER_HELP = (
-    "none (plain decoding), ngram, suffix, layerskip, quantized, head, head:DIR, the path of a draft model, "
+    "none (plain decoding), ngram, suffix, layerskip, quantized, head, head:DIR, the path of a draft model "
+    "(with another tokenizer than the target's too: text:PATH or intersection:PATH pick how its drafts are verified), "
     "or A+B: A's draft where it finds one, else B's (suffix+quantized). Default: the best measured "
     "configuration for the backend on this machine (suffix+quantized with --k auto on the fast backend "
     "with AVX-512; plain decoding on AVX2-only kernels; suffix elsewhere)."

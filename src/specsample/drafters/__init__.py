@@ -2,7 +2,9 @@
 
 `make_drafter` turns the user's `--drafter` value into a Drafter: a registered
 name, `NAME:PATH`, `A+B` (A's draft when it finds one, else B's), or the path of
-a draft model. The engine itself never asks which drafter
+a draft model. A draft model whose tokenizer is not the target's (found by comparing
+the two) drafts through `cross_vocab` (`text:PATH` or `intersection:PATH` pick its
+method; the path alone, `auto`). The engine itself never asks which drafter
 it holds.
 """
 
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specsample.drafters.base import Draft, Drafter
+from specsample.drafters.cross_vocab import METHODS, cross_vocab_drafter
 from specsample.drafters.draft_model import DraftModelDrafter
 from specsample.drafters.fallback import FallbackDrafter, check_lookup
 from specsample.drafters.head import HeadDrafter, shipped_head_dir
@@ -24,6 +27,7 @@ from specsample.drafters.suffix import SuffixDrafter, SuffixTreeDrafter
 from specsample.models import LoadedModel, Target, load_target
 from specsample.models.loading import with_weights
 from specsample.models.target import RecordsFeatures, RunsLayerSubsets, ScoresTrees, require
+from specsample.vocabulary import same_vocabulary
 
 # A factory builds a drafter for a loaded target model and its Target backend.
 DrafterFactory = Callable[[LoadedModel, Target], Drafter]
@@ -90,23 +94,30 @@ def make_drafter(
     name, sep, path = spec.partition(":")
     if sep and name in PATH_REGISTRY:
         return PATH_REGISTRY[name](model, target, path)
-    if not Path(spec).expanduser().exists():
+    method, path = (name, path) if sep and name in METHODS else ("auto", spec)
+    if not Path(path).expanduser().exists():
         names = ", ".join(sorted(REGISTRY))
         raise ValueError(f"unknown drafter {spec!r}: expected one of {names}, or the path of a draft model")
-    draft, draft_target = load_target(
-        spec, "llamacpp" if backend == "llamacpp" else "auto", trust_remote_code=trust_remote_code
-    )
-    check_same_vocabulary(model, target, draft, draft_target)
-    return DraftModelDrafter(draft_target)
+    draft, draft_target = load_draft(path, backend, trust_remote_code)
+    if method == "auto" and same_vocabulary(model.tokenizer, draft.tokenizer):
+        check_same_width(target, draft_target)
+        return DraftModelDrafter(draft_target)
+    return cross_vocab_drafter(method, model, target, draft, draft_target)
 
 
-def check_same_vocabulary(target: LoadedModel, target_backend: Target, draft: LoadedModel, draft_backend: Target) -> None:
-    """A draft model must share the target's tokenizer vocabulary and logits width."""
-    target_width, draft_width = target_backend.vocab_size, draft_backend.vocab_size
-    if target_width != draft_width or target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+def load_draft(path: str, backend: str, trust_remote_code: bool) -> tuple[LoadedModel, Target]:
+    """A draft model and its backend (llama.cpp where the target's is), or one line saying why not."""
+    try:
+        return load_target(path, "llamacpp" if backend == "llamacpp" else "auto", trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as error:  # transformers' loaders raise these for files they cannot read
+        raise ValueError(f"cannot load the draft model or its tokenizer from {path}: {error}") from error
+
+
+def check_same_width(target: Target, draft: Target) -> None:
+    """A draft model with the target's vocabulary must have its logits width too."""
+    if target.vocab_size != draft.vocab_size:
         raise ValueError(
-            f"the draft model's vocabulary ({len(draft.tokenizer)} tokens, {draft_width} logits) "
-            f"differs from the target's ({len(target.tokenizer)} tokens, {target_width} logits)"
+            f"the draft model has the target's vocabulary but {draft.vocab_size} logits against the target's {target.vocab_size}"
         )
 
 

@@ -1,0 +1,89 @@
+"""Comparing two tokenizers: the same vocabulary, or the tokens two vocabularies share by their strings.
+
+A draft model may come with another tokenizer than the target's (another model family). Which one
+it has is read from the two tokenizers, never from an option: the same vocabulary (every token
+string at the same id) lets the draft model's tokens and probabilities be verified as they are
+(`drafters.draft_model`); another one needs them carried over to the target's tokens
+(`drafters.cross_text`, `drafters.cross_vocab`).
+
+A token's *string* is the text it decodes to alone. Tokenizers write a leading space in their
+own way (byte-level BPE's "Ġ", SentencePiece's "▁"), so two vocabularies are compared by these
+strings, not by their token names. Tokens without a string of their own are left out: special
+tokens, the empty string, and tokens that hold part of a UTF-8 character (byte-level pieces and
+byte-fallback tokens decode to U+FFFD alone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+# A draft model whose vocabulary shares fewer token strings than this share of the smaller of the
+# two vocabularies is refused: SmolLM2 (49,152 tokens) and Gemma 3 (262,144) share 46,031 strings,
+# 94% of SmolLM2's; a vocabulary of another script or of whole words shares few.
+MIN_SHARED = 0.1
+
+
+def same_vocabulary(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> bool:
+    """Whether the two tokenizers map every token to the same id."""
+    return target.get_vocab() == draft.get_vocab()
+
+
+def token_strings(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
+    """The string of every token that has one, to its id (the lowest id where two share a string)."""
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in range(len(tokenizer)) if i not in special]
+    texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    strings: dict[str, int] = {}
+    for i, text in zip(ids, texts):
+        if text and "\ufffd" not in text:
+            strings.setdefault(text, i)
+    return strings
+
+
+@dataclass(frozen=True)
+class SharedVocabulary:
+    """The draft tokens whose string is also a target token's, and the target token of each.
+
+    `draft_ids` [n] and `target_ids` [n] pair them up (two draft tokens with one string map to
+    one target token); `to_draft` [target_width] gives, for a shared target token, the draft
+    token fed to the draft model for it (-1 for a target token not shared).
+    """
+
+    draft_ids: Tensor  # [n] int64
+    target_ids: Tensor  # [n] int64
+    to_draft: Tensor  # [target_width] int64
+    target_width: int  # the target's logits width
+    share: float  # shared strings / the smaller vocabulary's strings
+
+    def __len__(self) -> int:
+        return int(self.draft_ids.shape[0])
+
+
+def shared_vocabulary(
+    target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, target_width: int, draft_width: int
+) -> SharedVocabulary:
+    """The tokens of `draft` (logits width `draft_width`) that `target` (width `target_width`) has too."""
+    target_strings = {s: i for s, i in token_strings(target).items() if i < target_width}
+    draft_strings = token_strings(draft)
+    pairs = [(d, target_strings[s]) for s, d in draft_strings.items() if d < draft_width and s in target_strings]
+    draft_ids = torch.tensor([d for d, _ in pairs], dtype=torch.long)
+    target_ids = torch.tensor([t for _, t in pairs], dtype=torch.long)
+    to_draft = torch.full((target_width,), -1, dtype=torch.long)
+    to_draft[target_ids] = draft_ids
+    smaller = max(1, min(len(target_strings), len(draft_strings)))
+    return SharedVocabulary(draft_ids, target_ids, to_draft, target_width, len(pairs) / smaller)
+
+
+def check_shared(shared: SharedVocabulary, name: str) -> SharedVocabulary:
+    """`shared`, or a one-line error when the vocabularies share almost nothing (`MIN_SHARED`)."""
+    if shared.share < MIN_SHARED:
+        raise ValueError(
+            f"the draft model {name} has another tokenizer, and its vocabulary shares {len(shared)} token strings "
+            f"({shared.share:.1%} of the smaller vocabulary) with the target's: too few to draft "
+            f"(at least {MIN_SHARED:.0%} needed)"
+        )
+    return shared

@@ -1,0 +1,243 @@
+"""A draft model with another tokenizer than the target's: detected, and verified exactly by both methods.
+
+The tokenizers are made here: BPE tokenizers trained with `tokenizers` on a few paragraphs, the
+target's SentencePiece-like (Metaspace, "▁"), the draft's byte-level ("Ġ", as GPT-2's), with other
+merges, vocabulary sizes and ids. The models are tiny random Llamas; a draft model resembles its
+target through `transplant` (the target's layers, and its rows for the tokens both vocabularies
+share). The chi-square machinery, N_SAMPLES and ALPHA are test_lossless.py's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import uvicorn
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+import test_lossless as lossless
+from specsample.cli import main
+from specsample.drafters import NoDrafter
+from specsample.drafters.cross_vocab import cross_vocab_drafter
+from specsample.engine import decode
+from specsample.models.loading import LoadedModel
+from specsample.policy import FixedK
+from specsample.sampling import GeneratorSource, SamplingParams
+from specsample.stats import Stats
+from specsample.verify import ChainVerifier
+from specsample.verify.check import accept_all, chi_square_p
+from specsample.verify.cross_vocab import intersection_probs, retokenized_draft
+from specsample.vocabulary import SharedVocabulary, same_vocabulary, shared_vocabulary
+
+from conftest import tiny_llama
+
+# Three letters and spaces: the target's vocabulary is small enough to enumerate (test_lossless.VOCAB).
+SMALL = ["abc ab ba cab bca aab bb  ca", "a b c ab abc cba bac acb", "cc aa bb abab baba caca"] * 5
+SMALL_DRAFT = ["bca cab  abc ba", "cba acb ab bac aa", "baba abab ccc a b"] * 5
+RICH = [
+    "Café déjà vu: naïve façade, 12 345 678 und Größe 9.75 €.",
+    "Emoji 😀🎉 and 🚀 rockets   with    runs of spaces\tand tabs.",
+    "The 3 quick brown foxes jumped over 42 lazy dogs in 2024.",
+    "Ça coûte 1 000 000 ¥ — ñandú, São Paulo, Zürich, crème brûlée.",
+] * 3
+PROMPT_TEXT = "Café  😀 déjà 12 345   vu 🎉"
+
+
+def metaspace_bpe(corpus: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A SentencePiece-like BPE: spaces as "▁", characters of the corpus as its alphabet."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="never")
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"], show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def byte_level_bpe(corpus: list[str], vocab_size: int, all_bytes: bool = True) -> PreTrainedTokenizerFast:
+    """A GPT-2-like byte-level BPE (spaces as "Ġ"), its special tokens first so that its ids differ."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if all_bytes else []
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|end|>", "<|pad|>", "<|sep|>"], initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|pad|>")
+
+
+def transplant(target: LlamaForCausalLM, vocab_size: int, shared: SharedVocabulary, seed: int) -> LlamaForCausalLM:
+    """A draft model of `vocab_size` tokens that resembles `target`: its layers, its embedding and
+    output rows on the shared tokens (plus noise); random rows elsewhere."""
+    draft = tiny_llama(vocab_size, seed=seed, init_scale=lossless.INIT_SCALE)
+    state = {k: v for k, v in target.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
+    draft.load_state_dict(state, strict=False)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for rows_of in (lambda m: m.model.embed_tokens.weight, lambda m: m.lm_head.weight):
+            rows = rows_of(target)[shared.target_ids]
+            rows_of(draft)[shared.draft_ids] = rows + 0.1 * rows.std() * torch.randn(rows.shape, generator=gen)
+    return draft
+
+
+def loaded(model, tokenizer) -> LoadedModel:
+    return LoadedModel(model, tokenizer, "tiny", frozenset(), 0.0)
+
+
+class Pair:
+    """A target and a draft model with their two tokenizers."""
+
+    def __init__(self, target_tokenizer, draft_tokenizer, seed: int = 0) -> None:
+        self.target_tokenizer, self.draft_tokenizer = target_tokenizer, draft_tokenizer
+        self.target_model = tiny_llama(len(target_tokenizer), seed=seed, init_scale=lossless.INIT_SCALE)
+        shared = shared_vocabulary(target_tokenizer, draft_tokenizer, len(target_tokenizer), len(draft_tokenizer))
+        self.draft_model = transplant(self.target_model, len(draft_tokenizer), shared, seed=seed + 1)
+
+    def drafter(self, method: str):
+        target = loaded(self.target_model, self.target_tokenizer)
+        draft = loaded(self.draft_model, self.draft_tokenizer)
+        return cross_vocab_drafter(method, target, lossless.as_target(self.target_model), draft, lossless.as_target(self.draft_model))
+
+
+@pytest.fixture(scope="module")
+def small() -> Pair:
+    target_tokenizer = metaspace_bpe(SMALL, lossless.VOCAB)
+    assert len(target_tokenizer) == lossless.VOCAB
+    return Pair(target_tokenizer, byte_level_bpe(SMALL_DRAFT, 30, all_bytes=False))
+
+
+@pytest.fixture(scope="module")
+def rich() -> Pair:
+    return Pair(metaspace_bpe(RICH, 160), byte_level_bpe(RICH, 330))
+
+
+def test_another_tokenizer_is_detected_and_mapped_by_strings(small):
+    t, d = small.target_tokenizer, small.draft_tokenizer
+    assert same_vocabulary(t, t) and not same_vocabulary(t, d)
+    shared = shared_vocabulary(t, d, len(t), len(d))
+    assert len(shared) > 0.5 * len(t)
+    assert not torch.equal(shared.draft_ids, shared.target_ids)  # other ids for the same strings
+    for draft_id, target_id in zip(shared.draft_ids.tolist(), shared.target_ids.tolist()):
+        assert d.decode([draft_id]) == t.decode([target_id])
+        assert int(shared.to_draft[target_id]) == draft_id
+    assert " ab" in {t.decode([i]) for i in shared.target_ids.tolist()}  # "▁ab" and "Ġab" are one string
+
+
+def test_intersection_probs_restricts_and_renormalises(small):
+    t, d = small.target_tokenizer, small.draft_tokenizer
+    shared = shared_vocabulary(t, d, len(t), len(d))
+    draft_vocab_probs = torch.rand(len(d), generator=torch.Generator().manual_seed(0))
+    draft_vocab_probs /= draft_vocab_probs.sum()
+    probs = intersection_probs(draft_vocab_probs, shared)  # [target vocab]
+    assert probs.shape == (len(t),) and abs(float(probs.sum()) - 1) < 1e-6
+    expected = torch.zeros(len(t))
+    expected[shared.target_ids] = draft_vocab_probs[shared.draft_ids]
+    torch.testing.assert_close(probs, expected / expected.sum())
+    unshared = torch.ones(len(d), dtype=torch.bool)
+    unshared[shared.draft_ids] = False
+    only_unshared = unshared.float() / unshared.sum()
+    assert float(intersection_probs(only_unshared, shared).sum()) == 0  # nothing to draft
+
+
+@pytest.mark.parametrize(
+    ("before", "continuation"),
+    [("Café", " déjà vu"), ("Caf", "é 😀🎉 12"), ("runs", "   of    spaces"), ("12 3", "45 678"), ("😀", "🎉🚀 and")],
+)
+def test_retokenized_draft_continues_the_text(rich, before, continuation):
+    for tokenizer in (rich.target_tokenizer, rich.draft_tokenizer):
+        tail = tokenizer.encode(before)
+        tokens = retokenized_draft(tokenizer, tail, continuation)
+        assert tokens, (before, continuation)
+        text = tokenizer.decode(tail + tokens)
+        assert text == before + continuation  # here every character is in both vocabularies
+
+
+def test_retokenized_draft_stops_at_a_partial_character(rich):
+    tokenizer = rich.draft_tokenizer  # byte-level: an emoji is several tokens
+    tail = tokenizer.encode("Emoji")
+    whole = retokenized_draft(tokenizer, tail, " 😀")
+    assert tokenizer.decode(tail + whole) == "Emoji 😀"
+    # text that stops inside the emoji (its decoding ends in U+FFFD) keeps only whole characters
+    partial = tokenizer.decode(tokenizer.encode(" 😀")[:-1])
+    assert partial.endswith("\ufffd")
+    assert tokenizer.decode(tail + retokenized_draft(tokenizer, tail, partial)) == "Emoji "
+
+
+@pytest.mark.parametrize("method", ["text", "intersection"])
+@pytest.mark.parametrize("name", ["t1", "t0.7-top_p0.9"])
+def test_cross_vocab_drafting_keeps_the_target_distribution(small, method, name):
+    params = lossless.PARAMS[name]
+    check_it_drafts(small, method, params)
+    observed = lossless.sampled_counts(small.target_model, small.drafter(method), params, seed=2024)
+    p = chi_square_p(observed, lossless.exact_distribution(small.target_model, params))
+    assert p > lossless.ALPHA, f"{method} {name}: p = {p:.2e}"
+
+
+@pytest.mark.parametrize("method", ["text", "intersection"])
+def test_broken_verifier_is_rejected(small, method, monkeypatch):
+    monkeypatch.setattr(lossless, "N_SAMPLES", 10_000)  # far more than accepting every draft token needs to show
+    params = lossless.PARAMS["t1"]
+    observed = lossless.sampled_counts(
+        small.target_model, small.drafter(method), params, seed=2024, verifier=ChainVerifier(sample=accept_all)
+    )
+    p = chi_square_p(observed, lossless.exact_distribution(small.target_model, params))
+    assert p < lossless.ALPHA, f"{method}: accept_all passed, p = {p:.2e}"
+
+
+def check_it_drafts(pair: Pair, method: str, params: SamplingParams) -> None:
+    """The test would be vacuous if the drafter never proposed, or the target never accepted."""
+    stats = Stats()
+    generator = torch.Generator().manual_seed(0)
+    drafter = pair.drafter(method)
+    for _ in range(200):
+        for _ in decode(
+            lossless.as_target(pair.target_model), drafter, FixedK(lossless.K), lossless.PROMPT, params,
+            max_new_tokens=lossless.SEQ_LEN, eos_token_ids=frozenset(), random=GeneratorSource(generator), stats=stats,
+        ):
+            pass
+    assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0, (stats.drafted_tokens, stats.accepted_tokens)
+
+
+def greedy(pair: Pair, drafter, prompt: torch.Tensor, stats: Stats) -> list[int]:
+    steps = decode(
+        lossless.as_target(pair.target_model), drafter, FixedK(4), prompt, SamplingParams(temperature=0),
+        max_new_tokens=60, eos_token_ids=frozenset(), random=GeneratorSource(torch.Generator().manual_seed(0)), stats=stats,
+    )
+    return [t for step in steps for t in step]
+
+
+@pytest.mark.parametrize("direction", ["metaspace-target", "byte-level-target"])
+@pytest.mark.parametrize("method", ["text", "intersection", "auto"])
+def test_greedy_output_is_the_targets(rich, direction, method):
+    pair = rich if direction == "metaspace-target" else Pair(rich.draft_tokenizer, rich.target_tokenizer, seed=3)
+    prompt = torch.tensor(pair.target_tokenizer.encode(PROMPT_TEXT))
+    plain = greedy(pair, NoDrafter(), prompt, Stats())
+    stats = Stats()
+    assert greedy(pair, pair.drafter(method), prompt, stats) == plain
+    assert stats.drafted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def bad_drafts(tmp_path_factory) -> dict[str, Path]:
+    """Draft model directories: one without tokenizer files, one whose vocabulary shares almost nothing
+    with the tiny word-level target's (w0 .. w63)."""
+    root = tmp_path_factory.mktemp("bad-drafts")
+    tokenizer = metaspace_bpe(RICH, 160)
+    no_tokenizer = root / "no-tokenizer"
+    tiny_llama(160, seed=5).save_pretrained(no_tokenizer, safe_serialization=True)
+    unrelated = root / "unrelated"
+    tiny_llama(160, seed=6).save_pretrained(unrelated, safe_serialization=True)
+    tokenizer.save_pretrained(unrelated)
+    return {"no-tokenizer": no_tokenizer, "unrelated": unrelated}
+
+
+@pytest.mark.parametrize(("draft", "message"), [("no-tokenizer", "tokenizer"), ("unrelated", "shares")])
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_bad_draft_model_gives_one_line_and_exit_2(capsys, monkeypatch, tiny_dir, bad_drafts, draft, message, command):
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: pytest.fail("served with a bad draft model"))
+    args = ["generate", "w1 w2", "--no-chat"] if command == "generate" else ["serve"]
+    with pytest.raises(SystemExit) as done:
+        main([*args, "--model", str(tiny_dir), "--drafter", str(bad_drafts[draft])])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
