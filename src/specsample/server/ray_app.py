@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import AsyncIterator
 from time import perf_counter
 
@@ -207,3 +208,17 @@ def build_app(options: RayOptions) -> serve.Application:
         max_queued_requests=options.max_queue, **options.scaling(),
     ).bind(options)
     return Gateway.bind(engine, options.api_key)
+
+
+def run(options: RayOptions, *, host: str, port: int, address: str | None = None) -> None:
+    """Serve `options` on a Ray cluster until Ctrl-C: the one at `address` ("auto": the one this machine
+    joined with `ray start`), else RAY_ADDRESS's, else a new local one on this machine's cores."""
+    import ray
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C: the local cluster ends too
+    ray.init(address=address)
+    serve.start(http_options={"host": host, "port": port})
+    try:
+        serve.run(build_app(options), name=options.name, route_prefix="/", blocking=True)
+    finally:
+        serve.delete(options.name)
