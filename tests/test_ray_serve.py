@@ -72,11 +72,11 @@ def healthy(url: str) -> bool:
 def server(tmp_path_factory) -> Iterator[tuple[str, psutil.Process]]:
     """`specsample serve --replicas 2` in a subprocess (its own local Ray cluster); its URL and process."""
     port, log = free_port(), tmp_path_factory.mktemp("ray") / "serve.log"
-    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "RAY_ADDRESS": ""}
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "specsample.cli", "serve", "--replicas", "2", *FLAGS, "--api-key", KEY,
-             "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+             "--port", str(port), "--ray-address", "local"], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url, server = f"http://127.0.0.1:{port}", psutil.Process(process.pid)
     try:
         wait_for(lambda: healthy(url) or process.poll() is not None, 300, "the Ray application did not start")

@@ -109,7 +109,7 @@ def serve(
     min_replicas: Annotated[Optional[int], typer.Option(help="Autoscale the replicas on queue depth, from this many ...")] = None,
     max_replicas: Annotated[Optional[int], typer.Option(help="... to this many (Ray Serve's autoscaling_config).")] = None,
     target_queue: Annotated[float, typer.Option(help="With autoscaling: requests per replica (running or waiting) to aim at.")] = 2.0,
-    ray_address: Annotated[Optional[str], typer.Option(help="With replicas: the Ray cluster to join ('auto': the one `ray start` made here; default: RAY_ADDRESS, else a new local one).")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(help="With replicas: the Ray cluster (host:port; 'auto': the one `ray start` made here; 'local': a new one here, no dashboard). Default: RAY_ADDRESS, else auto, else a new one.")] = None,
 ) -> None:
     """Serve an OpenAI-compatible API (chat and text completions, streaming, /metrics)."""
     if replicas is not None or min_replicas is not None or max_replicas is not None:

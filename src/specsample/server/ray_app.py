@@ -211,12 +211,13 @@ def build_app(options: RayOptions) -> serve.Application:
 
 
 def run(options: RayOptions, *, host: str, port: int, address: str | None = None) -> None:
-    """Serve `options` on a Ray cluster until Ctrl-C: the one at `address` ("auto": the one this machine
-    joined with `ray start`), else RAY_ADDRESS's, else a new local one on this machine's cores."""
+    """Serve `options` on a Ray cluster until Ctrl-C or SIGTERM. `address`: a cluster's "host:port", "auto"
+    (the one `ray start` made on this machine), "local" (a new one on this machine's cores, without Ray's
+    dashboard), or None: RAY_ADDRESS's, else as "auto", else a new one with the dashboard."""
     import ray
 
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C: the local cluster ends too
-    ray.init(address=address)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C: a local cluster ends too
+    ray.init(address=address, include_dashboard=False if address == "local" else None)
     serve.start(http_options={"host": host, "port": port})
     try:
         serve.run(build_app(options), name=options.name, route_prefix="/", blocking=True)
