@@ -277,7 +277,8 @@ class BearerAuth:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))  # the app's own, under a route prefix
+        if scope["type"] == "http" and path.startswith("/v1"):
             given = Headers(scope=scope).get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected):
                 body = error_body("missing or incorrect API key (Authorization: Bearer ...)", code="invalid_api_key")
