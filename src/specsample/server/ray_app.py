@@ -201,8 +201,10 @@ async def replica_failed(request: Request, exc: ReplicaFailed) -> JSONResponse:
                         headers={"Retry-After": "1"})
 
 
-def build_app(options: RayOptions) -> serve.Application:
-    """The Ray Serve application: `serve run specsample.server.ray_app:build_app replicas=2 threads=1`."""
+def build_app(args: RayOptions | dict) -> serve.Application:
+    """The Ray Serve application: `serve run specsample.server.ray_app:build_app replicas=2 threads=1` (the
+    arguments as a dict, strings from the command line) or `build_app(RayOptions(...))`."""
+    options = RayOptions.model_validate(args)
     engine = Engine.options(
         ray_actor_options={"num_cpus": options.threads}, max_ongoing_requests=options.max_queue,
         max_queued_requests=options.max_queue, **options.scaling(),
