@@ -9,6 +9,11 @@ turns of the packaged Spec-Bench prompts, the same ones for every layout) with t
 client. Printed per layout, pooled over its rounds: aggregate generated tokens per wall second of the
 rounds, and time to first token (median and 90th percentile), measured at the client.
 
+`--overhead N`: what the router costs per request. One client sends N one-token completions, one at a
+time, alternately to the first layout (an idle replica answers each) and to `specsample serve`'s app
+(uvicorn in this process, the same model on one thread); the difference of the medians is the cost of
+Ray's proxy, the gateway and the handle call.
+
     python benchmarks/ray_replicas.py --layouts 2x1,1x2 --clients 8 --requests 2 --rounds 3 --backend llamacpp
 """
 
@@ -26,6 +31,7 @@ import openai
 import ray
 from ray import serve
 
+from specsample.policy import parse_k
 from specsample.prompts import packaged_prompts, read_prompts
 from specsample.server.ray_app import RayOptions, build_app
 
@@ -63,6 +69,38 @@ def run_round(url: str, prompts: list[str], clients: int, requests: int, max_tok
     return time.perf_counter() - start, sum(t for _, t in results), [f for f, _ in results]
 
 
+def overhead(ray_url: str, args: argparse.Namespace) -> dict:
+    """Median seconds of a one-token completion through Ray Serve and straight to the app, interleaved."""
+    import threading
+
+    import uvicorn
+
+    from specsample.api import SpecSampler
+    from specsample.server import create_app
+
+    sampler = SpecSampler.load(None, args.drafter, backend=args.backend, threads=1)
+    server = uvicorn.Server(uvicorn.Config(create_app(sampler, k=args.k and parse_k(args.k)), host="127.0.0.1",
+                                           port=PORT + 1, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    clients = {name: openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+               for name, url in (("ray", ray_url), ("direct", f"http://127.0.0.1:{PORT + 1}"))}
+    seconds = {name: [] for name in clients}
+    for i in range(args.overhead + 1):
+        for name, client in clients.items():
+            start = time.perf_counter()
+            client.completions.create(model="any", prompt="The capital of France is", max_tokens=1, temperature=0)
+            if i:  # the first of each warms up
+                seconds[name].append(time.perf_counter() - start)
+    server.should_exit = True
+    medians = {name: statistics.median(values) for name, values in seconds.items()}
+    print(f"one-token request, median of {args.overhead}: through Ray Serve {medians['ray'] * 1e3:.1f} ms, "
+          f"straight to the app {medians['direct'] * 1e3:.1f} ms: the router costs "
+          f"{(medians['ray'] - medians['direct']) * 1e3:.1f} ms per request")
+    return {"overhead_requests": args.overhead, "ray_median_s": medians["ray"], "direct_median_s": medians["direct"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default="2x1,1x2")
@@ -73,6 +111,7 @@ def main() -> None:
     parser.add_argument("--backend", default="llamacpp")
     parser.add_argument("--drafter", default=None)
     parser.add_argument("--k", default=None)
+    parser.add_argument("--overhead", type=int, default=0, help="one-token requests to time the router with")
     parser.add_argument("--out", default=None, help="write the rows as JSON")
     args = parser.parse_args()
     shapes = layouts(args.layouts)
@@ -102,10 +141,12 @@ def main() -> None:
         print(f"{replicas} replica(s) x {threads} thread(s): {tokens / seconds:6.1f} tokens/s aggregate, "
               f"TTFT median {rows[-1]['ttft_median_s']:.2f} s, p90 {rows[-1]['ttft_p90_s']:.2f} s "
               f"({len(ttft)} requests, {tokens} tokens)")
+    if args.overhead:
+        rows.append(overhead(urls[shapes[0]], args))
     serve.shutdown()
     if args.out:
         with open(args.out, "w") as out:
-            json.dump({"command": " ".join(sys.argv), "machine": platform.processor() or platform.machine(),
+            json.dump({"command": " ".join(sys.argv), "machine": platform.platform(),
                        "rows": rows}, out, indent=1)
 
 

@@ -155,6 +155,10 @@ def test_errors_and_api_key(server, client):
     assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
     empty = httpx.post(f"{url}/v1/completions", json={"prompt": " "}, headers={"Authorization": f"Bearer {KEY}"})
     assert empty.status_code == 400 and empty.json()["error"]["type"] == "invalid_request_error"
+    for stream in (False, True):  # refused by the replica's engine: a 400 through the gateway, before any event
+        long = httpx.post(f"{url}/v1/completions", json={"prompt": "word " * 10_000, "stream": stream},
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert long.status_code == 400 and "context" in long.json()["error"]["message"], long.text
     assert httpx.get(f"{url}/v1/models").status_code == 401
     reply = client.completions.create(model="any", prompt="The capital of France is", max_tokens=8, temperature=0)
     assert reply.usage.completion_tokens >= 1 and reply.model_extra["speculative"]["drafter"] == "suffix"

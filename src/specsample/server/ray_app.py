@@ -119,6 +119,9 @@ class Engine:
             job.cancel()
 
 
+OUTCOMES = {InvalidRequest: "invalid", QueueFull: "rejected"}  # what the routes answer 400 and 503 to
+
+
 class ReplicaJob:
     """A request running on an Engine replica, read as the routes read a local `Job`; it does the gateway's
     accounting (the sum over replicas, since every request passes here)."""
@@ -132,8 +135,8 @@ class ReplicaJob:
         try:
             event = await self.stream.__anext__()
         except RayTaskError as error:  # raised by the replica's code: a bad prompt, its queue full
-            self._settle("invalid" if isinstance(error.cause, InvalidRequest) else "error")
-            raise error.cause if isinstance(error.cause, (InvalidRequest, QueueFull)) else ReplicaFailed(
+            self._settle(OUTCOMES.get(type(error.cause), "error"))
+            raise error.cause if type(error.cause) in OUTCOMES else ReplicaFailed(
                 f"the replica failed: {error.cause}") from None
         except BackPressureError:
             self._settle("rejected")
