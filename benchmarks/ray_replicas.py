@@ -56,7 +56,8 @@ def one_request(client: openai.OpenAI, prompt: str, max_tokens: int) -> tuple[fl
     return first if first is not None else time.perf_counter() - start, tokens
 
 
-def run_round(url: str, prompts: list[str], clients: int, requests: int, max_tokens: int) -> tuple[float, int, list[float]]:
+def run_round(url: str, prompts: list[str], clients: int, requests: int,
+              max_tokens: int) -> tuple[float, int, list[float]]:
     """Wall seconds, generated tokens and the times to first token of one round."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
 

@@ -76,7 +76,8 @@ def server(tmp_path_factory) -> Iterator[tuple[str, psutil.Process]]:
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "specsample.cli", "serve", "--replicas", "2", *FLAGS, "--api-key", KEY,
-             "--port", str(port), "--ray-address", "local"], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+             "--port", str(port), "--ray-address", "local"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url, server = f"http://127.0.0.1:{port}", psutil.Process(process.pid)
     try:
         wait_for(lambda: healthy(url) or process.poll() is not None, 300, "the Ray application did not start")

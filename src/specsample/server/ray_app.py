@@ -106,7 +106,8 @@ class Engine:
         """The model's entry in /v1/models, and this replica's process id (tests kill replicas by it)."""
         return {**self.card, "pid": os.getpid()}
 
-    async def generate(self, prompt: Prompt, chat: bool, options: dict, endpoint: str) -> AsyncIterator[Chunk | Completion]:
+    async def generate(self, prompt: Prompt, chat: bool, options: dict,
+                       endpoint: str) -> AsyncIterator[Chunk | Completion]:
         """A request's chunks, then its completion; a cancelled call (the client left) stops the engine."""
         job = self.worker.submit(prompt, chat, options, endpoint)
         try:
@@ -140,7 +141,8 @@ class ReplicaJob:
                 f"the replica failed: {error.cause}") from None
         except BackPressureError:
             self._settle("rejected")
-            raise QueueFull("the server is busy: every replica's queue and the gateway's are full; retry later") from None
+            raise QueueFull("the server is busy: every replica's queue and the gateway's are full; "
+                            "retry later") from None
         except (StopAsyncIteration, RayError, RayServeException) as error:
             self._settle("error")
             raise ReplicaFailed(f"the replica serving this request failed ({type(error).__name__}); Ray restarts "
