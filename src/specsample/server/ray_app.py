@@ -23,8 +23,6 @@ replica (Ray Serve's `autoscaling_config.target_ongoing_requests`: queue depth).
 
 from __future__ import annotations
 
-import logging
-import os
 import signal
 from collections.abc import AsyncIterator
 from time import perf_counter
@@ -45,7 +43,6 @@ from specsample.server.metrics import ServerMetrics
 from specsample.server.schemas import error_body
 from specsample.server.worker import EngineWorker, InvalidRequest, QueueFull
 
-log = logging.getLogger("specsample.server")
 
 
 class RayOptions(BaseModel):
@@ -103,8 +100,8 @@ class Engine:
         self.card = model_card(sampler)
 
     def describe(self) -> dict:
-        """The model's entry in /v1/models, and this replica's process id (tests kill replicas by it)."""
-        return {**self.card, "pid": os.getpid()}
+        """The model's entry in /v1/models."""
+        return self.card
 
     async def generate(self, prompt: Prompt, chat: bool, options: dict,
                        endpoint: str) -> AsyncIterator[Chunk | Completion]:
@@ -191,8 +188,7 @@ class Gateway:
 
     async def __init__(self, engine: DeploymentHandle, api_key: str | None) -> None:
         self.engine, self.api_key = engine, api_key
-        card = await engine.describe.remote()
-        self.card = {key: value for key, value in card.items() if key != "pid"}
+        self.card = await engine.describe.remote()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         metrics = ServerMetrics()
