@@ -44,7 +44,6 @@ from specsample.server.schemas import error_body
 from specsample.server.worker import EngineWorker, InvalidRequest, QueueFull
 
 
-
 class RayOptions(BaseModel):
     """The application's arguments (`serve run ...:build_app key=value`, or `specsample serve --replicas`)."""
 
