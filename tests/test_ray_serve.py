@@ -26,7 +26,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specsample.cli import main
 
-pytestmark = pytest.mark.skipif(find_spec("ray") is None, reason="Ray Serve is the optional extra specsample[ray]")
+pytestmark = [
+    pytest.mark.skipif(find_spec("ray") is None, reason="Ray Serve is the optional extra specsample[ray]"),
+    pytest.mark.xdist_group("ray"),  # one worker, one cluster (scripts/test.sh: --dist loadgroup)
+]
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 ENGINE = "ray::ServeReplica:specsample:Engine"
