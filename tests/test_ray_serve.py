@@ -217,3 +217,18 @@ def test_replicas_without_ray_is_one_line(capsys, monkeypatch):
         main(["serve", "--replicas", "2"])
     err = capsys.readouterr().err
     assert done.value.code == 2 and err.count("\n") == 1 and "specsample[ray]" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--replicas", "0"], "--replicas: Input should be greater than or equal to 1"),
+    (["--min-replicas", "3", "--max-replicas", "2"], "min_replicas (3) must be <= max_replicas (2)"),
+    (["--replicas", "2", "--max-replicas", "3"], "not both"),
+    (["--replicas", "2", "--k", "bogus"], "k must be an integer"),
+    (["--replicas", "2", "--threads", "0"], "--threads:"),
+])
+def test_bad_replica_options_are_one_line(capsys, args, message):
+    """Checked before Ray starts: one line, exit code 2."""
+    with pytest.raises(SystemExit) as done:
+        main(["serve", *args])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1 and message in err, err

@@ -134,6 +134,8 @@ def serve_replicas(args: dict) -> None:
 
     from pydantic import ValidationError
 
+    if args["replicas"] is not None and (args["min_replicas"] is not None or args["max_replicas"] is not None):
+        raise ValueError("give --replicas N, or --min-replicas and --max-replicas (autoscaling), not both")
     if find_spec("ray") is None or find_spec("ray.serve") is None:
         raise ValueError("--replicas needs Ray Serve, which is not installed: pip install 'specsample[ray]'")
     from specsample.server.app import describe
