@@ -132,14 +132,15 @@ def cpu_seconds(processes: list[psutil.Process]) -> list[float]:
     return [sum(p.cpu_times()[:2]) for p in processes]
 
 
-def generated_tokens(url: str) -> float:
-    """The gateway's /metrics count of generated tokens: all replicas' requests."""
+def counted(url: str, family: str, **labels: str) -> float:
+    """A counter of the gateway's /metrics (all replicas' requests), summed over the samples with `labels`."""
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
-    return next(s.value for s in families["specsample_generated_tokens"].samples if s.name.endswith("_total"))
+    samples = families[family].samples if family in families else []
+    return sum(s.value for s in samples if s.name.endswith("_total") and labels.items() <= s.labels.items())
 
 
 def test_sixteen_streams_over_both_replicas_match_generate(server, client, references):
-    replicas, counted = engine_replicas(server[1]), generated_tokens(server[0])
+    replicas, generated = engine_replicas(server[1]), counted(server[0], "specsample_generated_tokens")
     before = cpu_seconds(replicas)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
     with ThreadPoolExecutor(16) as pool:
@@ -149,7 +150,8 @@ def test_sixteen_streams_over_both_replicas_match_generate(server, client, refer
         assert text == references[prompt]
         assert last.model_extra["speculative"]["drafter"] == "suffix" and last.model_extra["speculative"]["steps"] >= 1
     assert min(busy) > 0.2, f"CPU seconds per replica {busy}: the requests did not go to both"
-    assert generated_tokens(server[0]) - counted == sum(last.usage.completion_tokens for _, last in results)
+    generated = counted(server[0], "specsample_generated_tokens") - generated
+    assert generated == sum(last.usage.completion_tokens for _, last in results)
 
 
 def test_errors_and_api_key(server, client):
@@ -194,7 +196,7 @@ def answers(client: openai.OpenAI) -> bool:
 
 
 def test_replica_killed_under_load(server, client):
-    serving = server[1]
+    serving, errors = server[1], counted(server[0], "specsample_requests", outcome="error")
     victim = engine_replicas(serving)[0]
     start = time.monotonic()
     with ThreadPoolExecutor(20) as pool:
@@ -205,6 +207,7 @@ def test_replica_killed_under_load(server, client):
     print("outcomes under a replica's death:", results, f"{time.monotonic() - start:.1f} s")
     assert time.monotonic() - start < 180
     assert "ok" in results and set(results) - {"ok"}, results  # the others served; the victim's failed clearly
+    assert counted(server[0], "specsample_requests", outcome="error") - errors == 20 - results.count("ok")
     wait_for(lambda: answers(client), 60, "the service did not answer again")
     wait_for(lambda: len([p for p in engine_replicas(serving) if p.pid != victim.pid]) == 2, 180,
              "Ray did not restart the replica")
