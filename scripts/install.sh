@@ -8,7 +8,8 @@
 # the best one picked at run time, so one install runs on AVX2-only and AVX-512/AMX
 # machines alike; and no llamafile kernels, so that a token's logits do not depend on the
 # batch it is scored in. The build takes about 7.5 minutes on 2 cores, once: it is skipped
-# while that build is installed.
+# while that build is installed. Ray Serve (the `ray` extra, ~360 MB) is installed too, so the
+# tests of `specsample serve --replicas` run in CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
@@ -29,4 +30,4 @@ then
         CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
         pip install -q --no-cache-dir --force-reinstall --no-deps --no-binary llama-cpp-python "llama-cpp-python==$LLAMA_CPP_PYTHON"
 fi
-pip install -q -e ".[test,llamacpp]"
+pip install -q -e ".[test,llamacpp,ray]"

@@ -6,4 +6,5 @@ bash scripts/install.sh
 . .venv/bin/activate
 # two workers share the cores: OpenMP threads that spin would take turns with the other worker's
 export OMP_WAIT_POLICY=PASSIVE
-python -m pytest -q -n 2 "$@"
+# loadgroup: tests marked with one xdist_group share a worker (test_ray_serve.py: one Ray cluster, not two)
+python -m pytest -q -n 2 --dist loadgroup "$@"

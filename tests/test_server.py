@@ -327,3 +327,13 @@ def test_bundled_model_chat_matches_generate(capsys):
             temperature=0, stream=True))
     assert response.choices[0].message.content == text == expected["text"]
     assert last.usage.completion_tokens == len(expected["token_ids"])
+
+
+def test_api_key_under_a_route_prefix(sampler):
+    """Behind a route prefix (Ray Serve's route_prefix, an ASGI root_path), /v1 routes still need the key."""
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(sampler, api_key="secret"), root_path="/prefix") as client:
+        assert client.get("/prefix/v1/models").status_code == 401
+        assert client.get("/prefix/v1/models", headers={"Authorization": "Bearer secret"}).status_code == 200
+        assert client.get("/prefix/health").status_code == 200

@@ -105,10 +105,17 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 exposes the server to the network.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(envvar="SPECSAMPLE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
-    max_queue: Annotated[int, typer.Option(help="Most requests admitted at once (running or waiting); more get 503.")] = 16,
+    max_queue: Annotated[int, typer.Option(help="Most requests admitted at once (running or waiting); more get 503. With --replicas: per replica.")] = 16,
     max_batch: Annotated[int, typer.Option(help="Most requests decoded together, one target pass per step (continuous batching; fast backend, drafters none, ngram, suffix and A+B of them); 1: one at a time.")] = 1,
+    replicas: Annotated[Optional[int], typer.Option(help="Run N engine replicas on a Ray cluster behind this endpoint (Ray Serve: pip install 'specsample[ray]').")] = None,
+    min_replicas: Annotated[Optional[int], typer.Option(help="Autoscale the replicas on queue depth, from this many ...")] = None,
+    max_replicas: Annotated[Optional[int], typer.Option(help="... to this many (Ray Serve's autoscaling_config).")] = None,
+    target_queue: Annotated[float, typer.Option(help="With autoscaling: requests per replica (running or waiting) to aim at.")] = 2.0,
+    ray_address: Annotated[Optional[str], typer.Option(help="With replicas: the Ray cluster (host:port; 'auto': the one `ray start` made here; 'local': a new one here, no dashboard). Default: RAY_ADDRESS, else auto, else a new one.")] = None,
 ) -> None:
     """Serve an OpenAI-compatible API (chat and text completions, streaming, /metrics)."""
+    if replicas is not None or min_replicas is not None or max_replicas is not None:
+        return serve_replicas(locals())
     import uvicorn
 
     from specsample.api import SpecSampler
@@ -124,6 +131,30 @@ def serve(
     sampler = SpecSampler.load(model, drafter, backend=backend, trust_remote_code=trust_remote_code, threads=threads)
     app = create_app(sampler, k=policy if max_batch == 1 else k, max_queue=max_queue, api_key=api_key, max_batch=max_batch)
     uvicorn.run(app, host=host, port=port)
+
+
+def serve_replicas(args: dict) -> None:
+    """`serve` with --replicas or --min/--max-replicas: engine replicas on Ray Serve (`server.ray_app`)."""
+    from importlib.util import find_spec
+
+    from pydantic import ValidationError
+
+    if args["replicas"] is not None and (args["min_replicas"] is not None or args["max_replicas"] is not None):
+        raise ValueError("give --replicas N, or --min-replicas and --max-replicas (autoscaling), not both")
+    if find_spec("ray") is None or find_spec("ray.serve") is None:
+        raise ValueError("--replicas needs Ray Serve, which is not installed: pip install 'specsample[ray]'")
+    from specsample.server.app import describe
+    from specsample.server.ray_app import RayOptions, run
+
+    given = {key: args[key] for key in ("model", "drafter", "k", "backend", "threads", "trust_remote_code", "replicas",
+                                        "min_replicas", "max_replicas", "target_queue", "max_queue", "api_key")}
+    try:
+        options = RayOptions(**{key: value for key, value in given.items() if value is not None})
+    except ValidationError as error:
+        message, param = describe(error.errors()[0])
+        raise ValueError(f"--{param.replace('_', '-')}{message[len(param):]}" if param else message) from None
+    quiet_transformers()
+    run(options, host=args["host"], port=args["port"], address=args["ray_address"])
 
 
 @app.command("train-draft")

@@ -35,7 +35,7 @@ from specsample.policy import KPolicy
 from specsample.server.metrics import ServerMetrics
 from specsample.server.scheduler import BatchWorker
 from specsample.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, error_body
-from specsample.server.worker import EngineWorker, InvalidRequest, Job, QueueFull
+from specsample.server.worker import EngineWorker, Events, InvalidRequest, QueueFull, Worker
 
 log = logging.getLogger("specsample.server")
 T = TypeVar("T")
@@ -58,6 +58,20 @@ def create_app(
     metrics = ServerMetrics()
     worker = make_worker(sampler, metrics, max_queue=max_queue, k=k, default_max_tokens=default_max_tokens,
                          max_batch=max_batch)
+    return serve_worker(worker, metrics, model_card(sampler), api_key=api_key)
+
+
+def model_card(sampler: SpecSampler) -> dict:
+    """The model's entry in /v1/models: its name, the drafter, its K policy and why they were chosen, the
+    backend and why."""
+    configuration = {**asdict(sampler.configuration), "backend": sampler.backend, "backend_reason": sampler.backend_reason}
+    return {"id": sampler.model.name, "object": "model", "created": int(time.time()), "owned_by": "specsample",
+            "speculative": configuration}
+
+
+def serve_worker(worker: Worker, metrics: ServerMetrics, card: dict, *, api_key: str | None = None) -> FastAPI:
+    """The routes over any worker that runs jobs: one engine in this process (`create_app`), or engine
+    replicas elsewhere (`ray_app`); `card` is the model's entry in /v1/models (`model_card`)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -69,9 +83,7 @@ def create_app(
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     add_error_handlers(app, metrics)
-    name, created = sampler.model.name, int(time.time())
-    # the drafter, its K policy and why they were chosen; the backend and why
-    configuration = {**asdict(sampler.configuration), "backend": sampler.backend, "backend_reason": sampler.backend_reason}
+    name = card["id"]
 
     @app.get("/health")
     async def health() -> dict:
@@ -83,7 +95,6 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": name, "object": "model", "created": created, "owned_by": "specsample", "speculative": configuration}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
@@ -174,7 +185,7 @@ def usage(completion: Completion) -> dict:
     }
 
 
-async def respond(request: Request, body: GenerationRequest, job: Job, reply: TextReply) -> Response:
+async def respond(request: Request, body: GenerationRequest, job: Events, reply: TextReply) -> Response:
     """Wait for the first event (a bad prompt is still a 400), then stream or answer in one piece."""
     try:
         first = await unless_disconnected(request, job.next_event())
@@ -189,14 +200,14 @@ async def respond(request: Request, body: GenerationRequest, job: Job, reply: Te
         return Response(status_code=499)
 
 
-async def rest(job: Job, event: Chunk | Completion) -> Completion:
+async def rest(job: Events, event: Chunk | Completion) -> Completion:
     """The completion, after the chunks still to come."""
     while isinstance(event, Chunk):
         event = await job.next_event()
     return event
 
 
-async def events(job: Job, event: Chunk | Completion, reply: TextReply) -> AsyncIterator[str]:
+async def events(job: Events, event: Chunk | Completion, reply: TextReply) -> AsyncIterator[str]:
     """Server-sent events of a stream; leaving early (the client went away) cancels the generation."""
     try:
         for chunk in reply.opening():
@@ -285,7 +296,8 @@ class BearerAuth:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))  # the app's own, under a route prefix
+        if scope["type"] == "http" and path.startswith("/v1"):
             given = Headers(scope=scope).get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected):
                 body = error_body("missing or incorrect API key (Authorization: Bearer ...)", code="invalid_api_key")

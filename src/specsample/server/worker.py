@@ -17,6 +17,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from time import perf_counter
+from typing import Protocol
 
 from jinja2 import TemplateError
 
@@ -33,6 +34,22 @@ class QueueFull(Exception):
 
 class InvalidRequest(Exception):
     """The engine refused the request (a prompt too long for the context window, ...)."""
+
+
+class Events(Protocol):
+    """A request's events as the routes read them (`Job`, or a replica's stream in `ray_app`)."""
+
+    async def next_event(self) -> Chunk | Completion: ...
+
+    def cancel(self) -> None: ...
+
+
+class Worker(Protocol):
+    """What the routes need of whatever runs the generations (`EngineWorker`, or `ray_app`'s replicas)."""
+
+    def submit(self, prompt: Prompt, chat: bool, options: dict, endpoint: str) -> Events: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(eq=False)

@@ -1,0 +1,227 @@
+"""The OpenAI-compatible API over N engine replicas on a Ray cluster (Ray Serve).
+
+    HTTP -> Ray Serve proxy -> Gateway (1 replica: the routes of `app.py`) --DeploymentHandle--> Engine x N
+
+An `Engine` replica is one `EngineWorker` over its own SpecSampler (target, drafter, K policy), on
+`threads` CPUs; it streams a request's chunks and completion back. The `Gateway` is today's FastAPI app
+(`serve_worker`: same routes, streaming, 400/401/503 JSON errors, `speculative` statistics) over a
+`ReplicaWorker`, which hands each request to an Engine replica through a DeploymentHandle. Why a gateway
+rather than `@serve.ingress` on the engine itself: the replica that dies is then never the process that
+talks to the client, so its in-flight requests end in a 503 JSON error (or an error event in a stream it
+had begun) instead of a connection Ray's proxy cuts; and every request passes through one place, whose
+/metrics is therefore the sum over the replicas.
+
+Routing is Ray Serve's: power of two choices on the replicas' ongoing requests (least loaded of two
+sampled). A replica takes at most `max_queue` requests (`max_ongoing_requests`, running or waiting);
+at most `max_queue` more wait in the gateway's handle (`max_queued_requests`), beyond that a 503.
+Autoscaling between `min_replicas` and `max_replicas` keeps about `target_queue` ongoing requests per
+replica (Ray Serve's `autoscaling_config.target_ongoing_requests`: queue depth).
+
+    serve run specsample.server.ray_app:build_app replicas=2 threads=1 backend=llamacpp
+    specsample serve --replicas 2 --threads 1          (the same, from the command line)
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import AsyncIterator
+from time import perf_counter
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from ray import serve
+from ray.exceptions import RayError, RayTaskError
+from ray.serve.exceptions import BackPressureError, RayServeException
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from specsample.api import Chunk, Completion, Prompt, SpecSampler
+from specsample.policy import parse_k
+from specsample.server.app import model_card, serve_worker
+from specsample.server.metrics import ServerMetrics
+from specsample.server.schemas import error_body
+from specsample.server.worker import EngineWorker, InvalidRequest, QueueFull
+
+
+class RayOptions(BaseModel):
+    """The application's arguments (`serve run ...:build_app key=value`, or `specsample serve --replicas`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
+    drafter: str | None = None
+    k: str | None = None
+    backend: str = "auto"
+    threads: int = Field(1, ge=1)  # CPUs (and engine threads) of each replica
+    trust_remote_code: bool = False
+    replicas: int | None = Field(None, ge=1)  # fixed count; else autoscaling between min and max
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_queue: float = Field(2.0, gt=0)  # ongoing requests per replica autoscaling aims at
+    max_queue: int = Field(16, ge=1)
+    default_max_tokens: int = Field(256, ge=1)
+    api_key: str | None = None
+    name: str = "specsample"
+
+    @model_validator(mode="after")
+    def check_replicas(self) -> "RayOptions":
+        if self.k is not None:
+            parse_k(self.k)  # a bad K fails here, not in every replica
+        if self.replicas is None and self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
+        return self
+
+    def scaling(self) -> dict:
+        """The Engine deployment's replica count or autoscaling config."""
+        if self.replicas is not None:
+            return {"num_replicas": self.replicas}
+        return {"autoscaling_config": {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                                       "initial_replicas": max(1, self.min_replicas),
+                                       "target_ongoing_requests": self.target_queue}}
+
+
+class ReplicaFailed(Exception):
+    """The replica running a request died or became unreachable (Ray restarts it); retry the request."""
+
+
+@serve.deployment(name="Engine")
+class Engine:
+    """One engine replica: a SpecSampler on `threads` CPUs behind an EngineWorker (one generation at a time)."""
+
+    def __init__(self, options: RayOptions) -> None:
+        torch.set_num_threads(options.threads)
+        sampler = SpecSampler.load(options.model, options.drafter, backend=options.backend,
+                                   trust_remote_code=options.trust_remote_code, threads=options.threads)
+        policy = None if options.k is None else parse_k(options.k)
+        self.worker = EngineWorker(sampler, ServerMetrics(), max_queue=options.max_queue, k=policy,
+                                   default_max_tokens=options.default_max_tokens)
+        self.card = model_card(sampler)
+
+    def describe(self) -> dict:
+        """The model's entry in /v1/models."""
+        return self.card
+
+    async def generate(self, prompt: Prompt, chat: bool, options: dict,
+                       endpoint: str) -> AsyncIterator[Chunk | Completion]:
+        """A request's chunks, then its completion; a cancelled call (the client left) stops the engine."""
+        job = self.worker.submit(prompt, chat, options, endpoint)
+        try:
+            event = await job.next_event()
+            while isinstance(event, Chunk):
+                yield event
+                event = await job.next_event()
+            yield event
+        finally:
+            job.cancel()
+
+
+OUTCOMES = {InvalidRequest: "invalid", QueueFull: "rejected"}  # what the routes answer 400 and 503 to
+
+
+class ReplicaJob:
+    """A request running on an Engine replica, read as the routes read a local `Job`; it does the gateway's
+    accounting (the sum over replicas, since every request passes here)."""
+
+    def __init__(self, stream: DeploymentResponseGenerator, metrics: ServerMetrics, endpoint: str) -> None:
+        self.stream, self.metrics, self.endpoint = stream, metrics, endpoint
+        self.arrived, self.first, self.outcome = perf_counter(), True, None
+        metrics.queue_depth.inc()
+
+    async def next_event(self) -> Chunk | Completion:
+        try:
+            event = await self.stream.__anext__()
+        except RayTaskError as error:  # raised by the replica's code: a bad prompt, its queue full
+            self._settle(OUTCOMES.get(type(error.cause), "error"))
+            raise error.cause if type(error.cause) in OUTCOMES else ReplicaFailed(
+                f"the replica failed: {error.cause}") from None
+        except BackPressureError:
+            self._settle("rejected")
+            raise QueueFull("the server is busy: every replica's queue and the gateway's are full; "
+                            "retry later") from None
+        except (StopAsyncIteration, RayError, RayServeException) as error:
+            self._settle("error")
+            raise ReplicaFailed(f"the replica serving this request failed ({type(error).__name__}); Ray restarts "
+                                "it; retry the request") from None
+        self._account(event)
+        return event
+
+    def cancel(self) -> None:
+        if self.outcome is None:
+            self.stream.cancel()
+            self._settle("cancelled")
+
+    def _account(self, event: Chunk | Completion) -> None:
+        if self.first:
+            self.metrics.first_token_seconds.observe(perf_counter() - self.arrived)
+            self.first = False
+        if isinstance(event, Completion):
+            self.metrics.finished(event.stats)
+            self.metrics.request_seconds.observe(perf_counter() - self.arrived)
+            self._settle("completed")
+
+    def _settle(self, outcome: str) -> None:
+        if self.outcome is None:
+            self.outcome = outcome
+            self.metrics.requests.labels(self.endpoint, outcome).inc()
+            self.metrics.queue_depth.dec()
+
+
+class ReplicaWorker:
+    """The `Worker` of the gateway: each request goes to an Engine replica picked by Ray Serve's router."""
+
+    def __init__(self, engine: DeploymentHandle, metrics: ServerMetrics) -> None:
+        self.engine, self.metrics = engine.options(stream=True), metrics
+
+    def submit(self, prompt: Prompt, chat: bool, options: dict, endpoint: str) -> ReplicaJob:
+        return ReplicaJob(self.engine.generate.remote(prompt, chat, options, endpoint), self.metrics, endpoint)
+
+    def close(self) -> None:
+        """Nothing to stop here: the replicas end with the application."""
+
+
+@serve.deployment(name="Gateway", num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class Gateway:
+    """The HTTP routes of `app.py` over the Engine replicas."""
+
+    async def __init__(self, engine: DeploymentHandle, api_key: str | None) -> None:
+        self.engine, self.api_key = engine, api_key
+        self.card = await engine.describe.remote()
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        metrics = ServerMetrics()
+        app = serve_worker(ReplicaWorker(self.engine, metrics), metrics, self.card, api_key=self.api_key)
+        app.add_exception_handler(ReplicaFailed, replica_failed)
+        return app
+
+
+async def replica_failed(request: Request, exc: ReplicaFailed) -> JSONResponse:
+    return JSONResponse(error_body(str(exc), type="server_error", code="replica_failed"), status_code=503,
+                        headers={"Retry-After": "1"})
+
+
+def build_app(args: RayOptions | dict) -> serve.Application:
+    """The Ray Serve application: `serve run specsample.server.ray_app:build_app replicas=2 threads=1` (the
+    arguments as a dict, strings from the command line) or `build_app(RayOptions(...))`."""
+    options = RayOptions.model_validate(args)
+    engine = Engine.options(
+        ray_actor_options={"num_cpus": options.threads}, max_ongoing_requests=options.max_queue,
+        max_queued_requests=options.max_queue, **options.scaling(),
+    ).bind(options)
+    return Gateway.bind(engine, options.api_key)
+
+
+def run(options: RayOptions, *, host: str, port: int, address: str | None = None) -> None:
+    """Serve `options` on a Ray cluster until Ctrl-C or SIGTERM. `address`: a cluster's "host:port", "auto"
+    (the one `ray start` made on this machine), "local" (a new one on this machine's cores, without Ray's
+    dashboard), or None: RAY_ADDRESS's, else as "auto", else a new one with the dashboard."""
+    import ray
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C: a local cluster ends too
+    ray.init(address=address, include_dashboard=False if address == "local" else None)
+    serve.start(http_options={"host": host, "port": port})
+    try:
+        serve.run(build_app(options), name=options.name, route_prefix="/", blocking=True)
+    finally:
+        serve.delete(options.name)
