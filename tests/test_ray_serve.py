@@ -72,10 +72,11 @@ def healthy(url: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[tuple[str, psutil.Process]]:
-    """`specsample serve --replicas 2` in a subprocess (its own local Ray cluster); its URL and process."""
+def server(tmp_path_factory) -> Iterator[tuple[str, psutil.Process, Path]]:
+    """`specsample serve --replicas 2` in a subprocess (its own local Ray cluster); its URL, process and log."""
     port, log = free_port(), tmp_path_factory.mktemp("ray") / "serve.log"
-    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "PYTHONUNBUFFERED": "1"}  # the replicas' log lines reach the log as they come
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "specsample.cli", "serve", "--replicas", "2", *FLAGS, "--api-key", KEY,
@@ -86,7 +87,7 @@ def server(tmp_path_factory) -> Iterator[tuple[str, psutil.Process]]:
         wait_for(lambda: healthy(url) or process.poll() is not None, 300, "the Ray application did not start")
         assert process.poll() is None, log.read_text()[-3000:]
         wait_for(lambda: len(engine_replicas(server)) == 2, 60, "two Engine replicas")
-        yield url, server
+        yield url, server, log
     finally:
         process.send_signal(signal.SIGTERM)  # as Ctrl-C: the application and the local cluster stop
         try:
@@ -168,6 +169,33 @@ def test_errors_and_api_key(server, client):
     assert httpx.get(f"{url}/v1/models").status_code == 401
     reply = client.completions.create(model="any", prompt="The capital of France is", max_tokens=8, temperature=0)
     assert reply.usage.completion_tokens >= 1 and reply.model_extra["speculative"]["drafter"] == "suffix"
+
+
+def gauge(url: str, name: str) -> float:
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+    return families[name].samples[0].value
+
+
+def test_a_client_that_leaves_frees_its_place(server, client):
+    """The gateway cancels the replica's call, and Ray Serve the replica's generator (whose EngineWorker job
+    stops between two engine steps, as test_server.py shows for one process)."""
+    url, cancelled = server[0], counted(server[0], "specsample_requests", outcome="cancelled")
+    calls = cancelled_calls(server[2])
+    body = {"messages": [{"role": "user", "content": "Tell a very long story."}], "max_tokens": 4000, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())  # the stream has begun; then the client goes away
+    wait_for(lambda: counted(url, "specsample_requests", outcome="cancelled") == cancelled + 1, 30,
+             "the gateway did not cancel the request")
+    wait_for(lambda: gauge(url, "specsample_queue_depth") == 0, 30, "the request still holds its place")
+    # Ray Serve logs each replica call's end: "CALL generate CANCELLED <ms>" (at once) or "OK" (4000 tokens later)
+    wait_for(lambda: cancelled_calls(server[2]) == calls + 1, 30, "the replica's generation was not cancelled")
+    assert stream_text(client, PROMPTS[2])[0]
+
+
+def cancelled_calls(log: Path) -> int:
+    return sum(ENGINE[5:] in line and "CALL generate CANCELLED" in line for line in log.read_text().splitlines())
 
 
 def ask(client: openai.OpenAI, i: int) -> str:
