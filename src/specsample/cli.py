@@ -147,7 +147,7 @@ def serve_replicas(args: dict) -> None:
     from specsample.server.ray_app import RayOptions, run
 
     given = {key: args[key] for key in ("model", "drafter", "k", "backend", "threads", "trust_remote_code", "replicas",
-                                        "min_replicas", "max_replicas", "target_queue", "max_queue", "api_key")}
+                                        "min_replicas", "max_replicas", "target_queue", "max_queue", "max_batch", "api_key")}
     try:
         options = RayOptions(**{key: value for key, value in given.items() if value is not None})
     except ValidationError as error:

@@ -2,8 +2,8 @@
 
     HTTP -> Ray Serve proxy -> Gateway (1 replica: the routes of `app.py`) --DeploymentHandle--> Engine x N
 
-An `Engine` replica is one `EngineWorker` over its own SpecSampler (target, drafter, K policy), on
-`threads` CPUs; it streams a request's chunks and completion back. The `Gateway` is today's FastAPI app
+An `Engine` replica is one worker (`app.make_worker`, `max_batch` as in `serve`) over its own SpecSampler
+(target, drafter, K policy), on `threads` CPUs; it streams a request's chunks and completion back. The `Gateway` is today's FastAPI app
 (`serve_worker`: same routes, streaming, 400/401/503 JSON errors, `speculative` statistics) over a
 `ReplicaWorker`, which hands each request to an Engine replica through a DeploymentHandle. Why a gateway
 rather than `@serve.ingress` on the engine itself: the replica that dies is then never the process that
@@ -38,10 +38,10 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from specsample.api import Chunk, Completion, Prompt, SpecSampler
 from specsample.policy import parse_k
-from specsample.server.app import model_card, serve_worker
+from specsample.server.app import make_worker, model_card, serve_worker
 from specsample.server.metrics import ServerMetrics
 from specsample.server.schemas import error_body
-from specsample.server.worker import EngineWorker, InvalidRequest, QueueFull
+from specsample.server.worker import InvalidRequest, QueueFull
 
 
 class RayOptions(BaseModel):
@@ -60,6 +60,7 @@ class RayOptions(BaseModel):
     max_replicas: int = Field(1, ge=1)
     target_queue: float = Field(2.0, gt=0)  # ongoing requests per replica autoscaling aims at
     max_queue: int = Field(16, ge=1)
+    max_batch: int = Field(1, ge=1)  # requests each replica decodes together (continuous batching)
     default_max_tokens: int = Field(256, ge=1)
     api_key: str | None = None
     name: str = "specsample"
@@ -87,15 +88,17 @@ class ReplicaFailed(Exception):
 
 @serve.deployment(name="Engine")
 class Engine:
-    """One engine replica: a SpecSampler on `threads` CPUs behind an EngineWorker (one generation at a time)."""
+    """One engine replica: a SpecSampler on `threads` CPUs behind a worker (`app.make_worker`: one generation at
+    a time, or up to `max_batch` together)."""
 
     def __init__(self, options: RayOptions) -> None:
         torch.set_num_threads(options.threads)
         sampler = SpecSampler.load(options.model, options.drafter, backend=options.backend,
                                    trust_remote_code=options.trust_remote_code, threads=options.threads)
         policy = None if options.k is None else parse_k(options.k)
-        self.worker = EngineWorker(sampler, ServerMetrics(), max_queue=options.max_queue, k=policy,
-                                   default_max_tokens=options.default_max_tokens)
+        self.worker = make_worker(sampler, ServerMetrics(), max_queue=options.max_queue,
+                                  k=policy if options.max_batch == 1 else options.k,
+                                  default_max_tokens=options.default_max_tokens, max_batch=options.max_batch)
         self.card = model_card(sampler)
 
     def describe(self) -> dict:
