@@ -153,3 +153,27 @@ def test_serve_max_batch_bad_arguments(capsys, tiny_dir, args, message, monkeypa
         main(["serve", "--model", str(tiny_dir), *args])
     err = capsys.readouterr().err
     assert done.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_default_max_tokens_fills_the_context_window(client, sampler):
+    expected = sampler.generate(PROMPT, max_new_tokens=sampler.target.max_length - 4, temperature=0, chat=False, k=3)
+    response = client.completions.create(model="tiny", prompt=PROMPT, temperature=0)
+    assert response.usage.completion_tokens == len(expected.token_ids)
+    assert response.choices[0].text == expected.text and response.choices[0].finish_reason == expected.finish_reason
+
+
+def test_a_waiting_request_whose_client_leaves_frees_its_place(long_dir):  # noqa: F811
+    """Two slots, three places: two long streams run, a third request waits; its client gives up before
+    it starts, and its place is free again while the two still run."""
+    sampler = SpecSampler.load(str(long_dir), "none", backend="fast")
+    with serving(create_app(sampler, max_queue=3, max_batch=2, k=0)) as url:
+        long_request = {"prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "stream": True}
+        with httpx.Client(base_url=url, timeout=120) as first, httpx.Client(base_url=url, timeout=120) as second:
+            with first.stream("POST", "/v1/completions", json=long_request), \
+                    second.stream("POST", "/v1/completions", json=long_request):
+                wait_for(lambda: metrics(url)[("specsample_queue_depth", ())] == 2)
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=1.0)
+                wait_for(lambda: outcome_count(url, "cancelled") == 1)
+                assert metrics(url)[("specsample_queue_depth", ())] == 2  # the two streams still run
+        wait_for(lambda: metrics(url)[("specsample_queue_depth", ())] == 0)

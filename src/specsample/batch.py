@@ -97,9 +97,13 @@ class Batch:
             raise ValueError(f"all {self.slots.count} slots are taken")
         start = perf_counter()
         slot = self.free.pop()
-        self.slots.prefill(slot, request.prompt_ids[:-1])
-        self.drafters[slot].begin(request.prompt_ids, request.params)
-        self.policies[slot].begin()
+        try:
+            self.slots.prefill(slot, request.prompt_ids[:-1])
+            self.drafters[slot].begin(request.prompt_ids, request.params)
+            self.policies[slot].begin()
+        except BaseException:  # the slot stays free
+            self.free.append(slot)
+            raise
         request.slot, request.pending = slot, int(request.prompt_ids[-1])
         request.stats.prompt_tokens = request.prompt_ids.shape[0]
         request.stats.prefill_seconds = perf_counter() - start

@@ -112,6 +112,11 @@ class BatchWorker:
                 job.emit(InvalidRequest(str(error)))
                 self._end(job, "invalid")
                 continue
+            except Exception as error:  # this request fails, the batch goes on
+                log.exception("admitting a request failed")
+                job.emit(error)
+                self._end(job, "error")
+                continue
             model = self.sampler.model
             output = TextOutput(model.tokenizer, job.options["stop"], model.eos_token_ids)
             self.running[request] = Running(job, request, output)
