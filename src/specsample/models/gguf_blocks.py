@@ -9,12 +9,12 @@ them: the packed matrix is exactly as large as the file's tensor (plus padding t
 `raw_rows` gives the file's bytes of any rows back (the embedding lookup of a tied LM head, and
 the tests, dequantize those with the `gguf` package itself).
 
-Q5_0 and Q5_1 keep a fifth bit per value in a uint32 before the nibbles; packed, those bits follow
-the nibbles in one more chunk per block. Q4_K and Q6_K (256-input super-blocks of 32- or 16-input sub-blocks, each with a 6- or 8-bit
-integer scale) are repacked into the same 32-input blocks of integers (Q6_K's 2 high bits in two
-more chunks) and one record of scales per panel and super-block, with the 6-bit scales unpacked
-to bytes (Q4_K: 4 more bytes per 256 inputs and column than the file). `raw_rows` rebuilds the
-file's bytes exactly.
+Q5_0 and Q5_1 keep a fifth bit per value in a uint32 before the nibbles; packed, those bits
+follow the nibbles in one more chunk per block. Q4_K and Q6_K (256-input super-blocks of 32- or
+16-input sub-blocks, each with a 6- or 8-bit integer scale) are repacked into the same 32-input
+blocks of integers (Q6_K's 2 high bits in two more chunks) and one record of scales per panel and
+super-block, with the 6-bit scales unpacked to bytes (Q4_K: 4 more bytes per 256 inputs and
+column than the file). `raw_rows` rebuilds the file's bytes exactly.
 
 Layout (kernels_gguf.cpp's header comment has it from the kernel's side):
     qs     uint8   [panels, blocks, 256 (Q4, Q4_K) | 320 (Q5) | 384 (Q6_K) | 512 (Q8_0)]
