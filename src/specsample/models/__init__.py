@@ -19,9 +19,9 @@ def check_backend(backend: str) -> None:
 def make_target(loaded: LoadedModel, backend: str = "auto", *, threads: int | None = None) -> Target:
     """A loaded model's target. `auto` (and `fast`): the fast Llama-family backend when it supports the
     architecture, else (`auto` only) transformers: a model already in memory stays in float32;
-    `gguf`: the fast backend with its linear maps on the file's own Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks
-    (`gguf_blocks`), built from the file alone when `loaded` holds no weights; `llamacpp` runs the GGUF file `loaded` came from on llama.cpp (`threads`:
-    default all cores)."""
+    `gguf`: the fast backend with its linear maps on the file's own GGUF blocks (Q4_0 to Q8_0, Q4_K,
+    Q6_K; `gguf_blocks`), built from the file alone when `loaded` holds no weights; `llamacpp` runs
+    the GGUF file `loaded` came from on llama.cpp (`threads`: default all cores)."""
     check_backend(backend)
     if backend in ("gguf", "llamacpp") and loaded.gguf is None:
         raise ValueError(f"the {backend} backend runs GGUF files, and {loaded.name} is not one")

@@ -2,7 +2,7 @@
 
 A GGUF file can run three ways: dequantized to float32 on the fast backend (or transformers,
 for an architecture the fast backend does not cover: "auto"), on the fast backend's kernels
-over the file's own Q4_0/Q4_1/Q8_0 blocks ("gguf"), or on llama.cpp ("llamacpp", when
+over the file's own GGUF blocks ("gguf"), or on llama.cpp ("llamacpp", when
 llama-cpp-python is installed). Which is faster depends on the
 model, its quantization and the CPU (llama.cpp's kernels against the project's, AVX-512
 against AVX2), so it is measured rather than assumed: the median time of one single-token

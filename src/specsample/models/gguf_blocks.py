@@ -9,15 +9,16 @@ them: the packed matrix is exactly as large as the file's tensor (plus padding t
 `raw_rows` gives the file's bytes of any rows back (the embedding lookup of a tied LM head, and
 the tests, dequantize those with the `gguf` package itself).
 
-Q4_K and Q6_K (256-input super-blocks of 32- or 16-input sub-blocks, each with a 6- or 8-bit
-integer scale) are repacked into the same 32-input blocks of integers (Q6_K's 2 high bits in two
-more chunks) and one record of scales per panel and super-block, with the 6-bit scales unpacked
-to bytes (Q4_K: 4 more bytes per 256 inputs and column than the file). `raw_rows` rebuilds the
-file's bytes exactly.
+Q5_0 and Q5_1 keep a fifth bit per value in a uint32 before the nibbles; packed, those bits
+follow the nibbles in one more chunk per block. Q4_K and Q6_K (256-input super-blocks of 32- or
+16-input sub-blocks, each with a 6- or 8-bit integer scale) are repacked into the same 32-input
+blocks of integers (Q6_K's 2 high bits in two more chunks) and one record of scales per panel and
+super-block, with the 6-bit scales unpacked to bytes (Q4_K: 4 more bytes per 256 inputs and
+column than the file). `raw_rows` rebuilds the file's bytes exactly.
 
 Layout (kernels_gguf.cpp's header comment has it from the kernel's side):
-    qs     uint8   [panels, blocks, 256 (Q4, Q4_K) | 384 (Q6_K) | 512 (Q8_0)]
-    scales float16 [panels, blocks, 1 (Q4_0, Q8_0) | 2 (Q4_1: d, m), 16]
+    qs     uint8   [panels, blocks, 256 (Q4, Q4_K) | 320 (Q5) | 384 (Q6_K) | 512 (Q8_0)]
+    scales float16 [panels, blocks, 1 (Q4_0, Q5_0, Q8_0) | 2 (Q4_1, Q5_1: d, m), 16]
            uint8   [panels, blocks / 8, 320 (Q4_K) | 288 (Q6_K)]   the K types' records
 """
 from __future__ import annotations
@@ -103,11 +104,11 @@ def pack_blocks(raw: np.ndarray, qtype: int) -> BlockMatrix:
     out_features = raw.shape[0]
     blocks = raw.shape[1] // block_bytes
     panels = -(-out_features // COLS)
-    padded = np.zeros((panels * COLS, blocks, block_bytes), dtype=np.uint8)
-    padded[:out_features] = raw.reshape(out_features, blocks, block_bytes)
-    scales = padded[..., : 2 * halves].copy().view(np.float16)  # [p * col, b, halves]
-    scales = scales.reshape(panels, COLS, blocks, halves).transpose(0, 2, 3, 1)  # [p, b, halves, col]
-    ints = padded[..., 2 * halves :]  # [p * col, b, 16 | 32 | Q5: 4 + 16]
+    by_block = raw.reshape(out_features, blocks, block_bytes)  # a view: the file's bytes are read once, below
+    scales = np.zeros((panels * COLS, blocks, 2 * halves), dtype=np.uint8)
+    scales[:out_features] = by_block[..., : 2 * halves]
+    scales = scales.view(np.float16).reshape(panels, COLS, blocks, halves).transpose(0, 2, 3, 1)  # [p, b, halves, col]
+    ints = by_block[..., 2 * halves :]  # [out, b, 16 | 32 | Q5: 4 + 16]
     if qtype in FIVE_BITS:  # the nibbles, then their fifth bits
         ints = np.concatenate([ints[..., 4:], _fifth_bytes(ints[..., :4])], axis=-1)
     return BlockMatrix(
@@ -143,15 +144,23 @@ def _qh_bytes(fifth: np.ndarray) -> np.ndarray:
     return np.packbits(by_input.reshape(*fifth.shape[:-1], 32), axis=-1, bitorder="little")
 
 
+PANELS_AT_ONCE = 256  # panels rearranged at a time: bounds the temporaries of packing a large matrix
+
+
 def _to_panels(per_row: np.ndarray) -> np.ndarray:
     """Bytes per row and group [out, groups, 4 * chunks] as panels [panels, groups, chunks * 64]: chunk c of
     a group holds bytes 4c..4c+3 of each of 16 rows (zero rows pad the last panel)."""
     out_features, groups, width = per_row.shape
     panels = -(-out_features // COLS)
-    padded = np.zeros((panels * COLS, groups, width), dtype=np.uint8)
-    padded[:out_features] = per_row
-    chunks = padded.reshape(panels, COLS, groups, width // 4, 4).transpose(0, 2, 3, 1, 4)  # [p, g, chunk, col, 4]
-    return np.ascontiguousarray(chunks).reshape(panels, groups, -1)
+    out = np.empty((panels, groups, width * COLS), dtype=np.uint8)
+    for p0 in range(0, panels, PANELS_AT_ONCE):
+        p1 = min(p0 + PANELS_AT_ONCE, panels)
+        rows = per_row[p0 * COLS : p1 * COLS]
+        padded = np.zeros(((p1 - p0) * COLS, groups, width), dtype=np.uint8)
+        padded[: len(rows)] = rows
+        chunks = padded.reshape(p1 - p0, COLS, groups, width // 4, 4).transpose(0, 2, 3, 1, 4)  # [p, g, chunk, col, 4]
+        out[p0:p1] = chunks.reshape(p1 - p0, groups, -1)
+    return out
 
 
 def _from_panels(packed: np.ndarray, rows: np.ndarray) -> np.ndarray:
