@@ -29,6 +29,7 @@ from specsample.models.target import Target
 CONTEXT = 64  # cached tokens under each timed pass
 PASSES = 12  # timed single-token passes per backend (after 2 untimed)
 CANDIDATES = "llamacpp,gguf,auto"  # part of the remembered choice's key: a new candidate measures anew
+KERNELS_VERSION = 2  # also: 2 = block kernels for Q4_K, Q6_K, Q5_0, Q5_1 (a choice remembered before may be stale)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def choice_path(gguf: Path, threads: int | None) -> Path:
     from specsample.models.kernels import _cpu_id
     from specsample.models.loading import conversion_dir
 
-    key = hashlib.sha256(f"{conversion_dir(gguf).name}|{_cpu_id()}|{threads}|{CANDIDATES}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{conversion_dir(gguf).name}|{_cpu_id()}|{threads}|{CANDIDATES}|{KERNELS_VERSION}".encode()).hexdigest()[:16]
     return conversion_dir(gguf).parent / "backend-choice" / f"{key}.json"
 
 
