@@ -135,14 +135,10 @@ class TreeVerifier:
     greedy: Callable[[Tensor, Tensor, Tensor], Verdict] = greedy_verify_tree
 
     def __call__(
-        self,
-        draft_tokens: Tensor,
-        parents: Tensor,
-        draft_probs: Tensor | None,
-        target_logits: Tensor,
-        params: SamplingParams,
-        random: RandomSource,
+        self, draft_tokens: Tensor, parents: Tensor, draft_probs: Tensor | None, target_logits: Tensor,
+        params: SamplingParams, random: RandomSource,
     ) -> Verdict:
+        """The verdict on the tree `draft_tokens` [n] with `parents` [n] (`verify.tree`)."""
         if params.greedy:
             return self.greedy(draft_tokens, parents, target_logits)
         target_probs = probs_from_logits(target_logits, params)
