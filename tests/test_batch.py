@@ -15,7 +15,8 @@ import torch
 
 from specsample.batch import Batch, Request
 from specsample.drafters import NgramDrafter, NoDrafter, SuffixDrafter
-from specsample.drafters.base import Drafter
+from specsample.drafters.base import Draft, Drafter
+from specsample.drafters.suffix import SuffixTreeDrafter
 from specsample.engine import decode
 from specsample.models import kernels
 from specsample.models.llama import LlamaTarget
@@ -28,7 +29,8 @@ from conftest import tiny_llama
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels could not be built here")
 
 GREEDY = SamplingParams(temperature=0)
-DRAFTERS = {"none": (NoDrafter, 0), "ngram": (NgramDrafter, 3), "suffix": (SuffixDrafter, 4)}
+# suffix-tree: its trees are verified as their trunks in a batch (slots score chains), as trees alone
+DRAFTERS = {"none": (NoDrafter, 0), "ngram": (NgramDrafter, 3), "suffix": (SuffixDrafter, 4), "suffix-tree": (SuffixTreeDrafter, 6)}
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +77,15 @@ def test_greedy_batch_equals_alone(target, name):
         assert got[i] == alone(target, make(), k, p, GREEDY, m, CoupledSource(0)), f"request {i}"
         assert requests[i].done and requests[i].stats.generated_tokens == m
     assert sorted(batch.free) == [0, 1, 2] and not batch.running
+
+
+def test_a_tree_of_point_masses_reduces_to_its_trunk():
+    tree = Draft.tree([10, 11, 12, 13, 14], [-1, -1, 0, 0, 2])  # 10 -> {12 -> 14, 13}, 11
+    trunk = tree.trunk()
+    assert trunk.tokens.tolist() == [10, 12, 14] and not trunk.is_tree
+    sampled = Draft(torch.tensor([1, 2]), torch.full((2, 4), 0.25), parents=torch.tensor([-1, -1]))
+    with pytest.raises(ValueError, match="point masses"):
+        sampled.trunk()
 
 
 def test_seeded_sampling_batch_equals_alone(target):

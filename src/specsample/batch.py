@@ -144,7 +144,7 @@ class Batch:
             policy.see_batch(self.cost, self.rows - request.rows, other_tokens)
         k = min(policy.choose(), request.max_new_tokens - request.produced - 1)
         numbers = request.random.at(request.produced)  # offset i: output position produced + i
-        draft = drafter.propose(k, numbers) if k > 0 else Draft.empty()
+        draft = drafter.propose(k, numbers).trunk() if k > 0 else Draft.empty()  # slots score chains
         if draft.confidence is not None:
             draft = draft.prefix(policy.keep(draft.confidence))
         self.rows += len(draft) + 1 - request.rows

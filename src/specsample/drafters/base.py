@@ -71,6 +71,21 @@ class Draft:
 
         return Draft(self.tokens[:n], cut(self.probs), cut(self.confidence), cut(self.parents), self.observe_logits)
 
+    def trunk(self) -> "Draft":
+        """A tree of point masses as the chain of its first children (the most likely continuation, as
+        lookup drafters order siblings), for a verifier of chains (batched decoding). Exact: the chain,
+        like the tree, is a function of the context, not of a draw."""
+        if self.parents is None:
+            return self
+        if self.probs is not None:
+            raise ValueError("only a tree of point masses reduces to a chain; this one has draft_probs")
+        nodes, parent = [], -1
+        for i, p in enumerate(self.parents.tolist()):
+            if p == parent:
+                nodes.append(i)
+                parent = i
+        return Draft(self.tokens[nodes], None, observe_logits=self.observe_logits)
+
     @property
     def is_tree(self) -> bool:
         return self.parents is not None
