@@ -3,13 +3,17 @@
 import subprocess
 import sys
 
-from specsample.openmp import SLEEP, SPIN, choose_wait_policy
+from specsample.openmp import SLEEP, SPIN, busy_cores, choose_wait_policy
 
 
 def test_idle_machine_spins_and_busy_machine_sleeps():
     assert choose_wait_policy({}, 0.3, 2) == SPIN
     assert choose_wait_policy({}, 1.0, 2) == SLEEP
     assert choose_wait_policy({}, 7.9, 16) == SPIN
+
+
+def test_busy_cores_is_a_fraction_of_the_cores():
+    assert 0.0 <= busy_cores(0.02) <= (__import__("os").cpu_count() or 1) + 1e-9
 
 
 def test_the_users_setting_wins():

@@ -2,9 +2,10 @@
 
 import os
 
-from specsample.openmp import choose_wait_policy
+from specsample.openmp import busy_cores, choose_wait_policy
 
-os.environ.update(choose_wait_policy(os.environ, os.getloadavg()[0], os.cpu_count() or 1))
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ.update(choose_wait_policy(os.environ, busy_cores(), os.cpu_count() or 1))
 
 from specsample.api import Chunk, Completion, Generation, SpecSampler  # noqa: E402
 from specsample.sampling import SamplingParams  # noqa: E402

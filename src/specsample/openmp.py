@@ -9,22 +9,48 @@ tokens/s on an idle machine / with one core busy / under a load average of 9-12:
   the thread it waits for is off its core;
 - libgomp's default (300,000 rounds): 211 / 9.6 / not measured.
 
-No one setting is good on both kinds of machine, so the threads spin where the machine looks idle
-when the process starts and sleep otherwise. This module imports nothing that loads libgomp.
+No one setting is good on both kinds of machine, so the threads spin where the machine is idle when
+the process starts and sleep otherwise. "Idle" is measured now, over `SAMPLE_SECONDS` of the
+kernel's CPU counters, not by the load average, which lags by a minute: runs of specsample one
+after another would each see the last one's load and sleep. This module imports nothing that
+loads libgomp.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Mapping
 
-IDLE_LOAD_PER_CORE = 0.5  # a 1-minute load average below this per core counts as idle
+IDLE_BUSY_PER_CORE = 0.5  # fewer busy cores than this per core counts as idle
+SAMPLE_SECONDS = 0.05
 SPIN = {"GOMP_SPINCOUNT": "10000000"}
 SLEEP = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def choose_wait_policy(environ: Mapping[str, str], load_average: float, cores: int) -> dict[str, str]:
+def choose_wait_policy(environ: Mapping[str, str], busy_cores: float, cores: int) -> dict[str, str]:
     """The variables to set: none if the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT (theirs wins);
-    spinning under a load average below `IDLE_LOAD_PER_CORE` per core; sleeping above."""
+    spinning with fewer than `IDLE_BUSY_PER_CORE` busy cores per core; sleeping otherwise."""
     if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
         return {}
-    return dict(SPIN if load_average < IDLE_LOAD_PER_CORE * cores else SLEEP)
+    return dict(SPIN if busy_cores < IDLE_BUSY_PER_CORE * cores else SLEEP)
+
+
+def busy_cores(seconds: float = SAMPLE_SECONDS) -> float:
+    """How many cores were busy (not idle or waiting for I/O) over the next `seconds`, from /proc/stat;
+    the 1-minute load average where there is no /proc/stat."""
+    try:
+        before = cpu_times()
+        time.sleep(seconds)
+        after = cpu_times()
+    except OSError:
+        return os.getloadavg()[0]
+    total, idle = (a - b for a, b in zip(after, before))
+    return (total - idle) / total * (os.cpu_count() or 1) if total else 0.0
+
+
+def cpu_times() -> tuple[int, int]:
+    """All CPUs' (total, idle + iowait) time so far, in clock ticks."""
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    return sum(fields), fields[3] + fields[4]
