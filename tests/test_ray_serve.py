@@ -190,7 +190,7 @@ def test_a_client_that_leaves_frees_its_place(server, client):
              "the gateway did not cancel the request")
     wait_for(lambda: gauge(url, "specsample_queue_depth") == 0, 30, "the request still holds its place")
     # Ray Serve logs each replica call's end: "CALL generate CANCELLED <ms>" (at once) or "OK" (4000 tokens later)
-    wait_for(lambda: cancelled_calls(server[2]) == calls + 1, 30, "the replica's generation was not cancelled")
+    wait_for(lambda: cancelled_calls(server[2]) > calls, 90, "the replica's generation was not cancelled")
     assert stream_text(client, PROMPTS[2])[0]
 
 
