@@ -3,7 +3,7 @@
 `specsample bench cost-curve` measures the build the process loads (one instruction
 set per process, SPECSAMPLE_KERNEL_ISA). Comparing builds across processes on a
 shared machine mixes in whatever else ran meanwhile; this script times every build
-on one target in the same repetitions (`bench.cost_curve.measure` interleaves them),
+on one target in the same repetitions (`specsample.cost_curve.measure` interleaves them),
 so their f(1) compare as well as their ratios. Builds are `kernels.cpp` for each
 instruction set asked for, and optionally other sources (an older kernels.cpp):
 
@@ -27,6 +27,7 @@ from unittest import mock
 from torch import Tensor
 
 from specsample.bench import cost_curve as cc
+from specsample.cost_curve import measure
 from specsample.models import kernels, load_model
 from specsample.models.llama import LlamaTarget
 
@@ -93,7 +94,7 @@ def main() -> None:
     targets = {label: WithKernels(target, lib) for label, lib in libs.items()}
     clock = time.process_time if args.cpu_time else time.perf_counter
     with mock.patch.object(cc, "perf_counter", clock):
-        curves = cc.measure(targets, ids[: args.context_length], ids[args.context_length :], ns, args.repeats)
+        curves = measure(targets, ids[: args.context_length], ids[args.context_length :], ns, args.repeats)
     threads = os.environ.get("OMP_NUM_THREADS", "all")
     print(f"{cpu_name()}; {loaded.name}; context {args.context_length}; median of {args.repeats}; "
           f"{'CPU' if args.cpu_time else 'wall'} time; OMP threads: {threads}")

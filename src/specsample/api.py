@@ -18,13 +18,15 @@ from dataclasses import dataclass
 import torch
 
 from specsample.batch import Batch, Request
+from specsample.cost_curve import machine_ratios
 from specsample.defaults import Configuration, default_configuration, given
 from specsample.drafters import Drafter, make_drafter
 from specsample.engine import decode
 from specsample.models import LoadedModel, Target, load_target
 from specsample.models.choice import resolve
+from specsample.models.loading import conversion_dir
 from specsample.models.target import SlottedTarget, require
-from specsample.policy import KPolicy, parse_batch_k, parse_k
+from specsample.policy import KPolicy, SeesCostCurve, parse_batch_k, parse_k
 from specsample.sampling import SamplingParams, request_source
 from specsample.stats import Stats
 from specsample.text import IncrementalDecoder, Message, StopMatcher, encode_prompt
@@ -149,6 +151,8 @@ class SpecSampler:
         self.configuration = configuration or given(type(drafter).__name__)
         self.backend, self.backend_reason = type(target).__name__, "a target given directly"
         self.policies: dict[str, KPolicy] = {}
+        self.threads: int | None = None  # as given to `load`
+        self._cost_ratios: dict[int, float] | None = None
 
     @classmethod
     def load(
@@ -166,7 +170,7 @@ class SpecSampler:
         backend, reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
         loaded, target = load_target(model, backend, trust_remote_code=trust_remote_code, threads=threads)
         sampler = cls.build(loaded, target, drafter, backend=backend, trust_remote_code=trust_remote_code)
-        sampler.backend, sampler.backend_reason = backend, reason
+        sampler.backend, sampler.backend_reason, sampler.threads = backend, reason, threads
         return sampler
 
     @classmethod
@@ -191,6 +195,16 @@ class SpecSampler:
         if key not in self.policies:
             self.policies[key] = parse_k(k)
         return self.policies[key]
+
+    def cost_ratios(self) -> dict[int, float]:
+        """The target's f(n)/f(1) on this machine (`cost_curve.machine_ratios`), measured at the first
+        request under the cost model: remembered for a GGUF file, else measured once per sampler."""
+        if self._cost_ratios is None:
+            gguf = self.model.gguf
+            key = None if gguf is None else "|".join(
+                [conversion_dir(gguf).name, self.backend, type(self.target).__name__, str(self.threads), str(torch.get_num_threads())])
+            self._cost_ratios = machine_ratios(self.target, key)
+        return self._cost_ratios
 
     def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
         return encode_prompt(self.model.tokenizer, prompt, chat)
@@ -222,6 +236,8 @@ class SpecSampler:
         params = SamplingParams(temperature, top_k, top_p, min_p)
         k = self.configuration.k if k is None else k
         policy = self.policy(k) if isinstance(k, (int, str)) else k
+        if isinstance(policy, SeesCostCurve):
+            policy.see_cost_curve(self.cost_ratios())
         prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)
         return Generation(self, prompt_ids, params, policy, max_new_tokens, seed, stop)
 

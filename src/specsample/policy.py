@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -18,6 +18,7 @@ CONFIDENCE_BINS = 10  # a drafter's confidence is calibrated per tenth of its ra
 CALIBRATION_PRIOR = 4.0  # the drafter's own figure counts as this many observations
 COST_EVIDENCE_STEPS = 2  # drafting steps before the drafter's cheapest one bounds the optimism about its cost
 RANK_DECAY = 0.5  # a tree node's prior acceptance: prior_acceptance * RANK_DECAY ** (its sibling rank)
+PRIOR_COST_WEIGHT = 3  # the machine's measured f(n)/f(1) (`see_cost_curve`) counts as this many passes
 
 
 class KPolicy(Protocol):
@@ -54,6 +55,13 @@ class SeesBatch(Protocol):
         """Before `choose`: the batch's pass cost f(rows), and the rows and expected tokens of the other
         requests of the step."""
         ...
+
+
+@runtime_checkable
+class SeesCostCurve(Protocol):
+    """A policy that starts from the target's cost curve measured on this machine (`cost_curve.machine_ratios`)."""
+
+    def see_cost_curve(self, ratios: Mapping[int, float]) -> None: ...
 
 
 class FixedK:
@@ -181,7 +189,7 @@ class CostModelK:
         self.f1: float | None = None  # moving average of a plain step's seconds
         self.relative_cost: dict[int, float] = {}  # n positions scored -> moving average of f(n) / f(1)
         self.verify_count: dict[int, int] = {}  # n positions scored -> steps measured
-        self.curve: tuple[list[int], list[float]] | None = None  # `cost_curve`, refitted when a pass is measured
+        self.ratio_fit: tuple[list[int], list[float]] | None = None  # nondecreasing f(n)/f(1), refitted when they move
         self.draft_seconds = 0.0  # decayed totals over steps that drafted
         self.drafted_tokens = 0.0
         self.cheapest_draft_token = math.inf  # the lowest seconds per draft token of any step so far
@@ -200,6 +208,14 @@ class CostModelK:
         """A new prompt may suit the drafter more or less: earlier evidence counts `carry` times."""
         self.scale_counts(self.carry)
         self.predict()
+
+    def see_cost_curve(self, ratios: Mapping[int, float]) -> None:
+        """Start f(n)/f(1) at each n not measured yet from `ratios`, the target's curve measured on this
+        machine, worth PRIOR_COST_WEIGHT passes; the passes this policy times then move it."""
+        for n, ratio in ratios.items():
+            if n not in self.verify_count:
+                self.relative_cost[n], self.verify_count[n] = ratio, PRIOR_COST_WEIGHT
+        self.ratio_fit = None
 
     def choose(self) -> int:
         self.predict()
@@ -292,13 +308,14 @@ class CostModelK:
         """One pass over n positions took `seconds`: update f(1), or f(n)/f(1) against the f(1) of now."""
         if n == 1:
             self.f1 = seconds if self.f1 is None else self.f1 + self.smoothing * (seconds - self.f1)
-            self.relative_cost[1] = 1.0
+            if 1 not in self.relative_cost:
+                self.relative_cost[1], self.ratio_fit = 1.0, None
         else:
             ratio = seconds / (self.f1 or seconds)
             old = self.relative_cost.get(n, ratio)
             self.relative_cost[n] = old + self.smoothing * (ratio - old)
+            self.ratio_fit = None
         self.verify_count[n] = self.verify_count.get(n, 0) + 1
-        self.curve = None
 
     def observe_confidence(self, step: Step) -> None:
         """Count the verified tokens of a kept draft prefix (those up to the first rejection) by confidence."""
@@ -360,14 +377,15 @@ class CostModelK:
         """The measured n and f(n) there: a longer pass never costs less than a shorter one, so the
         moving averages of f(n)/f(1) are fitted by a nondecreasing curve, each weighted by its number
         of measurements (up to 10), so that one noisy step at a rarely used n moves little.
-        Refitted only after a pass is measured."""
-        if self.curve is None:
+        Refitted only when a ratio moves (a plain step moves f(1) alone: the fit is scaled)."""
+        if self.ratio_fit is None:
             measured = sorted(self.relative_cost)
             ratios = [self.relative_cost[m] for m in measured]
             weights = [min(self.verify_count[m], 10) for m in measured]
-            f1 = self.f1 or 1.0
-            self.curve = measured, [f1 * r for r in nondecreasing(ratios, weights)]
-        return self.curve
+            self.ratio_fit = measured, nondecreasing(ratios, weights)
+        measured, fit = self.ratio_fit
+        f1 = self.f1 or 1.0
+        return measured, [f1 * r for r in fit]
 
     def estimates(self) -> dict:
         k = self.k

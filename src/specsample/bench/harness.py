@@ -39,7 +39,7 @@ from specsample.bench.baselines import Output
 from specsample.defaults import given
 from specsample.drafters import REGISTRY, DraftModelDrafter, make_drafter
 from specsample.models import LoadedModel, Target, load_model, make_target
-from specsample.policy import KPolicy, parse_k
+from specsample.policy import KPolicy, SeesCostCurve, parse_k
 from specsample.prompts import Prompt
 from specsample.sampling import SamplingParams
 from specsample.text import Message
@@ -229,6 +229,10 @@ class ChoiceCounter:
     def begin(self) -> None:
         self.chosen = {}
         self.policy.begin()
+
+    def see_cost_curve(self, ratios) -> None:
+        if isinstance(self.policy, SeesCostCurve):
+            self.policy.see_cost_curve(ratios)
 
     def choose(self) -> int:
         k = self.policy.choose()

@@ -1,0 +1,127 @@
+"""The cost curve f(n): the time of one target forward pass over n new tokens, against f(1).
+
+Speculative sampling pays off only if verifying K draft tokens (one pass over
+K+1 tokens) costs about one plain decoding step. `measure` times f(n) over a
+cache: the context is prefilled once, each measurement scores n tokens and
+rolls back. Targets and values of n are interleaved within each repetition, so
+background load hits them alike, and each f(n) is the median over repetitions.
+`bench cost-curve` prints it (`bench/cost_curve.py`).
+
+`machine_ratios` is the cost model's prior (`policy.SeesCostCurve`): the K
+policy learns f(n)/f(1) online, one pass at a time, at the n it tries, so a
+fresh process starts knowing nothing; one slow early pass over n tokens (a
+cold cache, a burst of load) can keep K at 0 for a whole short request, since
+an n that K = 0 never scores is not measured again. So before its first
+request, a sampler under the cost model measures its target's curve over a
+short cache and hands the ratios to the policy as a few measurements' worth of
+evidence. For a GGUF file they are remembered in the cache directory per file,
+backend, CPU, thread count and kernel version, so one run per machine pays
+(under a second for the bundled model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from time import perf_counter
+
+import torch
+from torch import Tensor
+
+from specsample.models.target import Target
+
+PRIOR_NS = (1, 2, 3, 4, 5, 7, 9, 13, 17)  # n measured for the prior: every K up to CostModelK's k_max = 16
+PRIOR_CONTEXT = 64  # cached tokens under the prior's passes
+PRIOR_REPEATS = 5
+
+
+@dataclass
+class CostCurve:
+    backend: str
+    context_length: int
+    ns: list[int]
+    ms: list[float]  # median milliseconds of score(n tokens), one per n
+
+    @property
+    def ratios(self) -> list[float]:
+        return [m / self.ms[0] for m in self.ms]
+
+    def ratio(self, n: int) -> float:
+        return self.ratios[self.ns.index(n)]
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ratios": self.ratios}
+
+
+def time_score(target: Target, tokens: Tensor, context_length: int) -> float:
+    """Seconds to score `tokens` after the context; the cache is rolled back to the context."""
+    target.rollback(context_length)
+    start = perf_counter()
+    target.score(tokens)
+    elapsed = perf_counter() - start
+    target.rollback(context_length)
+    return elapsed
+
+
+def measure(
+    targets: dict[str, Target],
+    context: Tensor,
+    continuation: Tensor,
+    ns: Sequence[int] = tuple(range(1, 17)),
+    repeats: int = 7,
+    warmup: int = 1,
+) -> list[CostCurve]:
+    """f(n) for each target, prefilled with `context` [L], scoring the first n of `continuation`."""
+    if continuation.shape[0] < max(ns):
+        raise ValueError(f"the continuation has {continuation.shape[0]} tokens, fewer than n = {max(ns)}")
+    if 1 not in ns:
+        raise ValueError("ns must include 1, the reference of the ratios")
+    ns = sorted(ns)
+    context_length = int(context.shape[0])
+    for target in targets.values():
+        target.prefill(context)
+    times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in ns} for name in targets}
+    for rep in range(warmup + repeats):
+        for n in ns:
+            for name, target in targets.items():
+                elapsed = time_score(target, continuation[:n], context_length)
+                if rep >= warmup:
+                    times[name][n].append(elapsed)
+    return [
+        CostCurve(name, context_length, list(ns), [1000 * statistics.median(times[name][n]) for n in ns])
+        for name in targets
+    ]
+
+
+def machine_ratios(target: Target, key: str | None) -> dict[int, float]:
+    """f(n)/f(1) of `target` on this machine at PRIOR_NS, remembered under `key` (None: measured anew,
+    not remembered). The target's cache is empty afterwards."""
+    path = None if key is None else ratios_path(key)
+    if path is not None and path.is_file():
+        return {int(n): ratio for n, ratio in json.loads(path.read_text()).items()}
+    ns = [n for n in PRIOR_NS if n < target.max_length]  # a cached token and n new ones fit
+    context = min(PRIOR_CONTEXT, target.max_length - max(ns))
+    ids = torch.arange(context + max(ns)) % target.vocab_size  # [context + max n]
+    (curve,) = measure({"target": target}, ids[:context], ids[context:], ns, PRIOR_REPEATS)
+    target.rollback(0)
+    ratios = dict(zip(curve.ns, curve.ratios))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{id(ratios)}.tmp")
+        tmp.write_text(json.dumps(ratios))
+        tmp.replace(path)
+    return ratios
+
+
+def ratios_path(key: str) -> Path:
+    """Where the ratios of `key` (a model file, backend and thread count) are kept on this CPU."""
+    from specsample.models.choice import KERNELS_VERSION
+    from specsample.models.kernels import _cpu_id
+    from specsample.models.loading import cache_root
+
+    digest = hashlib.sha256(f"{key}|{_cpu_id()}|{KERNELS_VERSION}|{PRIOR_NS}|{PRIOR_CONTEXT}".encode()).hexdigest()[:16]
+    return cache_root() / "cost-curve" / f"{digest}.json"

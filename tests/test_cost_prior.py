@@ -1,0 +1,89 @@
+"""The cost model's prior: the target's cost curve measured on this machine, remembered per GGUF file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specsample import SpecSampler
+from specsample.cost_curve import PRIOR_NS, machine_ratios, ratios_path
+from specsample.models import LoadedModel, make_target
+from specsample.policy import CostModelK
+from specsample.stats import Step
+
+from conftest import tiny_llama
+
+FLAT = {n: 1.0 + 0.03 * (n - 1) for n in PRIOR_NS}  # a weight-streaming CPU pass: extra rows nearly free
+
+
+def k_after_a_cold_pass(prior: dict[int, float] | None) -> int:
+    """A fresh policy's K after one plain step (10 ms) and one K = 1 step whose pass, the first over two
+    positions in the process, was cold (30 ms) though its draft token was accepted."""
+    policy = CostModelK(k_max=8)
+    if prior is not None:
+        policy.see_cost_curve(prior)
+    assert policy.choose() == 0  # f(1) is measured first
+    policy.observe(Step(0, 0, 1, 0.0, 0.010))
+    assert policy.choose() == 1
+    policy.observe(Step(1, 1, 2, 0.0, 0.030))
+    return policy.choose()
+
+
+def test_one_cold_pass_keeps_k_at_zero_without_the_machines_curve_but_not_with_it():
+    assert k_after_a_cold_pass(None) == 0  # f(2) = 3 f(1) measured once: never measured again at K = 0
+    assert k_after_a_cold_pass(FLAT) > 0  # the cold pass moves the measured 1.03 by a fifth of the way
+
+
+def test_the_prior_gives_way_to_the_passes_the_policy_times():
+    policy = CostModelK(k_max=8)
+    policy.see_cost_curve(FLAT)
+    policy.observe(Step(0, 0, 1, 0.0, 0.010))
+    for _ in range(40):
+        policy.observe(Step(3, 3, 4, 0.0, 0.020))  # f(4) is really 2 f(1) here
+    assert policy.relative_cost[4] == pytest.approx(2.0, rel=0.01)
+    f1, f4 = policy.target_seconds([1.0, 4.0])
+    assert f4 / f1 > 1.5  # from 1.09; the larger n's prior, fitted nondecreasing with it, holds it below 2
+    policy.see_cost_curve(FLAT)  # a later request: what was measured stays
+    assert policy.relative_cost[4] == pytest.approx(2.0, rel=0.01)
+
+
+def test_an_unmeasured_n_between_prior_points_is_interpolated():
+    policy = CostModelK(k_max=16)
+    policy.see_cost_curve({1: 1.0, 9: 1.8, 17: 2.6})
+    policy.observe(Step(0, 0, 1, 0.0, 0.010))
+    assert policy.target_seconds([5.0])[0] == pytest.approx(0.014)
+
+
+def tiny_target():
+    return make_target(LoadedModel(tiny_llama(vocab_size=64), None, "tiny", frozenset(), 0.0), "fast")
+
+
+def test_machine_ratios_are_measured_and_remembered(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSAMPLE_CACHE", str(tmp_path))
+    target = tiny_target()
+    ratios = machine_ratios(target, "tiny|fast|1")
+    assert list(ratios) == list(PRIOR_NS) and ratios[1] == 1.0
+    assert all(r > 0 for r in ratios.values())
+    assert target.length == 0  # the cache is left empty for the first request
+    path = ratios_path("tiny|fast|1")
+    assert path.is_file()
+    path.write_text(json.dumps({"1": 1.0, "2": 7.0}))  # what is remembered is what is used
+    assert machine_ratios(target, "tiny|fast|1") == {1: 1.0, 2: 7.0}
+    assert machine_ratios(target, "tiny|fast|2") != {1: 1.0, 2: 7.0}  # another key measures anew
+    assert machine_ratios(target, None) != {1: 1.0, 2: 7.0}  # no key: measured, not remembered
+
+
+def test_a_target_with_a_short_context_measures_what_fits():
+    target = tiny_target()
+    target.max_length = 10
+    assert list(machine_ratios(target, None)) == [n for n in PRIOR_NS if n < 10]
+
+
+def test_the_sampler_hands_its_targets_curve_to_the_cost_model(tiny_dir):
+    sampler = SpecSampler.load(str(tiny_dir), "suffix")
+    out = sampler.generate("w3 w4 w5", chat=False, temperature=0, max_new_tokens=4, k="auto")
+    assert set(out.stats.policy["target_ms"]) >= set(PRIOR_NS)  # known before any pass over 17 positions
+    fixed = SpecSampler.load(str(tiny_dir), "suffix")
+    fixed.generate("w3 w4 w5", chat=False, temperature=0, max_new_tokens=4, k=2)
+    assert fixed._cost_ratios is None  # a fixed K never pays for the measurement
