@@ -426,23 +426,43 @@ static void linear(int type, const float* x, long M, long K, const void* w, cons
   else specsample_gemm(x, M, K, K, w, scale, N, y, N, bias, add);
 }
 
+// Scratch of a layer pass over M rows: h [M, hidden], qkv [M, (heads + 2 kv_heads) d], att [M, heads d],
+// gu [M, 2 inter], act [M, inter], one after the other.
+struct Scratch {
+  float *h, *qkv, *att, *gu, *act;
+  long qkv_width, att_width;
+  Scratch(const Layer* L, long M, float* scratch)
+      : qkv_width((L->heads + 2 * L->kv_heads) * L->d), att_width(L->heads * L->d) {
+    h = scratch, qkv = h + M * L->hidden, att = qkv + M * qkv_width, gu = att + M * att_width;
+    act = gu + M * 2 * L->inter;
+  }
+};
+
+// Before attention: h = norm(x), qkv = h @ wqkv (+ bias).
+static void attention_input(const Layer* L, const float* x, long M, const Scratch& s) {
+  rms_norm(x, L->attn_norm, M, L->hidden, L->eps, s.h);
+  linear(L->fqkv, s.h, M, L->hidden, L->wqkv, L->sqkv, s.qkv_width, s.qkv, L->bqkv, 0);
+}
+
+// After attention: x += att @ wo (+ bias), then the MLP block, x += down(silu(gate) * up) of norm(x).
+static void attention_output_and_mlp(const Layer* L, float* x, long M, const Scratch& s) {
+  long H = L->hidden, I = L->inter;
+  linear(L->fo, s.att, M, s.att_width, L->wo, L->so, H, x, L->bo, 1);
+  rms_norm(x, L->mlp_norm, M, H, L->eps, s.h);
+  linear(L->fgu, s.h, M, H, L->wgu, L->sgu, 2 * I, s.gu, 0, 0);
+  silu_mul(s.gu, M, I, s.act);
+  linear(L->fdown, s.act, M, I, L->wdown, L->sdown, H, x, 0, 1);
+}
+
 // One decoder layer over x [M, hidden] (the residual stream, updated in place) at positions
 // start..start+M-1. scratch holds M (hidden + (heads + 2 kv_heads) d + heads d + 3 inter) floats.
 // With `parents` [M] (null for a chain), the M tokens are a tree (`attention`).
 extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, float* scratch, const long* parents) {
-  long H = L->hidden, qkv_width = (L->heads + 2 * L->kv_heads) * L->d, att_width = L->heads * L->d;
-  long I = L->inter;
-  float *h = scratch, *qkv = h + M * H, *att = qkv + M * qkv_width, *gu = att + M * att_width;
-  float* act = gu + M * 2 * I;
-  rms_norm(x, L->attn_norm, M, H, L->eps, h);
-  linear(L->fqkv, h, M, H, L->wqkv, L->sqkv, qkv_width, qkv, L->bqkv, 0);
-  attention(qkv, M, L->heads, L->kv_heads, L->d, L->cos + start * L->d, L->sin + start * L->d,
-            L->keys, L->values, L->cap, start, att, parents);
-  linear(L->fo, att, M, att_width, L->wo, L->so, H, x, L->bo, 1);
-  rms_norm(x, L->mlp_norm, M, H, L->eps, h);
-  linear(L->fgu, h, M, H, L->wgu, L->sgu, 2 * I, gu, 0, 0);
-  silu_mul(gu, M, I, act);
-  linear(L->fdown, act, M, I, L->wdown, L->sdown, H, x, 0, 1);
+  Scratch s(L, M, scratch);
+  attention_input(L, x, M, s);
+  attention(s.qkv, M, L->heads, L->kv_heads, L->d, L->cos + start * L->d, L->sin + start * L->d,
+            L->keys, L->values, L->cap, start, s.att, parents);
+  attention_output_and_mlp(L, x, M, s);
 }
 
 // One decoder layer over x [M, hidden] whose rows belong to `segments` requests, each with a cache
@@ -454,26 +474,19 @@ extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, f
 extern "C" void specsample_layer_slots(const Layer* L, float* x, long M, long segments, const long* rows,
                                        const long* starts, float* const* keys, float* const* values,
                                        float* scratch) {
-  long H = L->hidden, qkv_width = (L->heads + 2 * L->kv_heads) * L->d, att_width = L->heads * L->d;
-  long I = L->inter, work = 0;
-  float *h = scratch, *qkv = h + M * H, *att = qkv + M * qkv_width, *gu = att + M * att_width;
-  float* act = gu + M * 2 * I;
+  Scratch sc(L, M, scratch);
+  long work = 0;
   long* first = new long[segments + 1];  // first row of each segment
   first[0] = 0;
   for (long s = 0; s < segments; s++) {
     first[s + 1] = first[s] + rows[s];
     work += rows[s] * L->heads * (starts[s] + rows[s]) * L->d;
   }
-  rms_norm(x, L->attn_norm, M, H, L->eps, h);
-  linear(L->fqkv, h, M, H, L->wqkv, L->sqkv, qkv_width, qkv, L->bqkv, 0);
+  attention_input(L, x, M, sc);
 #pragma omp parallel for schedule(dynamic) if (segments > 1 && work >= 500000)
   for (long s = 0; s < segments; s++)
-    attention(qkv + first[s] * qkv_width, rows[s], L->heads, L->kv_heads, L->d, L->cos + starts[s] * L->d,
-              L->sin + starts[s] * L->d, keys[s], values[s], L->cap, starts[s], att + first[s] * att_width);
+    attention(sc.qkv + first[s] * sc.qkv_width, rows[s], L->heads, L->kv_heads, L->d, L->cos + starts[s] * L->d,
+              L->sin + starts[s] * L->d, keys[s], values[s], L->cap, starts[s], sc.att + first[s] * sc.att_width);
   delete[] first;
-  linear(L->fo, att, M, att_width, L->wo, L->so, H, x, L->bo, 1);
-  rms_norm(x, L->mlp_norm, M, H, L->eps, h);
-  linear(L->fgu, h, M, H, L->wgu, L->sgu, 2 * I, gu, 0, 0);
-  silu_mul(gu, M, I, act);
-  linear(L->fdown, act, M, I, L->wdown, L->sdown, H, x, 0, 1);
+  attention_output_and_mlp(L, x, M, sc);
 }
