@@ -21,6 +21,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 import test_lossless
 from conftest import tiny_llama
 from specsample.drafters import DraftModelDrafter, NoDrafter
+from specsample.drafters.quantized import QuantizedDrafter
 from specsample.engine import decode
 from specsample.models import load_target, make_target
 from specsample.models.llamacpp import LlamaCppTarget, system_info
@@ -265,3 +266,25 @@ def test_speculative_sampling_on_llamacpp_matches_the_target_distribution(lossle
     observed = test_lossless.sampled_counts(model, drafter, params, seed=1234)
     p = test_lossless.chi_square_p(observed, test_lossless.exact_distribution(model, params))
     assert p > test_lossless.ALPHA, f"{name}: p = {p:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["draft-model", "quantized"])
+def test_drafts_with_probabilities_on_llamacpp_keep_the_target_distribution(lossless_gguf, tmp_path, monkeypatch, kind):
+    """test_lossless's chi-square test (t = 1) with target and drafter both run by llama.cpp, the drafter
+    drawing its tokens from its own distribution: a noisy copy of the weights written as another GGUF
+    file (about 0.6 of its tokens accepted, so recovered tokens are drawn from the residual often), or
+    `quantized`, the target's Q8_0 copy made by llama.cpp's quantizer."""
+    path, model = lossless_gguf
+    target = LlamaCppTarget(path, n_threads=1)
+    as_target = test_lossless.as_target
+    monkeypatch.setattr(test_lossless, "as_target", lambda m: target if m is model else as_target(m))
+    monkeypatch.setenv("SPECSAMPLE_CACHE", str(tmp_path / "cache"))
+    if kind == "draft-model":
+        noisy = write_gguf(test_lossless.noisy_copy(model, scale=0.1, seed=1), tmp_path / "draft.gguf")
+        drafter = DraftModelDrafter(LlamaCppTarget(noisy, n_threads=1))
+    else:
+        drafter = QuantizedDrafter(target.quantized_copy(), target)
+    params = test_lossless.PARAMS["t1"]
+    observed = test_lossless.sampled_counts(model, drafter, params, seed=1234)
+    p = test_lossless.chi_square_p(observed, test_lossless.exact_distribution(model, params))
+    assert p > test_lossless.ALPHA, f"{kind}: p = {p:.2e}"
