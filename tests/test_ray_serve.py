@@ -81,7 +81,8 @@ def start(args: list[str], log: Path, **env: str) -> tuple[subprocess.Popen, str
     process and its URL once it answers."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "PYTHONUNBUFFERED": "1", **env}  # the replicas' log lines reach the log as they come
+           "PYTHONUNBUFFERED": "1",  # the replicas' log lines reach the log as they come,
+           "RAY_DEDUP_LOGS": "0", **env}  # every one of them (tests read the replicas' calls there)
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "specsample.cli", "serve", *args, "--port", str(port), "--ray-address", "local"],
