@@ -268,7 +268,7 @@ def run(options: RayOptions, *, host: str, port: int, address: str | None = None
 
     It stops as `specsample serve` (uvicorn) does: on SIGINT or SIGTERM it deletes the application, and when
     it started the cluster itself, shuts Serve and that cluster down (no raylet, gcs_server or worker left;
-    a cluster given by `address` keeps running); then it raises the signal again with its former handler:
+    a cluster it joined keeps running); then it raises the signal again with its former handler:
     Ctrl-C ends in KeyboardInterrupt (the CLI's exit code 130), SIGTERM in death by SIGTERM (143 in a shell)."""
     import ray
 
