@@ -1,16 +1,20 @@
 """`specsample serve --replicas 2` end to end: a local Ray cluster with two replicas of the bundled model
 (llamacpp, one thread each) behind one OpenAI-compatible endpoint on loopback, the official `openai`
-client. One cluster for the module: about a minute and 1.5 GB in all, most of it Ray's start-up."""
+client; then `--min-replicas 1 --max-replicas 2` on a second cluster, started after the first has
+stopped. About 1.5 GB at a time, most of the time Ray's start-up."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import redirect_stdout, suppress
@@ -71,30 +75,63 @@ def healthy(url: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[tuple[str, psutil.Process, Path]]:
-    """`specsample serve --replicas 2` in a subprocess (its own local Ray cluster); its URL, process and log."""
-    port, log = free_port(), tmp_path_factory.mktemp("ray") / "serve.log"
+def start(args: list[str], log: Path, **env: str) -> tuple[subprocess.Popen, str]:
+    """`specsample serve ARGS` on loopback with its own local Ray cluster, in a session of its own (Ray's
+    daemons and workers stay in it: `session_processes`), Ctrl-C at its default as in a terminal; the
+    process and its URL once it answers."""
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "PYTHONUNBUFFERED": "1"}  # the replicas' log lines reach the log as they come
+           "PYTHONUNBUFFERED": "1",  # the replicas' log lines reach the log as they come,
+           "RAY_DEDUP_LOGS": "0", **env}  # every one of them (tests read the replicas' calls there)
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "specsample.cli", "serve", "--replicas", "2", *FLAGS, "--api-key", KEY,
-             "--port", str(port), "--ray-address", "local"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url, server = f"http://127.0.0.1:{port}", psutil.Process(process.pid)
+            [sys.executable, "-m", "specsample.cli", "serve", *args, "--port", str(port), "--ray-address", "local"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: healthy(url) or process.poll() is not None, 300, "the Ray application did not start")
         assert process.poll() is None, log.read_text()[-3000:]
+    except BaseException:
+        stop(process)
+        raise
+    return process, url
+
+
+def session_processes(leader: int) -> list[psutil.Process]:
+    """The processes of the session `leader` began, but the leader: a `start`ed server's Ray processes,
+    and no other test's."""
+    found = []
+    for process in psutil.process_iter():
+        with suppress(psutil.Error, ProcessLookupError):
+            if process.pid != leader and os.getsid(process.pid) == leader:
+                found.append(process)
+    return found
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM, as Ctrl-C: the application and the local cluster stop; then whatever is left of the session."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(60)
+    finally:  # if the shut-down failed, Ray's processes must not outlive the tests
+        for leftover in session_processes(process.pid):
+            with suppress(psutil.Error):
+                leftover.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[tuple[str, psutil.Process, Path, subprocess.Popen]]:
+    """`specsample serve --replicas 2 --prefix-affinity` in a subprocess (every test here passes through Ray
+    Serve's prefix-aware router); its URL, process, log and Popen."""
+    log = tmp_path_factory.mktemp("ray") / "serve.log"
+    process, url = start(["--replicas", "2", "--prefix-affinity", *FLAGS, "--api-key", KEY], log)
+    server = psutil.Process(process.pid)
+    try:
         wait_for(lambda: len(engine_replicas(server)) == 2, 60, "two Engine replicas")
-        yield url, server, log
+        yield url, server, log, process
     finally:
-        process.send_signal(signal.SIGTERM)  # as Ctrl-C: the application and the local cluster stop
-        try:
-            process.wait(60)
-        finally:  # Ray's agents outlive their raylet for a while: end them with the rest of the session
-            with suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+        stop(process)
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +190,31 @@ def test_sixteen_streams_over_both_replicas_match_generate(server, client, refer
     assert min(busy) > 0.2, f"CPU seconds per replica {busy}: the requests did not go to both"
     generated = counted(server[0], "specsample_generated_tokens") - generated
     assert generated == sum(last.usage.completion_tokens for _, last in results)
+
+
+def replica_of(log: Path, request_id: str) -> str | None:
+    """The Engine replica that ran a request, from Ray Serve's log line of the call ("specsample_Engine
+    REPLICA REQUEST_ID -- CALL generate OK"); the request id is the client's X-Request-Id."""
+    found = re.search(rf"specsample_Engine (\S+) {re.escape(request_id)} -- CALL generate", log.read_text())
+    return found and found.group(1)
+
+
+def test_prefix_affinity_keeps_a_prefix_on_one_replica(server):
+    """Requests one at a time (both replicas idle): for each of four long prompt prefixes, three prompts that
+    share it run on the same replica (by chance, with power of two choices: 1 in 256)."""
+    url, log = server[0], server[2]
+    for n, topic in enumerate(("rain", "the sea", "mountains", "old cities")):
+        prefix = f"Here is a long description of {topic}, with every detail that matters. " * 12
+        replicas = set()
+        for i in range(3):
+            request_id = f"affinity-{n}-{i}-{time.monotonic_ns()}"
+            reply = httpx.post(f"{url}/v1/completions", timeout=60,
+                               json={"prompt": f"{prefix}Question {i}: why?", "max_tokens": 2, "temperature": 0},
+                               headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": request_id})
+            assert reply.status_code == 200, reply.text
+            wait_for(lambda: replica_of(log, request_id) is not None, 30, "no log line of the replica's call")
+            replicas.add(replica_of(log, request_id))
+        assert len(replicas) == 1, (topic, replicas)
 
 
 def test_errors_and_api_key(server, client):
@@ -240,6 +302,148 @@ def test_replica_killed_under_load(server, client):
     wait_for(lambda: len([p for p in engine_replicas(serving) if p.pid != victim.pid]) == 2, 180,
              "Ray did not restart the replica")
     assert stream_text(client, PROMPTS[1])[0]
+
+
+def assert_stops(process: subprocess.Popen, signum: int, returncode: int) -> None:
+    """After `signum` the server exits with `returncode` within a minute and none of its session's
+    processes (raylet, gcs_server, Ray's agents and workers) is alive 30 s later."""
+    names = {p.name() for p in alive(session_processes(process.pid))}
+    assert {"raylet", "gcs_server"} <= names, names
+    start = time.monotonic()
+    if signum == signal.SIGINT:
+        os.killpg(process.pid, signum)  # as a terminal's Ctrl-C
+    else:
+        process.send_signal(signum)
+    assert process.wait(60) == returncode
+    print(f"stopped by {signal.Signals(signum).name} in {time.monotonic() - start:.1f} s")
+    wait_for(lambda: not alive(session_processes(process.pid)), 30,
+             f"Ray's processes outlived the server: {alive(session_processes(process.pid))}")
+
+
+def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    found = []
+    for process in processes:
+        with suppress(psutil.Error):
+            if process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+    return found
+
+
+def test_sigterm_stops_serve_and_the_cluster(server):
+    """The last test on `server`: SIGTERM (a service manager's stop) deletes the application, shuts Serve and
+    the local cluster down, then ends the process by SIGTERM as uvicorn's `specsample serve` does."""
+    assert_stops(server[3], signal.SIGTERM, -signal.SIGTERM)
+
+
+SCALING = ("--min-replicas", "1", "--max-replicas", "2", "--target-queue", "1", "--upscale-delay", "0",
+           "--downscale-delay", "2", "--look-back", "2", "--max-queue", "8")
+# replicas and handles report their queues to Ray Serve's controller every 10 s by default: every 0.5 s here
+PUSH = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
+STATUS = """
+import json, sys, time
+import ray
+from ray import serve
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+while True:
+    engine = serve.status().applications["specsample"].deployments["Engine"]
+    print(json.dumps({"states": engine.replica_states, "trigger": engine.status_trigger}), flush=True)
+    time.sleep(0.5)
+"""
+
+
+class ServeStatus:
+    """Ray Serve's own view of the Engine deployment (`serve.status()`), read twice a second by a second Ray
+    driver (a subprocess, so that Ray stays out of pytest's process) connected to the server's cluster."""
+
+    def __init__(self, server: int) -> None:
+        raylet = next(p for p in session_processes(server) if p.name() == "raylet")
+        gcs = next(a.split("=", 1)[1] for a in raylet.cmdline() if a.startswith("--gcs-address="))
+        self.process = subprocess.Popen([sys.executable, "-c", STATUS, gcs], stdout=subprocess.PIPE, text=True,
+                                        env={**os.environ, "RAY_AUTH_MODE": "token"})  # the cluster's ~/.ray/auth_token
+        self.latest: dict = {}
+        threading.Thread(target=self.read, daemon=True).start()
+
+    def read(self) -> None:
+        for line in self.process.stdout:
+            self.latest = json.loads(line)
+
+    def scaled_to(self, n: int, trigger: str) -> bool:
+        """Exactly `n` replicas, all running, after an autoscaling decision (`status_trigger` `trigger`)."""
+        return self.latest.get("states") == {"RUNNING": n} and self.latest.get("trigger") == trigger
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def scaled(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen, ServeStatus]]:
+    """`specsample serve --min-replicas 1 --max-replicas 2` in a subprocess, quick to scale; its URL, Popen
+    and Ray Serve's status."""
+    process, url = start([*SCALING, *FLAGS], tmp_path_factory.mktemp("scaled") / "serve.log", **PUSH)
+    try:
+        status = ServeStatus(process.pid)
+        try:
+            yield url, process, status
+        finally:
+            status.close()
+    finally:
+        if process.poll() is None:
+            stop(process)
+
+
+async def endless_stories(url: str) -> None:
+    """One client of the load: streamed requests one after another, until cancelled (which closes them)."""
+    body = {"messages": [{"role": "user", "content": "Tell a very long story."}], "max_tokens": 4000,
+            "stream": True}
+    async with httpx.AsyncClient(timeout=120) as client:
+        while True:
+            async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200, await response.aread()
+                async for _ in response.aiter_lines():
+                    pass
+
+
+async def under_load(url: str, clients: int, condition, seconds: float, what: str) -> None:
+    """`clients` endless clients until `condition()` holds (at most `seconds`); then they leave."""
+    load = [asyncio.create_task(endless_stories(url)) for _ in range(clients)]
+    try:
+        deadline = time.monotonic() + seconds
+        while not condition():
+            assert time.monotonic() < deadline, what
+            for task in load:
+                if task.done():
+                    task.result()  # a client's failure, raised here
+            await asyncio.sleep(0.5)
+    finally:
+        for task in load:
+            task.cancel()
+        await asyncio.gather(*load, return_exceptions=True)
+
+
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(scaled):
+    """Four clients keep four requests in the one replica's queue against a target of one (the options in
+    SCALING and PUSH): Ray Serve adds the second replica; when they leave, it removes it again."""
+    url, _, status = scaled
+    wait_for(lambda: status.latest.get("states") == {"RUNNING": 1}, 60, f"one replica at rest: {status.latest}")
+    start = time.monotonic()
+    asyncio.run(under_load(url, 4, lambda: status.scaled_to(2, "UPSCALE_COMPLETED"), 120,
+                           f"Ray Serve did not add a replica: {status.latest}"))
+    print(f"second replica running after {time.monotonic() - start:.1f} s of load")
+    start = time.monotonic()
+    wait_for(lambda: status.scaled_to(1, "DOWNSCALE_COMPLETED"), 60,
+             f"Ray Serve did not remove the replica: {status.latest}")
+    print(f"back to one replica {time.monotonic() - start:.1f} s after the load")
+    assert healthy(url)
+
+
+def test_ctrl_c_stops_serve_and_the_cluster(scaled):
+    """The last test on `scaled`: Ctrl-C in a terminal (SIGINT to the foreground process group: the server
+    and Ray's daemons, not Ray's workers, which have groups of their own) leaves none of the cluster's
+    processes, and the server exits with 130 (KeyboardInterrupt, re-raised after the shut-down)."""
+    scaled[2].close()
+    assert_stops(scaled[1], signal.SIGINT, 130)
 
 
 def test_replicas_without_ray_is_one_line(capsys, monkeypatch):

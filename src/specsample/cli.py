@@ -111,11 +111,20 @@ def serve(
     min_replicas: Annotated[Optional[int], typer.Option(help="Autoscale the replicas on queue depth, from this many ...")] = None,
     max_replicas: Annotated[Optional[int], typer.Option(help="... to this many (Ray Serve's autoscaling_config).")] = None,
     target_queue: Annotated[float, typer.Option(help="With autoscaling: requests per replica (running or waiting) to aim at.")] = 2.0,
+    upscale_delay: Annotated[Optional[float], typer.Option(help="With autoscaling: seconds above the target before a replica is added (Ray Serve's upscale_delay_s, default 30).")] = None,
+    downscale_delay: Annotated[Optional[float], typer.Option(help="With autoscaling: seconds below the target before a replica is removed (downscale_delay_s, default 600).")] = None,
+    look_back: Annotated[Optional[float], typer.Option(help="With autoscaling: seconds over which the queue depth is averaged (look_back_period_s, default 30).")] = None,
+    prefix_affinity: Annotated[bool, typer.Option(help="With replicas: send a request to the replica that saw the longest prefix of its prompt, when queues are within one request (Ray Serve's PrefixCacheAffinityRouter).")] = False,
     ray_address: Annotated[Optional[str], typer.Option(help="With replicas: the Ray cluster (host:port; 'auto': the one `ray start` made here; 'local': a new one here, no dashboard). Default: RAY_ADDRESS, else auto, else a new one.")] = None,
 ) -> None:
     """Serve an OpenAI-compatible API (chat and text completions, streaming, /metrics)."""
     if replicas is not None or min_replicas is not None or max_replicas is not None:
         return serve_replicas(locals())
+    given = [name for name, value in (("--upscale-delay", upscale_delay), ("--downscale-delay", downscale_delay),
+                                      ("--look-back", look_back), ("--prefix-affinity", prefix_affinity or None))
+             if value is not None]
+    if given:
+        raise ValueError(f"{given[0]} needs --replicas N or --min-replicas and --max-replicas")
     import uvicorn
 
     from specsample.api import SpecSampler
@@ -139,7 +148,8 @@ def serve_replicas(args: dict) -> None:
 
     from pydantic import ValidationError
 
-    if args["replicas"] is not None and (args["min_replicas"] is not None or args["max_replicas"] is not None):
+    autoscaling = ("min_replicas", "max_replicas", "upscale_delay", "downscale_delay", "look_back")
+    if args["replicas"] is not None and any(args[key] is not None for key in autoscaling):
         raise ValueError("give --replicas N, or --min-replicas and --max-replicas (autoscaling), not both")
     if find_spec("ray") is None or find_spec("ray.serve") is None:
         raise ValueError("--replicas needs Ray Serve, which is not installed: pip install 'specsample[ray]'")
@@ -147,7 +157,7 @@ def serve_replicas(args: dict) -> None:
     from specsample.server.ray_app import RayOptions, run
 
     given = {key: args[key] for key in ("model", "drafter", "k", "backend", "threads", "trust_remote_code", "replicas",
-                                        "min_replicas", "max_replicas", "target_queue", "max_queue", "max_batch", "api_key")}
+                                        "max_queue", "max_batch", "api_key", "target_queue", "prefix_affinity", *autoscaling)}
     try:
         options = RayOptions(**{key: value for key, value in given.items() if value is not None})
     except ValidationError as error:
@@ -282,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     mount_subcommands()
     args = sys.argv[1:] if argv is None else argv
     try:
-        app(args=args or ["--help"], standalone_mode=False)
+        code = app(args=args or ["--help"], standalone_mode=False)
     except Exit as done:
         sys.exit(done.exit_code)
     except Abort:
@@ -291,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
         fail(e.format_message() if hasattr(e, "format_message") else str(e))
     except (ValueError, OSError) as e:
         fail(str(e))
+    if isinstance(code, int) and code:  # outside standalone mode typer returns an Exit's code (130: Ctrl-C)
+        sys.exit(code)
 
 
 def fail(message: str) -> None:

@@ -15,7 +15,11 @@ Routing is Ray Serve's: power of two choices on the replicas' ongoing requests (
 sampled). A replica takes at most `max_queue` requests (`max_ongoing_requests`, running or waiting);
 at most `max_queue` more wait in the gateway's handle (`max_queued_requests`), beyond that a 503.
 Autoscaling between `min_replicas` and `max_replicas` keeps about `target_queue` ongoing requests per
-replica (Ray Serve's `autoscaling_config.target_ongoing_requests`: queue depth).
+replica (Ray Serve's `autoscaling_config.target_ongoing_requests`: queue depth), averaged over `look_back`
+seconds, adding replicas after `upscale_delay` seconds above it and removing them after `downscale_delay`
+below. `prefix_affinity`: Ray Serve's prefix-aware router instead (`PrefixCacheAffinityRouter`): among
+replicas whose queues differ by at most `AFFINITY_IMBALANCE`, the one whose earlier prompts share the
+longest prefix with this one (its suffix drafter has seen that text), else power of two choices.
 
     serve run specsample.server.ray_app:build_app replicas=2 threads=1 backend=llamacpp
     specsample serve --replicas 2 --threads 1          (the same, from the command line)
@@ -24,7 +28,9 @@ replica (Ray Serve's `autoscaling_config.target_ongoing_requests`: queue depth).
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import suppress
+from dataclasses import dataclass
 from time import perf_counter
 
 import torch
@@ -59,6 +65,10 @@ class RayOptions(BaseModel):
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
     target_queue: float = Field(2.0, gt=0)  # ongoing requests per replica autoscaling aims at
+    upscale_delay: float = Field(30.0, ge=0)  # seconds above target_queue before a replica is added
+    downscale_delay: float = Field(600.0, ge=0)  # seconds below it before one is removed
+    look_back: float = Field(30.0, gt=0)  # seconds over which the queue depth is averaged
+    prefix_affinity: bool = False  # Ray Serve's prefix-aware router rather than power of two choices
     max_queue: int = Field(16, ge=1)
     max_batch: int = Field(1, ge=1)  # requests each replica decodes together (continuous batching)
     default_max_tokens: int = Field(256, ge=1)
@@ -79,7 +89,43 @@ class RayOptions(BaseModel):
             return {"num_replicas": self.replicas}
         return {"autoscaling_config": {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
                                        "initial_replicas": max(1, self.min_replicas),
-                                       "target_ongoing_requests": self.target_queue}}
+                                       "target_ongoing_requests": self.target_queue,
+                                       "upscale_delay_s": self.upscale_delay,
+                                       "downscale_delay_s": self.downscale_delay,
+                                       "look_back_period_s": self.look_back}}
+
+    def routing(self) -> dict:
+        """The Engine deployment's request router: Ray Serve's default, or its prefix-aware one."""
+        if not self.prefix_affinity:
+            return {}
+        # ray.serve.llm.request_router re-exports this class but imports ray[llm] (pyarrow, ...) on the way
+        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+            PrefixCacheAffinityRouter,
+        )
+
+        return {"request_router_config": {"request_router_class": PrefixCacheAffinityRouter,
+                                          "request_router_kwargs": {"imbalanced_threshold": AFFINITY_IMBALANCE}}}
+
+
+AFFINITY_IMBALANCE = 1  # ongoing requests: a replica a generation further behind is not worth its prefix
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One generation for an Engine replica: what `Worker.submit` takes."""
+
+    input: Prompt
+    chat: bool
+    options: dict
+    endpoint: str
+
+    @property
+    def prompt(self) -> str:
+        """The text Ray Serve's prefix-aware router matches (it reads a `prompt` attribute): the messages
+        with their roles, never empty."""
+        if isinstance(self.input, str):
+            return self.input
+        return "".join(f"{message['role']}: {message['content']}\n" for message in self.input)
 
 
 class ReplicaFailed(Exception):
@@ -105,10 +151,9 @@ class Engine:
         """The model's entry in /v1/models."""
         return self.card
 
-    async def generate(self, prompt: Prompt, chat: bool, options: dict,
-                       endpoint: str) -> AsyncIterator[Chunk | Completion]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk | Completion]:
         """A request's chunks, then its completion; a cancelled call (the client left) stops the engine."""
-        job = self.worker.submit(prompt, chat, options, endpoint)
+        job = self.worker.submit(request.input, request.chat, request.options, request.endpoint)
         try:
             event = await job.next_event()
             while isinstance(event, Chunk):
@@ -177,7 +222,8 @@ class ReplicaWorker:
         self.engine, self.metrics = engine.options(stream=True), metrics
 
     def submit(self, prompt: Prompt, chat: bool, options: dict, endpoint: str) -> ReplicaJob:
-        return ReplicaJob(self.engine.generate.remote(prompt, chat, options, endpoint), self.metrics, endpoint)
+        request = EngineRequest(prompt, chat, options, endpoint)
+        return ReplicaJob(self.engine.generate.remote(request), self.metrics, endpoint)
 
     def close(self) -> None:
         """Nothing to stop here: the replicas end with the application."""
@@ -210,7 +256,7 @@ def build_app(args: RayOptions | dict) -> serve.Application:
     options = RayOptions.model_validate(args)
     engine = Engine.options(
         ray_actor_options={"num_cpus": options.threads}, max_ongoing_requests=options.max_queue,
-        max_queued_requests=options.max_queue, **options.scaling(),
+        max_queued_requests=options.max_queue, **options.scaling(), **options.routing(),
     ).bind(options)
     return Gateway.bind(engine, options.api_key)
 
@@ -218,13 +264,59 @@ def build_app(args: RayOptions | dict) -> serve.Application:
 def run(options: RayOptions, *, host: str, port: int, address: str | None = None) -> None:
     """Serve `options` on a Ray cluster until Ctrl-C or SIGTERM. `address`: a cluster's "host:port", "auto"
     (the one `ray start` made on this machine), "local" (a new one on this machine's cores, without Ray's
-    dashboard), or None: RAY_ADDRESS's, else as "auto", else a new one with the dashboard."""
+    dashboard), or None: RAY_ADDRESS's, else as "auto", else a new one with the dashboard.
+
+    It stops as `specsample serve` (uvicorn) does: on SIGINT or SIGTERM it deletes the application, and when
+    it started the cluster itself, shuts Serve and that cluster down (no raylet, gcs_server or worker left;
+    a cluster it joined keeps running); then it raises the signal again with its former handler:
+    Ctrl-C ends in KeyboardInterrupt (the CLI's exit code 130), SIGTERM in death by SIGTERM (143 in a shell)."""
     import ray
 
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C: a local cluster ends too
-    ray.init(address=address, include_dashboard=False if address == "local" else None)
-    serve.start(http_options={"host": host, "port": port})
+    received: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt  # ends the wait in serve.run, or Ray's start-up
+
+    former = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     try:
+        handle_signals(stop)
+        ray.init(address=address, include_dashboard=False if address == "local" else None)
+        handle_signals(stop)  # again: ray.init installs Ray's own SIGTERM handler, which aborts the process
+        serve.start(http_options={"host": host, "port": port})
         serve.run(build_app(options), name=options.name, route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        if not received:
+            raise
     finally:
-        serve.delete(options.name)
+        handle_signals(signal.SIG_IGN)  # a second Ctrl-C must not cut the shut-down short, leaving processes
+        shut_down(options.name)
+        for signum, handler in former.items():
+            signal.signal(signum, handler)
+    for signum in received[:1]:
+        signal.raise_signal(signum)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def handle_signals(handler: Callable | int) -> None:
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, handler)
+
+
+def shut_down(name: str) -> None:
+    """Delete the application; if this process started the cluster (it is its head node), stop Serve's
+    actors and the cluster too, else only leave it."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    # Ray has no public "did ray.init start this cluster"; a driver that did is the head node's owner
+    started_here = ray._private.worker.global_worker.node.is_head()
+    with suppress(RayError, RayServeException):
+        if started_here:
+            serve.shutdown()
+        else:
+            serve.delete(name)
+    ray.shutdown()
