@@ -44,10 +44,11 @@ DEFAULT_MAX_LENGTH = 8192
 CACHE_TYPES = {"f16": 1, "f32": 0}  # KV cache element types: ggml_type ids
 # Tokens per llama_decode call: prompts are prefilled in chunks of this many. Without flash attention
 # a chunk's attention scores are [cached positions, chunk, heads] float32, twice (scores, softmax):
-# 512 would take 150 MB over 4,000 positions on the bundled model, more than its weights; 64 takes
-# a ninth of that and prefills as fast here (86 against 83 tokens/s over 4,000 positions, one
-# thread: this build's kernels gain nothing from longer batches), docs/llamacpp-backend.md "Memory".
-N_BATCH = 64
+# 512 would take 150 MB over 4,000 positions on the bundled model, more than its weights; 64 took
+# 316 MB over the runtime for a 4,000-token prompt with the default drafter, 32 takes 291 MB (within
+# 1.3 x the file + the KV cache, 302 MB), and this build's kernels gain nothing from longer batches
+# (docs/llamacpp-backend.md "Memory"). A verification pass (K + 1 <= 17 positions) fits one chunk.
+N_BATCH = 32
 
 _errors: deque[tuple[int, str]] = deque(maxlen=32)  # llama.cpp's latest (level, message), for one-line errors
 LOG_WARN, LOG_ERROR = 3, 4  # ggml_log_level
