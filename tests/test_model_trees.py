@@ -74,3 +74,46 @@ def test_seeded_model_tree_drafters_give_plain_decoding_text(name):
         assert out == plain, (name, seed)
         accepted += stats.accepted_tokens
     assert accepted > 0
+
+
+def test_draft_tree_accepts_alternatives_and_keeps_its_cache_on_the_text(tiny_dir, tiny_draft_dir):
+    """`draft-tree:PATH`, a draft model unlike the target: greedy output is plain decoding's, some accepted
+    nodes are alternatives (rank >= 1), and after each step the draft model's cache holds a prefix of the
+    text (rolled back past a rejected chain token or an accepted alternative leaf)."""
+    from specsample.models import load_target
+
+    model, target = load_target(str(tiny_dir), "fast")
+    drafter = make_drafter(f"draft-tree:{tiny_draft_dir}", model, target)
+    assert isinstance(drafter, DraftModelDrafter) and drafter.width > 1
+    plain, _ = run(target, NoDrafter(), GREEDY, 0)
+    observe = drafter.observe
+
+    def checked(tokens: list[int]) -> None:
+        observe(tokens)
+        cached = drafter.model.length
+        assert cached < len(drafter.context)  # the pending token is not cached
+        fresh = make_target(loaded(tiny_llama(64, seed=1)))  # the draft model scored from scratch on the text
+        fresh.prefill(torch.tensor(drafter.context[:cached]))
+        assert torch.allclose(fresh.score(torch.tensor(drafter.context[cached:]))[-1],
+                              drafter.model.score(torch.tensor(drafter.context[cached:]))[-1], atol=1e-4)
+        drafter.model.rollback(cached)
+
+    drafter.observe = checked
+    out, stats = run(target, drafter, GREEDY, 4)
+    assert out == plain
+    ranks = stats.to_dict()["tree"]["acceptance_by_depth_rank"]
+    assert any(rate > 0 for key, rate in ranks.items() if not key.endswith(",0")), ranks
+
+
+def test_bundled_model_greedy_model_tree_drafters_are_token_identical():
+    """The real model, 32 new tokens: its shipped head drafting trees on its GGUF blocks, its int8 copy on
+    the float kernels (the Q4_1 blocks have no cheaper copy)."""
+    from specsample.models import load_target
+
+    for backend, name in (("gguf", "head-tree"), ("fast", "quantized-tree")):
+        model, target = load_target(None, backend)
+        ids = torch.tensor(model.tokenizer("Write a short poem about the sea, and explain its rhyme scheme.").input_ids)
+        plain, _ = run(target, NoDrafter(), GREEDY, 0, new=32, prompt=ids)
+        out, stats = run(target, make_drafter(name, model, target), GREEDY, 8, new=32, prompt=ids)
+        assert out == plain, name
+        assert stats.accepted_tokens > 0 and stats.to_dict()["tree"]["steps"] > 0, name
