@@ -7,7 +7,7 @@ depth the `topk` candidates of the latest depth with the highest score are
 *expanded*: the head runs over them (and their expanded ancestors, with tree
 attention, on the cache of the context) to predict their features, and the
 `topk` most likely tokens after each become candidates of the next depth. After
-`depth` depths (at most K), the draft is the K candidates of highest score (the
+`depth` depths (at most K; 4 by default), the draft is the K candidates of highest score (the
 *rerank*: a child's score is at most its parent's, so the chosen set keeps every
 ancestor of a chosen node), in the order they were made, siblings most likely first.
 
@@ -23,6 +23,8 @@ target's true features as for a chain (`HeadDrafter.observe`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -31,7 +33,7 @@ from specsample.drafters.head import HeadDrafter
 from specsample.sampling import RandomSource, probs_from_logits
 
 TOPK = 4  # children of an expanded node, and nodes expanded per depth
-DEPTH = 6  # depths of candidates, at most K
+DEPTH = 4  # depths of candidates, at most K (6 drafted no longer accepted paths on the bundled model)
 
 
 class HeadTreeDrafter(HeadDrafter):
@@ -79,7 +81,7 @@ class HeadTreeDrafter(HeadDrafter):
                 children.append(len(tokens))
                 tokens.append(int(self.token_ids[i]))
                 parents.append(node)
-                scores.append(score + float(torch.tensor(p).log()))
+                scores.append(score + math.log(p))
         return children
 
     def run_tree(self, chosen: list[int], tokens: list[int], parents: list[int], features: dict[int, Tensor]) -> Tensor:
@@ -96,8 +98,8 @@ class HeadTreeDrafter(HeadDrafter):
         tree = torch.tensor([-1 if parents[n] < 0 else row[parents[n]] for n in order], dtype=torch.long)
         base = self.decoder.length
         x = self.fc(torch.cat([inputs.float(), self.embed[torch.tensor([tokens[n] for n in order])]], -1))  # [m, hidden]
-        logits = self.decoder.forward_embeddings(x, parents=tree)  # [m, subset]
+        self.decoder.forward_embeddings(x, logits=False, parents=tree)
         self.decoder.rollback(base)
-        for node in chosen:
-            features[node] = self.decoder.last_hidden[row[node]].clone()
-        return logits[[row[node] for node in chosen]]
+        hidden = self.decoder.last_hidden[[row[node] for node in chosen]]  # [len(chosen), hidden]
+        features.update(zip(chosen, hidden))
+        return self.decoder.lm_head(hidden)  # the subset logits of the chosen rows only
