@@ -38,13 +38,11 @@ def head_tree(model, target, **options) -> HeadTreeDrafter:
 
 
 def drafters(name: str, model, target):
-    """The tree drafter `name` for the tiny target: the int8 copy or a head."""
-    if name == "quantized-tree":
-        return make_drafter(name, loaded(model), target)
-    return head_tree(model, target)
+    """The tree drafter `name` for the tiny target: a head's, else the registry's."""
+    return head_tree(model, target) if name == "head-tree" else make_drafter(name, loaded(model), target)
 
 
-@pytest.mark.parametrize("name", ["quantized-tree", "head-tree"])
+@pytest.mark.parametrize("name", ["quantized-tree", "head-tree", "suffix-tree+quantized-tree"])
 def test_greedy_model_tree_drafters_are_token_identical(name, packed):
     model = tiny_llama(VOCAB, seed=3, init_scale=0.5)
     target = make_target(loaded(model))
