@@ -6,7 +6,7 @@ seeds). The draft model is `TableModel`, the draft table of those tests behind t
 makes of a model (prefill, score, rollback), so the drafter's own code draws the chain and the
 alternatives at its low-confidence positions, whose shape then varies with the drawn chain. A
 drafter that reports the full distribution for an alternative (drawn without replacement from the
-renormalized rest) must be rejected.
+renormalized rest) must be rejected. Then the same drafter through the engine with neural models.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from specsample.verify.check import chi_square_p
 from specsample.verify.tree import TreeVerifier
 from test_tree_lossless import ALPHA, N_SAMPLES, PARAMS, PROMPT, Tables, complete, target_logits
 
+ENGINE_SAMPLES = 20_000  # sequences through the engine (a model step costs more than a table lookup)
 CHAIN = 2  # draft-model passes: chain tokens (a tree of depth 2, its bonus token the third)
 
 
@@ -93,3 +94,31 @@ def test_alternatives_reported_with_the_full_distribution_are_rejected(monkeypat
     observed, exact, _ = tree_counts(PARAMS[NAME], threshold=0.6)
     p = chi_square_p(observed, exact)
     assert p < ALPHA, f"full rows passed: p = {p:.2e}"
+
+
+def test_engine_over_a_draft_model_tree_matches_target_distribution(monkeypatch):
+    """Through the engine with neural models (tests/test_lossless.py's machinery: the tiny target, a noisy
+    copy as the draft model with alternative leaves wherever its peak is below 0.5, K = 2, 3 new tokens):
+    the engine's tree path (tree attention, the verifier, the cache moves and the draft model's rollback)
+    keeps the target's distribution. ENGINE_SAMPLES, fewer than test_lossless draws, as tests/test_head.py."""
+    import test_lossless
+
+    monkeypatch.setattr(test_lossless, "N_SAMPLES", ENGINE_SAMPLES)
+    target_model = test_lossless.tiny_llama(test_lossless.VOCAB, seed=0, init_scale=test_lossless.INIT_SCALE)
+    draft_model_ = test_lossless.noisy_copy(target_model, scale=0.1, seed=1)
+    drafter = DraftModelDrafter(test_lossless.as_target(draft_model_), width=3, threshold=0.5)
+    shapes = set()
+    propose = drafter.propose
+
+    def counted(k, random):
+        draft = propose(k, random)
+        shapes.add(tuple(draft.parent_array().tolist()))
+        return draft
+
+    drafter.propose = counted
+    params = PARAMS["t1"]
+    observed = test_lossless.sampled_counts(target_model, drafter, params, seed=777)
+    assert len(shapes) >= 3  # trees of several shapes: where the draft model is unsure depends on the draws
+    p = chi_square_p(observed, test_lossless.exact_distribution(target_model, params))
+    assert p > ALPHA, f"p = {p:.2e}"
+
