@@ -66,7 +66,7 @@ def decode(
             draft = drafter.propose(k, numbers) if k > 0 else Draft.empty()
             if draft.confidence is not None:
                 draft = draft.prefix(policy.keep(draft.confidence))
-            elif draft.is_tree:
+            elif draft.is_tree and draft.probs is None:  # a sampled tree's shape depends on its draws: kept whole
                 draft = draft.prefix(policy.keep_tree(draft.parents))
             t_verify = perf_counter()
             if draft.is_tree:

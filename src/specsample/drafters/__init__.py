@@ -18,6 +18,7 @@ from specsample.drafters.cross_vocab import METHODS, cross_vocab_drafter
 from specsample.drafters.draft_model import DraftModelDrafter
 from specsample.drafters.fallback import FallbackDrafter, check_lookup
 from specsample.drafters.head import HeadDrafter, shipped_head_dir
+from specsample.drafters.head_tree import HeadTreeDrafter
 from specsample.drafters.layerskip import LayerSkipDrafter
 from specsample.drafters.ngram import NgramDrafter, NgramTreeDrafter
 from specsample.drafters.none import NoDrafter
@@ -29,16 +30,37 @@ from specsample.models.loading import with_weights
 from specsample.models.target import RecordsFeatures, RunsLayerSubsets, ScoresTrees, require
 from specsample.vocabulary import same_vocabulary
 
+TREE_WIDTH = 3  # quantized-tree, draft-tree: the chain's token and up to 2 alternatives at a low-confidence position
+
 # A factory builds a drafter for a loaded target model and its Target backend.
 DrafterFactory = Callable[[LoadedModel, Target], Drafter]
 
-def head_drafter(model: LoadedModel, target: Target, path: str | None = None) -> Drafter:
+def head_drafter(
+    model: LoadedModel, target: Target, path: str | None = None, kind: type[HeadDrafter] = HeadDrafter
+) -> Drafter:
     """The draft head in `path` (None: the one shipped for this target), once the target is known to keep
     the features a head reads (before the model's weights are read, or loaded where the target runs a
-    GGUF file without them)."""
+    GGUF file without them); `kind` drafts with it (HeadTreeDrafter: EAGLE-2's dynamic tree)."""
     target = require_features(target)
     model = with_weights(model)
-    return HeadDrafter.load(model, target, shipped_head_dir(model) if path is None else path)
+    return kind.load(model, target, shipped_head_dir(model) if path is None else path)
+
+
+def head_tree_drafter(model: LoadedModel, target: Target, path: str | None = None) -> Drafter:
+    """The head drafting EAGLE-2's dynamic tree (drafters/head_tree.py), for a target that scores trees."""
+    require(target, ScoresTrees, "the head-tree drafter (it drafts trees)")
+    return head_drafter(model, target, path, HeadTreeDrafter)
+
+
+def draft_tree_drafter(model: LoadedModel, target: Target, path: str) -> Drafter:
+    """The draft model at `path` (the target's vocabulary) drafting trees: its chain with alternative leaves
+    at its low-confidence positions (drafters/draft_model.py)."""
+    require(target, ScoresTrees, "the draft-tree drafter (it drafts trees)")
+    draft, draft_target = load_draft(path, "auto", trust_remote_code=False)
+    if not same_vocabulary(model.tokenizer, draft.tokenizer):
+        raise ValueError(f"draft-tree needs a draft model with the target's vocabulary; {path} has another")
+    check_same_width(target, draft_target)
+    return DraftModelDrafter(draft_target, width=TREE_WIDTH)
 
 
 def layerskip_drafter(model: LoadedModel, target: Target) -> Drafter:
@@ -58,11 +80,15 @@ REGISTRY: dict[str, DrafterFactory] = {
     "recycle-chain": lambda model, target: trees(target, "recycle-chain", RecycleChainDrafter),
     "ngram-tree": lambda model, target: trees(target, "ngram-tree", NgramTreeDrafter),
     "suffix-tree": lambda model, target: trees(target, "suffix-tree", SuffixTreeDrafter),
+    "quantized-tree": lambda model, target: trees(target, "quantized-tree", lambda: quantized_drafter(model, target, TREE_WIDTH)),
+    "head-tree": head_tree_drafter,
 }
 
 # Drafters that load their weights from a directory: `--drafter NAME:PATH`.
 PATH_REGISTRY: dict[str, Callable[[LoadedModel, Target, str], Drafter]] = {
     "head": head_drafter,
+    "head-tree": head_tree_drafter,
+    "draft-tree": draft_tree_drafter,
 }
 
 

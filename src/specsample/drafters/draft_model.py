@@ -5,6 +5,27 @@ under the same sampling transform as the target, draft token i with the step's
 numbers at offset i (`RandomSource.draw`: coupled with the target's token there
 for a request with a seed), and returns the distributions it sampled from, so
 verification stays exact at any temperature.
+
+With `width` > 1 (`quantized-tree`, `draft-tree:PATH`) the draft is a tree: the
+same chain of k tokens (k draft-model passes), plus, at each low-confidence
+position (the peak of the draft model's distribution there below `threshold`,
+known before the position's token is drawn), up to `width - 1` alternative
+children of the chain's node before it. This first version keeps the
+alternatives as *leaves*: a leaf needs only its draft probability, from the
+distribution the model already computed at its parent, so it costs no
+draft-model pass, and the model's cache holds the chain only. At temperature 0
+the alternatives are the next most likely tokens after the argmax (point
+masses). When sampling they are drawn as `verify.tree`'s recursive rejection
+sampling expects (`siblings`): each from the position's distribution with the
+earlier siblings (the chain's token first) removed and renormalized, that row
+being its draft_probs, with the numbers of the position's offset (at a coupled
+source, the Gumbel top-k of that position's noise). How many siblings a node
+gets depends on its ancestors and earlier siblings only, so the tree is one the
+verifier handles exactly.
+
+After verification the cache keeps the accepted chain tokens (`observe`): an
+accepted alternative leaf is not the chain's token, so the cache is rolled back
+(a length) to the chain's tokens before it, and the leaf is fed at the next draft.
 """
 
 from __future__ import annotations
@@ -17,11 +38,17 @@ from specsample.models.target import Target
 from specsample.sampling import RandomSource, SamplingParams, draft_confidence, probs_from_logits
 from specsample.tokens import common_prefix
 
+THRESHOLD = 0.8  # a position whose draft peak is below this gets alternative children
+
 
 class DraftModelDrafter:
     is_lookup = False  # it draws its draft
-    def __init__(self, model: Target) -> None:
+
+    def __init__(self, model: Target, width: int = 1, threshold: float = THRESHOLD) -> None:
+        if width < 1:
+            raise ValueError(f"width must be >= 1, got {width}")
         self.model = model
+        self.width, self.threshold = width, threshold
         self.context: list[int] = []
         self.draft: list[int] = []
         self.params = SamplingParams()
@@ -32,22 +59,67 @@ class DraftModelDrafter:
         self.model.prefill(prompt_ids[:-1])
 
     def propose(self, k: int, random: RandomSource) -> Draft:
+        """A chain of k tokens; with `width` > 1, alternative leaves at its low-confidence positions."""
         feed = self.context[self.model.length :]  # uncached tail, at least the last token
-        tokens, probs, confidence = [], [], []
+        tokens, parents, probs, confidence = [], [], [], []
+        chain: list[int] = []  # the chain's tokens
+        parent = -1  # the chain's last node
         for i in range(k):
             logits = self.model.score(torch.tensor(feed))[-1]  # [vocab]
             step_probs = probs_from_logits(logits, self.params)  # [vocab]
-            feed = [random.draw(step_probs, i)]
-            tokens.append(feed[0])
+            peak = draft_confidence(logits, step_probs, self.params)
+            chain.append(random.draw(step_probs, i))
+            node = len(tokens)
+            tokens.append(chain[-1])
+            parents.append(parent)
             probs.append(step_probs)
-            confidence.append(draft_confidence(logits, step_probs, self.params))
-        self.draft = tokens
-        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs), torch.tensor(confidence))
+            confidence.append(peak)
+            if self.width > 1 and peak < self.threshold:
+                for token, row in siblings(logits, step_probs, chain[-1], self.width - 1, i, random, self.params):
+                    tokens.append(token)
+                    parents.append(parent)
+                    probs.append(row)
+            parent = node
+            feed = chain[-1:]
+        self.draft = chain
+        if len(tokens) == len(chain):  # no alternatives: a chain, cut by the K policy on its confidence
+            return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs), torch.tensor(confidence))
+        draft_probs = None if self.params.greedy else torch.stack(probs)  # [n, vocab]; at t = 0 point masses
+        return Draft(torch.tensor(tokens, dtype=torch.long), draft_probs, parents=torch.tensor(parents))
+
 
     def observe(self, tokens: list[int]) -> None:
-        """Keep the cached positions of the draft tokens that the text took up; the rest is fed again.
+        """Keep the cached positions of the chain's tokens that the text took up; the rest is fed again.
         The last token, the new pending one, is left uncached as after the prompt."""
-        valid = len(self.context) + common_prefix(self.draft, tokens[:-1])  # cached context plus accepted draft tokens
+        valid = len(self.context) + common_prefix(self.draft, tokens[:-1])  # cached context plus accepted chain tokens
         self.context += tokens
         self.draft = []
         self.model.rollback(min(self.model.length, valid))
+
+
+def siblings(
+    logits: Tensor, probs: Tensor, first: int, count: int, offset: int, random: RandomSource, params: SamplingParams
+) -> list[tuple[int, Tensor]]:
+    """Up to `count` alternative siblings of the token `first` drawn at a position whose draft logits are
+    `logits` [vocab] and sampling distribution `probs` [vocab]: (token, the draft_probs row [vocab] it was
+    drawn from). At temperature 0 the next most likely tokens (rows: point masses); else each drawn at
+    `offset` from `probs` with the earlier siblings removed and renormalized (without replacement, as
+    `verify.tree` expects), stopping when no mass is left."""
+    if params.greedy:
+        ranked = logits.topk(count + 1).indices.tolist()
+        return [(token, one_hot(token, probs)) for token in ranked if token != first][:count]
+    out: list[tuple[int, Tensor]] = []
+    row = probs.clone()
+    row[first] = 0.0
+    while len(out) < count and float(row.sum()) > 0:
+        row = row / row.sum()
+        token = random.draw(row, offset)
+        out.append((token, row))
+        row = row.clone()
+        row[token] = 0.0
+    return out
+
+
+def one_hot(token: int, like: Tensor) -> Tensor:
+    """A point mass on `token`, shaped as `like` [vocab]."""
+    return torch.zeros_like(like).index_fill_(0, torch.tensor([token]), 1.0)

@@ -3,7 +3,8 @@
 No second model and no training: a weight-only int8 copy of the target
 (models/quantize.py) drafts with its own KV cache, as a draft model does, so
 drafts are sampled from the copy's distributions under the request's sampling
-transform and verification stays exact. The copy agrees with the target on
+transform and verification stays exact. `quantized-tree` adds alternative
+leaves at the copy's low-confidence positions (drafters/draft_model.py). The copy agrees with the target on
 almost every token; it pays off only where its forward pass is cheaper than
 the target's. On the C++ kernels it is: a draft step streams int8 weights, a
 quarter of the float32 target's bytes. On the torch fallback it is not (see
@@ -35,8 +36,8 @@ from specsample.sampling import RandomSource, SamplingParams
 
 
 class QuantizedDrafter(DraftModelDrafter):
-    def __init__(self, model: Target, target: Target | None = None) -> None:
-        super().__init__(model)
+    def __init__(self, model: Target, target: Target | None = None, width: int = 1) -> None:
+        super().__init__(model, width)
         self.target = target  # whose cache the copy adopts, if the layouts agree
 
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
@@ -63,6 +64,7 @@ class QuantizedDrafter(DraftModelDrafter):
             self.model.prefill(torch.tensor(self.context[:-1]))
 
 
-def quantized_drafter(model: LoadedModel, target: Target) -> QuantizedDrafter:
-    """The registry's factory: the target's backend makes the quantized copy."""
-    return QuantizedDrafter(require(target, QuantizedCopies, "quantized").quantized_copy(), target)
+def quantized_drafter(model: LoadedModel, target: Target, width: int = 1) -> QuantizedDrafter:
+    """The registry's factory: the target's backend makes the quantized copy; with `width` > 1 it drafts
+    trees (`DraftModelDrafter`: up to width - 1 alternatives at each low-confidence position)."""
+    return QuantizedDrafter(require(target, QuantizedCopies, "quantized").quantized_copy(), target, width)

@@ -1,0 +1,124 @@
+"""Exactness of the model drafters' sampled trees (drafters/draft_model.py, `quantized-tree`,
+`draft-tree:PATH`): one verification step over the tree the real `DraftModelDrafter` draws
+reproduces the target's distribution, by tests/test_tree_lossless.py's exact enumeration (tiny
+vocabulary, every continuation of SEQ_LEN tokens, N_SAMPLES samples, chi-square at ALPHA, fixed
+seeds). The draft model is `TableModel`, the draft table of those tests behind the calls the drafter
+makes of a model (prefill, score, rollback), so the drafter's own code draws the chain and the
+alternatives at its low-confidence positions, whose shape then varies with the drawn chain. A
+drafter that reports the full distribution for an alternative (drawn without replacement from the
+renormalized rest) must be rejected. Then the same drafter through the engine with neural models.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsample.drafters import draft_model
+from specsample.drafters.draft_model import DraftModelDrafter
+from specsample.sampling import GeneratorSource, SamplingParams
+from specsample.verify.check import chi_square_p
+from specsample.verify.tree import TreeVerifier
+from test_tree_lossless import ALPHA, N_SAMPLES, PARAMS, PROMPT, Tables, complete, target_logits
+
+ENGINE_SAMPLES = 20_000  # sequences through the engine (a model step costs more than a table lookup)
+CHAIN = 2  # draft-model passes: chain tokens (a tree of depth 2, its bonus token the third)
+
+
+class TableModel:
+    """A draft model made of a table: logits [VOCAB] of the token after a context of tokens after PROMPT
+    (`Tables.key`); keeps the tokens it was given as its cache, rolled back by length."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits  # [POSITIONS, VOCAB, VOCAB, VOCAB]
+        self.tokens: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def prefill(self, token_ids: torch.Tensor) -> None:
+        self.tokens = token_ids.tolist()
+
+    def score(self, token_ids: torch.Tensor) -> torch.Tensor:
+        rows = []
+        for token in token_ids.tolist():
+            self.tokens.append(token)
+            rows.append(self.logits[Tables.key(tuple(self.tokens[len(PROMPT) :]))])
+        return torch.stack(rows)  # [n, VOCAB]
+
+    def rollback(self, length: int) -> None:
+        del self.tokens[length:]
+
+
+def tree_counts(params: SamplingParams, threshold: float, seed: int = 99) -> tuple:
+    """(observed counts, exact probabilities, the distinct shapes drawn) of N_SAMPLES one-step
+    verifications of the drafter's trees."""
+    tables = Tables()
+    drafter = DraftModelDrafter(TableModel(tables.draft), width=3, threshold=threshold)
+    gen = torch.Generator().manual_seed(seed)
+    source, verifier, prompt = GeneratorSource(gen), TreeVerifier(), torch.tensor(PROMPT)
+    outputs, shapes = [], set()
+    for _ in range(N_SAMPLES):
+        drafter.begin(prompt, params)
+        draft = drafter.propose(CHAIN, source)
+        parents = draft.parent_array()
+        tokens = draft.tokens.tolist()
+        logits = target_logits(tables, tokens, parents.tolist())
+        shapes.add(tuple(parents.tolist()))
+        verdict = verifier(draft.tokens, parents, draft.probs, logits, params, source)
+        outputs.append([tokens[i] for i in verdict.path] + [verdict.next_token])
+    return complete(tables, outputs, params, gen), tables.exact(params), len(shapes)
+
+
+NAME = "t0.7-top_p0.9"  # top-p: a position may have fewer tokens with mass than the tree asks for
+
+
+def test_sampled_model_trees_match_target_distribution():
+    observed, exact, shapes = tree_counts(PARAMS[NAME], threshold=0.6)
+    assert shapes >= 2  # the chain's confidence decides whether its second token gets alternatives
+    p = chi_square_p(observed, exact)
+    assert p > ALPHA, f"p = {p:.2e}"
+
+
+def full_rows(logits, probs, first, count, offset, random, params):
+    """Broken: alternatives drawn without replacement, but each reported as drawn from the full distribution."""
+    return [(token, probs) for token, _ in REAL_SIBLINGS(logits, probs, first, count, offset, random, params)]
+
+
+REAL_SIBLINGS = draft_model.siblings
+
+
+def test_alternatives_reported_with_the_full_distribution_are_rejected(monkeypatch):
+    monkeypatch.setattr(draft_model, "siblings", full_rows)
+    observed, exact, _ = tree_counts(PARAMS[NAME], threshold=0.6)
+    p = chi_square_p(observed, exact)
+    assert p < ALPHA, f"full rows passed: p = {p:.2e}"
+
+
+def test_engine_over_a_draft_model_tree_matches_target_distribution(monkeypatch):
+    """Through the engine with neural models (tests/test_lossless.py's machinery: the tiny target, a noisy
+    copy as the draft model with alternative leaves wherever its peak is below 0.5, K = 2, 3 new tokens):
+    the engine's tree path (tree attention, the verifier, the cache moves and the draft model's rollback)
+    keeps the target's distribution. ENGINE_SAMPLES, fewer than test_lossless draws, as tests/test_head.py."""
+    import test_lossless
+
+    monkeypatch.setattr(test_lossless, "N_SAMPLES", ENGINE_SAMPLES)
+    target_model = test_lossless.tiny_llama(test_lossless.VOCAB, seed=0, init_scale=test_lossless.INIT_SCALE)
+    draft_model_ = test_lossless.noisy_copy(target_model, scale=0.1, seed=1)
+    drafter = DraftModelDrafter(test_lossless.as_target(draft_model_), width=3, threshold=0.5)
+    shapes = set()
+    propose = drafter.propose
+
+    def counted(k, random):
+        draft = propose(k, random)
+        shapes.add(tuple(draft.parent_array().tolist()))
+        return draft
+
+    drafter.propose = counted
+    params = PARAMS["t1"]
+    observed = test_lossless.sampled_counts(target_model, drafter, params, seed=777)
+    assert len(shapes) >= 3  # trees of several shapes: where the draft model is unsure depends on the draws
+    p = chi_square_p(observed, test_lossless.exact_distribution(target_model, params))
+    assert p > ALPHA, f"p = {p:.2e}"
+
