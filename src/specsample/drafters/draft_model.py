@@ -4,7 +4,8 @@ Any causal LM with the target's vocabulary. It samples k tokens one at a time
 under the same sampling transform as the target, draft token i with the step's
 numbers at offset i (`RandomSource.draw`: coupled with the target's token there
 for a request with a seed), and returns the distributions it sampled from, so
-verification stays exact at any temperature.
+verification stays exact at any temperature. `draft_cost`, where measured
+(`drafters.cost`), is a draft token's cost relative to a target pass (`DeclaresCost`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from specsample.tokens import common_prefix
 
 class DraftModelDrafter:
     is_lookup = False  # it draws its draft
-    def __init__(self, model: Target) -> None:
+    def __init__(self, model: Target, draft_cost: float | None = None) -> None:
         self.model = model
+        self.draft_cost = draft_cost
         self.context: list[int] = []
         self.draft: list[int] = []
         self.params = SamplingParams()
