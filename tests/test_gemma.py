@@ -33,7 +33,7 @@ def paths() -> dict[str, str]:
 def test_greedy_output_with_a_draft_of_another_family_is_the_targets(paths, target, draft, method):
     plain = SpecSampler.load(paths[target], "none", backend="llamacpp", threads=1)
     expected = plain.generate(PROMPT, max_new_tokens=24, temperature=0, k=0, chat=False)
-    sampler = SpecSampler.build(plain.model, plain.target, f"{method}:{paths[draft]}", backend="llamacpp")
+    sampler = SpecSampler.build(plain.model, plain.target, f"{method}:{paths[draft]}", backend="llamacpp", threads=1)
     result = sampler.generate(PROMPT, max_new_tokens=24, temperature=0, k=4, chat=False)
     assert result.token_ids == expected.token_ids
     assert result.stats.drafted_tokens > 0 and result.stats.accepted_tokens > 0

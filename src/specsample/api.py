@@ -21,12 +21,13 @@ from specsample.batch import Batch, Request
 from specsample.cost_curve import machine_ratios
 from specsample.defaults import Configuration, default_configuration, given
 from specsample.drafters import Drafter, make_drafter
+from specsample.drafters.base import draft_cost
 from specsample.engine import decode
 from specsample.models import LoadedModel, Target, load_target
 from specsample.models.choice import resolve
 from specsample.models.loading import conversion_dir
 from specsample.models.target import SlottedTarget, require
-from specsample.policy import KPolicy, SeesCostCurve, parse_batch_k, parse_k
+from specsample.policy import KPolicy, SeesCostCurve, SeesDraftCost, parse_batch_k, parse_k
 from specsample.sampling import SamplingParams, request_source
 from specsample.stats import Stats
 from specsample.text import IncrementalDecoder, Message, StopMatcher, encode_prompt
@@ -132,6 +133,13 @@ class TextOutput:
         return Completion(text, self.token_ids, "stop" if ended else "length", stats)
 
 
+def tell_draft_cost(policy: KPolicy, drafter: Drafter) -> None:
+    """Tell a K policy that sees a drafter's cost (`SeesDraftCost`) the cost the drafter declares, if any."""
+    cost = draft_cost(drafter)
+    if cost is not None and isinstance(policy, SeesDraftCost):
+        policy.see_draft_cost(cost)
+
+
 class SpecSampler:
     """A target model with its tokenizer and a drafter, ready to generate.
 
@@ -169,7 +177,7 @@ class SpecSampler:
         `backend` "auto" runs a GGUF file where it measures faster on this machine (`models.choice`)."""
         backend, reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
         loaded, target = load_target(model, backend, trust_remote_code=trust_remote_code, threads=threads)
-        sampler = cls.build(loaded, target, drafter, backend=backend, trust_remote_code=trust_remote_code)
+        sampler = cls.build(loaded, target, drafter, backend=backend, trust_remote_code=trust_remote_code, threads=threads)
         sampler.backend, sampler.backend_reason, sampler.threads = backend, reason, threads
         return sampler
 
@@ -182,10 +190,13 @@ class SpecSampler:
         *,
         backend: str = "auto",
         trust_remote_code: bool = False,
+        threads: int | None = None,
     ) -> "SpecSampler":
-        """A sampler over a loaded model and its target (on `backend`), with a drafter as for `load`."""
+        """A sampler over a loaded model and its target (on `backend`, with `threads`), with a drafter as for
+        `load`: a draft model runs with the target's threads."""
         configuration = default_configuration(target) if drafter is None else given(drafter)
-        made = make_drafter(configuration.drafter, loaded, target, backend=backend, trust_remote_code=trust_remote_code)
+        made = make_drafter(configuration.drafter, loaded, target, backend=backend, trust_remote_code=trust_remote_code,
+                            threads=threads)
         return cls(loaded, target, made, configuration)
 
     def policy(self, k: int | str) -> KPolicy:
@@ -238,6 +249,7 @@ class SpecSampler:
         policy = self.policy(k) if isinstance(k, (int, str)) else k
         if isinstance(policy, SeesCostCurve):
             policy.see_cost_curve(self.cost_ratios())
+        tell_draft_cost(policy, self.drafter)
         prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)
         return Generation(self, prompt_ids, params, policy, max_new_tokens, seed, stop)
 

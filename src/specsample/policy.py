@@ -64,6 +64,16 @@ class SeesCostCurve(Protocol):
     def see_cost_curve(self, ratios: Mapping[int, float]) -> None: ...
 
 
+@runtime_checkable
+class SeesDraftCost(Protocol):
+    """A K policy told, before a request, what a draft token costs relative to a target pass
+    (the drafter's `DeclaresCost`), so that it never tries a drafter that cannot pay."""
+
+    def see_draft_cost(self, relative: float) -> None:
+        """A draft token costs `relative` times a target pass over one token."""
+        ...
+
+
 class FixedK:
     """Always the same K."""
 
@@ -148,6 +158,12 @@ class CostModelK:
     may waste many target passes' worth of time (a draft model's K forwards). So
     K grows at most to twice the largest K asked so far (1, 2, 4, ...): each
     guess is tested on a draft at most twice as long as the evidence behind it.
+    A drafter that declares its cost c per draft token relative to a target pass
+    (`see_draft_cost`) is judged on it from the first step: the unmeasured drafting
+    is priced at c f(1) rather than free, and returns to it as measurements decay,
+    so a drafter with c >= 1, which no acceptance repays (K tokens all accepted give
+    (K + 1) / (f(K + 1)/f(1) + K c) <= 1 times plain decoding's speed, f nondecreasing),
+    is never asked to draft: the prior acceptance is below 1.
 
     A drafter that reports its confidence in each draft token gets its draft
     verified token by token while each adds to the expected tokens per second of
@@ -194,6 +210,7 @@ class CostModelK:
         self.drafted_tokens = 0.0
         self.cheapest_draft_token = math.inf  # the lowest seconds per draft token of any step so far
         self.drafting_steps = 0  # steps that drafted a token, ever
+        self.declared_draft_cost: float | None = None  # a draft token's seconds over f(1), as the drafter declares
         self.largest_k = 0  # the largest K asked so far
         # [tenth of the confidence range] verified draft tokens there, and of them accepted
         self.confidence_reached = np.zeros(CONFIDENCE_BINS)
@@ -216,6 +233,12 @@ class CostModelK:
             if n not in self.verify_count:
                 self.relative_cost[n], self.verify_count[n] = ratio, PRIOR_COST_WEIGHT
         self.ratio_fit = None
+
+    def see_draft_cost(self, relative: float) -> None:
+        """The drafter's declared cost per draft token, relative to f(1): the price of the drafting not yet measured."""
+        if not relative >= 0:
+            raise ValueError(f"a draft cost must be >= 0, got {relative}")
+        self.declared_draft_cost = relative
 
     def choose(self) -> int:
         self.predict()
@@ -340,9 +363,12 @@ class CostModelK:
         accepted = self.cumulative(self.accepted_ge, self.accepted_reached, self.prior_acceptance)
         self.tokens_per_step = [1 + a for a in accepted]  # [K]
         self.draft_length = self.cumulative(self.drafted_ge, self.drafted_reached, 1.0)  # [K]
-        # prior_weight pseudo-tokens stand for what has not been measured: free until the drafter
-        # has drafted in COST_EVIDENCE_STEPS steps, then at the cheapest cost per token seen.
+        # prior_weight pseudo-tokens stand for what has not been measured: at the declared cost where
+        # the drafter declares one, else free until the drafter has drafted in COST_EVIDENCE_STEPS
+        # steps; then never below the cheapest cost per token seen.
         floor = self.cheapest_draft_token if self.drafting_steps >= COST_EVIDENCE_STEPS else 0.0
+        if self.declared_draft_cost is not None and self.f1 is not None:
+            floor = max(floor, self.declared_draft_cost * self.f1)
         prior_seconds = self.prior_weight * floor
         self.seconds_per_draft_token = (self.draft_seconds + prior_seconds) / (self.drafted_tokens + self.prior_weight)
         verify = self.target_seconds([1 + d for d in self.draft_length])
@@ -397,6 +423,7 @@ class CostModelK:
             "expected_tokens_per_second": self.rates[k],
             "target_ms": {n: 1e3 * float(f) for n, f in zip(*self.cost_curve())} if self.relative_cost else {},
             "draft_ms_per_token": 1e3 * self.seconds_per_draft_token,
+            "declared_draft_cost": self.declared_draft_cost,  # a draft token over f(1), as the drafter declares it
             "p_accepted_through": np.diff(self.tokens_per_step).tolist(),  # [i - 1]: P(first i accepted | K >= i)
             # [tenth of the confidence range] acceptance rate measured there (drafters that report confidence)
             "calibrated_confidence": self.calibrated((np.arange(CONFIDENCE_BINS) + 0.5) / CONFIDENCE_BINS).tolist(),

@@ -39,7 +39,7 @@ from specsample.bench.baselines import Output
 from specsample.defaults import given
 from specsample.drafters import REGISTRY, DraftModelDrafter, make_drafter
 from specsample.models import LoadedModel, Target, load_model, make_target
-from specsample.policy import KPolicy, SeesCostCurve, parse_k
+from specsample.policy import KPolicy, SeesCostCurve, SeesDraftCost, parse_k
 from specsample.prompts import Prompt
 from specsample.sampling import SamplingParams
 from specsample.text import Message
@@ -214,7 +214,7 @@ def engine_runner(config: Config, setup: Setup) -> Runner:
         drafter = DraftModelDrafter(make_target(setup.model, setup.backend, threads=setup.threads))
     else:
         drafter = make_drafter(config.drafter, setup.model, setup.target, backend=setup.backend,
-                               trust_remote_code=setup.trust_remote_code)
+                               trust_remote_code=setup.trust_remote_code, threads=setup.threads)
     return EngineRunner(SpecSampler(setup.model, setup.target, drafter, given(config.drafter, config.k)), config)
 
 
@@ -247,6 +247,11 @@ class ChoiceCounter:
 
     def observe(self, step) -> None:
         self.policy.observe(step)
+
+    def see_draft_cost(self, relative: float) -> None:
+        """Passed on to the counted policy, where it sees a drafter's cost (`policy.SeesDraftCost`)."""
+        if isinstance(self.policy, SeesDraftCost):
+            self.policy.see_draft_cost(relative)
 
     def estimates(self) -> dict:
         return {**self.policy.estimates(), "chosen_k": dict(sorted(self.chosen.items()))}

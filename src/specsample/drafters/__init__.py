@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specsample.drafters.base import Draft, Drafter
+from specsample.drafters.cost import relative_pass_cost
 from specsample.drafters.cross_vocab import METHODS, cross_vocab_drafter
 from specsample.drafters.draft_model import DraftModelDrafter
 from specsample.drafters.fallback import FallbackDrafter, check_lookup
@@ -56,11 +57,11 @@ def draft_tree_drafter(model: LoadedModel, target: Target, path: str) -> Drafter
     """The draft model at `path` (the target's vocabulary) drafting trees: its chain with alternative leaves
     at its low-confidence positions (drafters/draft_model.py)."""
     require(target, ScoresTrees, "the draft-tree drafter (it drafts trees)")
-    draft, draft_target = load_draft(path, "auto", trust_remote_code=False)
+    draft, draft_target = load_draft(path, "auto", trust_remote_code=False, threads=None)
     if not same_vocabulary(model.tokenizer, draft.tokenizer):
         raise ValueError(f"draft-tree needs a draft model with the target's vocabulary; {path} has another")
     check_same_width(target, draft_target)
-    return DraftModelDrafter(draft_target, width=TREE_WIDTH)
+    return DraftModelDrafter(draft_target, relative_pass_cost(draft_target, target), width=TREE_WIDTH)
 
 
 def layerskip_drafter(model: LoadedModel, target: Target) -> Drafter:
@@ -104,19 +105,26 @@ def require_features(target: Target) -> Target:
 
 
 def make_drafter(
-    spec: str, model: LoadedModel, target: Target, *, backend: str = "auto", trust_remote_code: bool = False
+    spec: str,
+    model: LoadedModel,
+    target: Target,
+    *,
+    backend: str = "auto",
+    trust_remote_code: bool = False,
+    threads: int | None = None,
 ) -> Drafter:
     """A drafter from a registered name, `NAME:PATH`, `A+B`, or the path of a draft model directory or GGUF
-    file, which runs on llama.cpp too when `backend` (the target's) is `llamacpp`."""
+    file, which runs on llama.cpp too when `backend` (the target's) is `llamacpp`, with the target's
+    `threads` (None: the backend's default). A draft model's cost per token, relative to a target pass,
+    is measured once here (`drafters.cost`), so that the K policy knows it before any draft."""
     if spec in REGISTRY:
         return REGISTRY[spec](model, target)
     first, plus, second = spec.partition("+")
     if plus and not Path(spec).expanduser().exists():
-        lookup = make_drafter(first, model, target, backend=backend, trust_remote_code=trust_remote_code)
+        options = dict(backend=backend, trust_remote_code=trust_remote_code, threads=threads)
+        lookup = make_drafter(first, model, target, **options)
         check_lookup(lookup, first)
-        return FallbackDrafter(
-            lookup, make_drafter(second, model, target, backend=backend, trust_remote_code=trust_remote_code)
-        )
+        return FallbackDrafter(lookup, make_drafter(second, model, target, **options))
     name, sep, path = spec.partition(":")
     if sep and name in PATH_REGISTRY:
         return PATH_REGISTRY[name](model, target, path)
@@ -124,17 +132,19 @@ def make_drafter(
     if not Path(path).expanduser().exists():
         names = ", ".join(sorted(REGISTRY))
         raise ValueError(f"unknown drafter {spec!r}: expected one of {names}, or the path of a draft model")
-    draft, draft_target = load_draft(path, backend, trust_remote_code)
+    draft, draft_target = load_draft(path, backend, trust_remote_code, threads)
     if method == "auto" and same_vocabulary(model.tokenizer, draft.tokenizer):
         check_same_width(target, draft_target)
-        return DraftModelDrafter(draft_target)
+        return DraftModelDrafter(draft_target, relative_pass_cost(draft_target, target))
     return cross_vocab_drafter(method, model, target, draft, draft_target)
 
 
-def load_draft(path: str, backend: str, trust_remote_code: bool) -> tuple[LoadedModel, Target]:
-    """A draft model and its backend (llama.cpp where the target's is), or one line saying why not."""
+def load_draft(path: str, backend: str, trust_remote_code: bool, threads: int | None) -> tuple[LoadedModel, Target]:
+    """A draft model and its backend (llama.cpp where the target's is, with the target's threads), or one
+    line saying why not."""
     try:
-        return load_target(path, "llamacpp" if backend == "llamacpp" else "auto", trust_remote_code=trust_remote_code)
+        draft_backend = "llamacpp" if backend == "llamacpp" else "auto"
+        return load_target(path, draft_backend, trust_remote_code=trust_remote_code, threads=threads)
     except (OSError, ValueError, KeyError) as error:  # transformers' loaders raise these for files they cannot read
         raise ValueError(f"cannot load the draft model or its tokenizer from {path}: {error}") from error
 

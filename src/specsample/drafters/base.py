@@ -132,6 +132,21 @@ class Forks(Protocol):
         ...
 
 
+@runtime_checkable
+class DeclaresCost(Protocol):
+    """Knows what drafting costs before it drafts: a draft model measures its pass against the
+    target's when it is made (`drafters.cost`). The K policy starts from it (`policy.SeesDraftCost`)
+    instead of trying a drafter whose token may cost more than any acceptance repays."""
+
+    # Seconds per draft token over seconds of a target pass over one token; None where not measured.
+    draft_cost: float | None
+
+
+def draft_cost(drafter: Drafter) -> float | None:
+    """The drafter's declared cost per draft token relative to a target pass (`DeclaresCost`), or None."""
+    return drafter.draft_cost if isinstance(drafter, DeclaresCost) else None
+
+
 def forked(drafter: Drafter) -> Drafter:
     """A fork of `drafter` (`Forks`), or a one-line error naming it where it does not fork."""
     if not isinstance(drafter, Forks):

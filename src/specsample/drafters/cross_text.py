@@ -28,6 +28,10 @@ class TextDrafter:
         self.text = text
         self.target_tokenizer = target_tokenizer
 
+    @property
+    def draft_cost(self) -> float | None:
+        return self.text.draft_cost
+
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         self.text.begin(prompt_ids.tolist())
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specsample.drafters.base import Draft, Drafter
+from specsample.drafters.base import Draft, Drafter, draft_cost
+from specsample.drafters.cost import relative_pass_cost
 from specsample.drafters.cross_text import TextDrafter
 from specsample.drafters.draft_text import DraftText
 from specsample.models.loading import LoadedModel
@@ -40,6 +41,10 @@ class IntersectionDrafter:
         self.text = text
         self.shared = shared
         self.params = SamplingParams()
+
+    @property
+    def draft_cost(self) -> float | None:
+        return self.text.draft_cost
 
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         self.params = params
@@ -76,6 +81,10 @@ class ByTemperature:
         self.greedy, self.sampling = greedy, sampling
         self.active = sampling
 
+    @property
+    def draft_cost(self) -> float | None:
+        return draft_cost(self.active)
+
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         self.active = self.greedy if params.greedy else self.sampling
         self.active.begin(prompt_ids, params)
@@ -88,13 +97,14 @@ class ByTemperature:
 
 
 def cross_vocab_drafter(method: str, model: LoadedModel, target: Target, draft: LoadedModel, draft_target: Target) -> Drafter:
-    """The drafter of `draft` (on `draft_target`) for `model`'s target, whose tokenizer differs, by `method`."""
+    """The drafter of `draft` (on `draft_target`) for `model`'s target, whose tokenizer differs, by `method`;
+    its cost per draft token (`DeclaresCost`) the draft model's pass against the target's, measured here."""
     if method not in METHODS:
         raise ValueError(f"unknown cross-vocabulary method {method!r}: expected one of {', '.join(METHODS)}")
     shared = check_shared(
         shared_vocabulary(model.tokenizer, draft.tokenizer, target.vocab_size, draft_target.vocab_size), draft.name
     )
-    text = DraftText(draft_target, model.tokenizer, draft.tokenizer)
+    text = DraftText(draft_target, model.tokenizer, draft.tokenizer, relative_pass_cost(draft_target, target))
     drafters = {"text": TextDrafter(text, model.tokenizer), "intersection": IntersectionDrafter(text, shared)}
     if method == "auto":
         return ByTemperature(drafters["text"], drafters["intersection"])

@@ -4,7 +4,8 @@ Any causal LM with the target's vocabulary. It samples k tokens one at a time
 under the same sampling transform as the target, draft token i with the step's
 numbers at offset i (`RandomSource.draw`: coupled with the target's token there
 for a request with a seed), and returns the distributions it sampled from, so
-verification stays exact at any temperature.
+verification stays exact at any temperature. `draft_cost`, where measured
+(`drafters.cost`), is a draft token's cost relative to a target pass (`DeclaresCost`).
 
 With `width` > 1 (`quantized-tree`, `draft-tree:PATH`) the draft is a tree: the
 same chain of k tokens (k draft-model passes), plus, at each low-confidence
@@ -44,10 +45,11 @@ THRESHOLD = 0.8  # a position whose draft peak is below this gets alternative ch
 class DraftModelDrafter:
     is_lookup = False  # it draws its draft
 
-    def __init__(self, model: Target, width: int = 1, threshold: float = THRESHOLD) -> None:
+    def __init__(self, model: Target, draft_cost: float | None = None, width: int = 1, threshold: float = THRESHOLD) -> None:
         if width < 1:
             raise ValueError(f"width must be >= 1, got {width}")
         self.model = model
+        self.draft_cost = draft_cost
         self.width, self.threshold = width, threshold
         self.context: list[int] = []
         self.draft: list[int] = []

@@ -7,6 +7,7 @@ keeps its positions up to where that encoding and the cached tokens first differ
 text is re-synchronised wherever the tokens of the two tokenizers end, and a draft token the
 target did not take (or took only part of) is fed again as the text's own encoding. While the
 text ends inside a UTF-8 character (a target token holding part of one), there is no draft.
+`draft_cost`, where measured (`drafters.cost`), is a draft model pass relative to a target pass.
 """
 
 from __future__ import annotations
@@ -20,8 +21,15 @@ from specsample.tokens import common_prefix
 
 
 class DraftText:
-    def __init__(self, model: Target, target_tokenizer: PreTrainedTokenizerBase, draft_tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self,
+        model: Target,
+        target_tokenizer: PreTrainedTokenizerBase,
+        draft_tokenizer: PreTrainedTokenizerBase,
+        draft_cost: float | None = None,
+    ) -> None:
         self.model = model
+        self.draft_cost = draft_cost
         self.target_tokenizer, self.draft_tokenizer = target_tokenizer, draft_tokenizer
         self.width = min(model.vocab_size, len(draft_tokenizer))  # draft ids with a token behind them
         self.stops = frozenset(draft_tokenizer.all_special_ids)  # a draft ends at one
@@ -29,24 +37,26 @@ class DraftText:
         self.ids: list[int] = []  # the draft model's tokens: the text's encoding, then the tokens drafted
 
     def begin(self, prompt_ids: list[int]) -> None:
-        """Start on the prompt: its text's encoding, all but the last token prefilled (as the target's),
-        so that the first draft costs what the later ones do."""
+        """Start on the prompt. The draft model's cache is filled at the first draft (`sync`), not here:
+        a request that a K policy decodes without drafting never runs the draft model."""
         self.target_ids = list(prompt_ids)
-        ids = self.encoding()
-        self.ids = ids if len(ids) <= self.model.max_length else []  # too long a prompt: no draft (`sync`)
-        self.model.prefill(torch.tensor(self.ids[:-1], dtype=torch.long))
+        self.ids = []
 
     def observe(self, tokens: list[int]) -> None:
         self.target_ids += tokens
 
     def sync(self, k: int) -> bool:
-        """Encode the text for the draft model and roll its cache back to the tokens it still holds;
-        False when there is nothing to draft from (the text ends inside a character, or k more
-        tokens would not fit the draft model's context)."""
+        """Encode the text for the draft model and roll its cache back to the tokens it still holds (or
+        prefill it, where it holds none of them); False when there is nothing to draft from (the text
+        ends inside a character, or k more tokens would not fit the draft model's context)."""
         ids = self.encoding()
         if not ids or len(ids) + k > self.model.max_length:
             return False
-        self.model.rollback(min(self.model.length, common_prefix(self.ids, ids), len(ids) - 1))
+        kept = min(self.model.length, common_prefix(self.ids, ids), len(ids) - 1)
+        if kept:
+            self.model.rollback(kept)
+        else:  # nothing cached for this text (the request's first draft): all but its last token, as the target's
+            self.model.prefill(torch.tensor(ids[:-1], dtype=torch.long))
         self.ids = ids
         return True
 

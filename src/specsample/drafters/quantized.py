@@ -37,7 +37,7 @@ from specsample.sampling import RandomSource, SamplingParams
 
 class QuantizedDrafter(DraftModelDrafter):
     def __init__(self, model: Target, target: Target | None = None, width: int = 1) -> None:
-        super().__init__(model, width)
+        super().__init__(model, width=width)
         self.target = target  # whose cache the copy adopts, if the layouts agree
 
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:

@@ -121,7 +121,8 @@ def load_sampler(
     """A SpecSampler (drafter None: the default configuration) whose target, as its drafter sees it
     too, reuses a repeated prefill."""
     loaded, target = load_target(model, backend, trust_remote_code=trust_remote_code, threads=threads)
-    return SpecSampler.build(loaded, PrefixCache(target), drafter, backend=backend, trust_remote_code=trust_remote_code)
+    return SpecSampler.build(loaded, PrefixCache(target), drafter, backend=backend, trust_remote_code=trust_remote_code,
+                             threads=threads)
 
 
 def chi_square_p(observed: np.ndarray, probs: np.ndarray) -> float:
