@@ -449,8 +449,11 @@ extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, f
 // of its own (a slot): segment s is the next rows[s] rows, at positions starts[s].. of its slot,
 // whose cache of this layer is keys[s] and values[s] (laid out as L->keys and L->values, which are
 // not read). The four products run once over the M stacked rows; each segment's attention is
-// `attention` over its own cache, segments in parallel where there is enough work, so a row's result
-// is the same whatever the other rows of the pass.
+// `attention` over its own cache, so a row's result is the same whatever the other rows of the pass.
+// Segments run in parallel where there are several with enough work between them; otherwise one
+// after another, each `attention` parallel over its own tokens and heads where it has enough work
+// (inside an inactive outer region, libgomp would run that inner region on a fresh team each call:
+// a one-segment prefill through slots took 2.3x the target's own layer).
 extern "C" void specsample_layer_slots(const Layer* L, float* x, long M, long segments, const long* rows,
                                        const long* starts, float* const* keys, float* const* values,
                                        float* scratch) {
@@ -466,10 +469,16 @@ extern "C" void specsample_layer_slots(const Layer* L, float* x, long M, long se
   }
   rms_norm(x, L->attn_norm, M, H, L->eps, h);
   linear(L->fqkv, h, M, H, L->wqkv, L->sqkv, qkv_width, qkv, L->bqkv, 0);
-#pragma omp parallel for schedule(dynamic) if (segments > 1 && work >= 500000)
-  for (long s = 0; s < segments; s++)
+  auto segment = [&](long s) {
     attention(qkv + first[s] * qkv_width, rows[s], L->heads, L->kv_heads, L->d, L->cos + starts[s] * L->d,
               L->sin + starts[s] * L->d, keys[s], values[s], L->cap, starts[s], att + first[s] * att_width);
+  };
+  if (segments > 1 && work >= 500000) {
+#pragma omp parallel for schedule(dynamic)
+    for (long s = 0; s < segments; s++) segment(s);
+  } else {
+    for (long s = 0; s < segments; s++) segment(s);
+  }
   delete[] first;
   linear(L->fo, att, M, att_width, L->wo, L->so, H, x, L->bo, 1);
   rms_norm(x, L->mlp_norm, M, H, L->eps, h);
