@@ -219,7 +219,6 @@ def test_batch_cost_model_turns_speculation_down_where_rows_cost():
         flat.observe(rows, 0.010)
         linear.observe(rows, 0.001 * rows)
     assert linear([4.5])[0] == pytest.approx(0.0045) and flat([500])[0] == pytest.approx(0.010)
-    assert linear([150])[0] == pytest.approx(0.150)  # beyond the measured rows, at their slope
     assert min(run_policy(flat, other_rows=15)[-20:]) >= 4
     assert max(run_policy(linear, other_rows=15)[-20:]) == 0
 

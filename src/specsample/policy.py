@@ -387,13 +387,8 @@ class CostModelK:
 
 class PassCost:
     """f(R): the seconds of one target pass over R rows, the rows of every request of a batch (batch.py),
-    measured online by the batch: a moving average per R, fitted nondecreasing and interpolated.
-
-    Beyond the largest R measured it goes on at the fit's mean slope over the measured range: flat
-    while rows have come free (so more rows get tried), rising where they have cost. Flat there, as
-    `CostModelK`'s curve for one request, the rows of a batch of 8 would look free however much the
-    rows measured below them cost, and every request would push its draft out to the unmeasured R.
-    """
+    measured online by the batch: a moving average per R, fitted nondecreasing and interpolated, flat
+    beyond the largest R measured (so more rows look free until measured, and get tried)."""
 
     def __init__(self, smoothing: float = 0.2) -> None:
         self.smoothing = smoothing
@@ -418,10 +413,7 @@ class PassCost:
         if self.curve is None:
             measured = sorted(self.seconds)
             self.curve = measured, nondecreasing([self.seconds[r] for r in measured], [min(self.count[r], 10) for r in measured])
-        measured, fit = self.curve
-        slope = (fit[-1] - fit[0]) / (measured[-1] - measured[0]) if len(measured) > 1 else 0.0
-        rows = np.asarray(rows, dtype=float)
-        return np.interp(rows, measured, fit) + slope * np.maximum(rows - measured[-1], 0.0)
+        return np.interp(rows, *self.curve)
 
 
 class BatchCostModelK(CostModelK):
