@@ -186,6 +186,11 @@ def test_generate_batch_equals_generate(sampler):
         assert completion.token_ids == sampler.generate(prompt, seed=seed, **sampled).token_ids
     with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
         sampler.generate_batch(prompts[:3], seeds=[1, 2])
+    batch = sampler.batch(2, 3)  # a batch given, reused warm, as `bench batch` does
+    for _ in range(2):
+        again = sampler.generate_batch(prompts[:3], batch=batch, **greedy)
+        assert [c.token_ids for c in again] == [sampler.generate(p, **greedy).token_ids for p in prompts[:3]]
+    assert batch.totals.steps > 0 and not batch.running
 
 
 def run_policy(cost, other_rows: int, steps: int = 60) -> list[int]:
@@ -229,3 +234,19 @@ def test_batch_runs_the_batch_aware_policy(target):
         assert got[i] == alone(target, SuffixDrafter(), 0, p, GREEDY, 30, CoupledSource(0))
     assert all(isinstance(policy, BatchCostModelK) and policy.cost is batch.cost for policy in batch.policies)
     assert batch.cost.measured and max(batch.cost.seconds) > 1
+
+
+def test_totals_count_steps_rows_and_seconds(target):
+    """A batch's `totals`: its steps, the rows they scored, its passes within its steps, its prefills."""
+    batch = Batch(target.slots(2), NgramDrafter(), lambda: FixedK(2), eos_token_ids=frozenset())
+    requests = [Request(p, GREEDY, 12, CoupledSource(0)) for p in prompts(3)]
+    waiting, steps, rows = list(requests), 0, 0
+    while waiting or batch.running:
+        while waiting and not batch.full:
+            batch.add(waiting.pop(0))
+        batch.step()
+        steps, rows = steps + 1, rows + batch.rows
+    totals = batch.totals
+    assert (totals.steps, totals.rows) == (steps, rows) and rows >= steps > 0
+    assert 0 < totals.pass_seconds < totals.step_seconds
+    assert totals.prefill_seconds == pytest.approx(sum(r.stats.prefill_seconds for r in requests))

@@ -144,3 +144,22 @@ def test_speedup_intervals_cover_the_true_ratio():
             unpaired_widths.append(high - low)
     assert 0.90 <= covered / 300 <= 0.99, covered
     assert np.median(widths) < 0.5 * np.median(unpaired_widths)
+
+
+def test_bench_batch_runs_alone_and_batched(capsys, tmp_path, prompts_file, tiny_dir):
+    """`bench batch`: the prompts one at a time and through generate_batch, each greedy completion of
+    the batch equal to the prompt's alone, the batched steps split into the pass and the rest."""
+    out = tmp_path / "batch.json"
+    code, stdout, err = cli(capsys, "bench", "batch", "--model", str(tiny_dir), "--backend", "fast", "--drafter", "ngram",
+                            "--prompts", str(prompts_file), "--split", "all", "--skip", "0", "--limit", "1",
+                            "--k", "2,0", "--max-batch", "2", "--max-new-tokens", "6", "--rounds", "1", "--json", str(out))
+    assert code == 0, err
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["k"], r["mode"]) for r in rows] == [("2", "alone"), ("2", "batch 2"), ("0", "alone"), ("0", "batch 2")]
+    for row in rows[1::2]:
+        assert row["differing"] == 0 and row["steps"] >= 1 and row["tokens"] == 6
+        assert row["pass_ms"] > 0 and row["other_ms"] >= 0 and row["prefill_seconds"] > 0
+    assert rows[3]["rows_per_step"] == 1.0  # K = 0, one request: one row per step
+    code, _, err = cli(capsys, "bench", "batch", "--model", str(tiny_dir), "--prompts", str(prompts_file),
+                       "--split", "all", "--skip", "0", "--limit", "2", "--rounds", "1")
+    assert code == 2 and "3 prompts" in err

@@ -94,3 +94,23 @@ def test_rollback_per_slot_and_bounds():
     with pytest.raises(ValueError, match="exceed max_length"):
         slots.score([(1, tokens(target.max_length, 64, 2))])
     assert [t.shape for t in slots.score([(0, tokens(0, 64, 0)), (1, tokens(2, 64, 0))])] == [(0, 64), (2, 64)]
+
+
+def test_prefill_from_a_prefix_another_slot_holds():
+    """A prefill copies the longest prefix another slot holds (only what it holds now: not positions
+    rolled back), and scores as the target alone does after the same prefill, the copy its own."""
+    target = tiny_target(4)
+    slots = target.slots(3)
+    shared = tokens(30, 64, 5)
+    first, second = torch.cat([shared, tokens(10, 64, 6)]), torch.cat([shared, tokens(12, 64, 7)])
+    slots.prefill(0, first)
+    slots.score([(0, tokens(4, 64, 8))])
+    slots.rollback(0, 33)  # holds first[:33]; the 4 scored tokens are gone
+    cases = [(1, second), (2, first[:36]), (2, first[:20]), (2, torch.cat([first[:33], tokens(4, 64, 8)]))]
+    for slot, context in cases:
+        slots.prefill(slot, context)
+        new = tokens(3, 64, 9)
+        assert torch.equal(slots.score([(slot, new)])[0], alone(target, context, new)), f"{len(context)} tokens"
+        slots.rollback(slot, len(context))
+    slots.prefill(0, tokens(50, 64, 10))  # the source overwritten: slot 1's copy stays
+    assert torch.equal(slots.score([(1, tokens(2, 64, 11))])[0], alone(target, second, tokens(2, 64, 11)))

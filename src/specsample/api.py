@@ -287,11 +287,14 @@ class SpecSampler:
         k: int | str | None = None,
         stop: Sequence[str] = (),
         seeds: Sequence[int | None] | None = None,
+        batch: Batch | None = None,
         **options,
     ) -> list[Completion]:
         """Complete `prompts` together, at most `max_batch` at once in one target pass per step, each
         joining as soon as one ends (continuous batching); options as for `stream`, `seeds` one per
-        prompt. Each completion is the one `generate` gives its prompt alone (greedy, or with a seed)."""
+        prompt. Each completion is the one `generate` gives its prompt alone (greedy, or with a seed).
+        With `batch` (an empty one from `batch`, which `max_batch` and `k` then do not change) the
+        prompts run in it, and its `totals` and policies stay to be read or reused."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         seeds = [None] * len(prompts) if seeds is None else list(seeds)
@@ -299,7 +302,7 @@ class SpecSampler:
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         requests = [self.request(prompt, seed=seed, **options) for prompt, seed in zip(prompts, seeds)]
         outputs = {request: TextOutput(self.model.tokenizer, stop, self.model.eos_token_ids) for request in requests}
-        batch = self.batch(max(1, min(max_batch, len(prompts))), k)
+        batch = batch or self.batch(max(1, min(max_batch, len(prompts))), k)
         waiting = deque(requests)
         while waiting or batch.running:
             while waiting and not batch.full:

@@ -55,6 +55,17 @@ class Request:
 
 
 @dataclass
+class Totals:
+    """What a batch has done so far: its steps, the rows they scored, and where their time went."""
+
+    steps: int = 0
+    rows: int = 0  # rows scored, summed over steps
+    step_seconds: float = 0.0  # whole steps: drafting, the pass, verifying
+    pass_seconds: float = 0.0  # the target passes alone
+    prefill_seconds: float = 0.0  # prompts prefilled by `add`
+
+
+@dataclass
 class Planned:
     """A running request's part of a step: its draft, and the numbers it is drawn and verified with."""
 
@@ -84,6 +95,7 @@ class Batch:
         self.running: list[Request] = []
         self.rows = 0  # rows scored by the last step
         self.cost = PassCost()  # f(rows) of this batch's passes, for the policies that see the batch
+        self.totals = Totals()
 
     @property
     def full(self) -> bool:
@@ -107,6 +119,7 @@ class Batch:
         request.slot, request.pending = slot, int(request.prompt_ids[-1])
         request.stats.prompt_tokens = request.prompt_ids.shape[0]
         request.stats.prefill_seconds = perf_counter() - start
+        self.totals.prefill_seconds += request.stats.prefill_seconds
         self.running.append(request)
 
     def remove(self, request: Request) -> None:
@@ -129,11 +142,19 @@ class Batch:
         pass_seconds = perf_counter() - scoring
         self.cost.observe(self.rows, pass_seconds)
         out = [(p.request, self._verify(p, rows, pass_seconds)) for p, rows in zip(planned, logits)]
+        seconds = perf_counter() - start
         for request, _ in out:
-            request.stats.decode_seconds += perf_counter() - start
+            request.stats.decode_seconds += seconds
             if request.done:
                 self.remove(request)
+        self._count(pass_seconds, seconds)
         return out
+
+    def _count(self, pass_seconds: float, step_seconds: float) -> None:
+        totals = self.totals
+        totals.steps, totals.rows = totals.steps + 1, totals.rows + self.rows
+        totals.pass_seconds += pass_seconds
+        totals.step_seconds += step_seconds
 
     def _plan(self, request: Request) -> Planned:
         """The request's draft: K by its slot's policy, at most what max_new_tokens leaves."""

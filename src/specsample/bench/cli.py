@@ -139,6 +139,61 @@ def decode(
         bench_decode.save(json_path, summaries, records)
 
 
+@app.command("batch")
+def batch(
+    model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2).")] = None,
+    drafter: Annotated[str, typer.Option(help="Drafter of every run.")] = "suffix",
+    backend: Annotated[str, typer.Option(help="Target backend; batching needs slots: fast or gguf (auto: as `load`).")] = "gguf",
+    k: Annotated[str, typer.Option("--k", help="Comma-separated K specs, each run alone and batched: auto, 0, 3...")] = "auto,0",
+    max_batch: Annotated[int, typer.Option(help="Requests decoded together at most.")] = 8,
+    prompts: Annotated[Optional[Path], typer.Option(help=PROMPTS_HELP)] = None,
+    split: Annotated[str, typer.Option(help=SPLIT_HELP)] = "odd",
+    skip: Annotated[int, typer.Option(help=SKIP_HELP)] = TUNED_PER_CATEGORY,
+    limit: Annotated[int, typer.Option(help="Prompts per round (first turns, in file order, each round the next ones).")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate per prompt.")] = 48,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds of every run, each on prompts of its own.")] = 2,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core).")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
+) -> None:
+    """Batched decoding in one process: generate_batch against the same prompts one at a time, aggregate
+    tokens/s, and per batched step the rows, the target pass and everything else (greedy)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from specsample.api import SpecSampler
+    from specsample.bench import batch as bench_batch
+
+    if limit < 1 or max_new_tokens < 1 or max_batch < 1 or rounds < 1:
+        raise ValueError("--limit, --max-new-tokens, --max-batch and --rounds must be positive")
+    ks = [spec.strip() for spec in k.split(",") if spec.strip()]
+    items = [p.turns[0] for p in read_bench_prompts(prompts, split, skip=skip)]
+    if len(items) < limit * rounds + 2:
+        raise ValueError(f"{len(items)} prompts: --limit {limit} x --rounds {rounds} and 2 to warm up need more")
+    _setup(threads)
+    one, many = (SpecSampler.load(model, drafter, backend=backend, threads=threads) for _ in range(2))
+    sets = [items[r * limit : (r + 1) * limit] for r in range(rounds)]
+    rows = bench_batch.run(one, many, items[-2:], sets, ks, max_batch, max_new_tokens)
+    table = Table(title=f"{limit} prompts per round, {max_new_tokens} new tokens, drafter {drafter}, {many.backend}")
+    for column in ("K", "run", "round", "tokens", "tok/s", "x alone", "steps", "rows/step", "pass ms/step",
+                   "other ms/step", "prefill s", "differing"):
+        table.add_column(column, justify="left" if column in ("K", "run") else "right")
+    alone_rates = {(r.k, r.round): r.tokens_per_second for r in rows if r.mode == "alone"}
+
+    def cell(value, spec: str) -> str:
+        return "" if value is None else format(value, spec)
+
+    for r in rows:
+        table.add_row(r.k, r.mode, str(r.round), str(r.tokens), f"{r.tokens_per_second:.1f}",
+                      f"{r.tokens_per_second / alone_rates[r.k, r.round]:.2f}", cell(r.steps, "d"),
+                      cell(r.rows_per_step, ".1f"), cell(r.pass_ms, ".1f"), cell(r.other_ms, ".1f"),
+                      cell(r.prefill_seconds, ".2f"), cell(r.differing, "d"))
+    Console(width=None if sys.stdout.isatty() else 140).print(table)
+    if json_path is not None:
+        bench_batch.save(json_path, rows, {"model": model, "backend": many.backend, "drafter": drafter,
+                                           "max_batch": max_batch, "max_new_tokens": max_new_tokens,
+                                           "prompts_per_round": limit, "threads": threads})
+
+
 @app.command("run")
 def run(
     config: Annotated[Optional[list[str]], typer.Option(

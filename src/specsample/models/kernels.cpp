@@ -469,8 +469,11 @@ extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, f
 // of its own (a slot): segment s is the next rows[s] rows, at positions starts[s].. of its slot,
 // whose cache of this layer is keys[s] and values[s] (laid out as L->keys and L->values, which are
 // not read). The four products run once over the M stacked rows; each segment's attention is
-// `attention` over its own cache, segments in parallel where there is enough work, so a row's result
-// is the same whatever the other rows of the pass.
+// `attention` over its own cache, so a row's result is the same whatever the other rows of the pass.
+// Segments run in parallel where there are several with enough work between them; otherwise one
+// after another, each `attention` parallel over its own tokens and heads where it has enough work
+// (inside an inactive outer region, libgomp would run that inner region on a fresh team each call:
+// a one-segment prefill through slots took 2.3x the target's own layer).
 extern "C" void specsample_layer_slots(const Layer* L, float* x, long M, long segments, const long* rows,
                                        const long* starts, float* const* keys, float* const* values,
                                        float* scratch) {
@@ -483,10 +486,16 @@ extern "C" void specsample_layer_slots(const Layer* L, float* x, long M, long se
     work += rows[s] * L->heads * (starts[s] + rows[s]) * L->d;
   }
   attention_input(L, x, M, sc);
-#pragma omp parallel for schedule(dynamic) if (segments > 1 && work >= 500000)
-  for (long s = 0; s < segments; s++)
+  auto segment = [&](long s) {
     attention(sc.qkv + first[s] * sc.qkv_width, rows[s], L->heads, L->kv_heads, L->d, L->cos + starts[s] * L->d,
               L->sin + starts[s] * L->d, keys[s], values[s], L->cap, starts[s], sc.att + first[s] * sc.att_width);
+  };
+  if (segments > 1 && work >= 500000) {  // not an `if` clause: a region of one thread would still start a team
+#pragma omp parallel for schedule(dynamic)
+    for (long s = 0; s < segments; s++) segment(s);
+  } else {
+    for (long s = 0; s < segments; s++) segment(s);
+  }
   delete[] first;
   attention_output_and_mlp(L, x, M, sc);
 }

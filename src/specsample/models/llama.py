@@ -506,8 +506,15 @@ class LlamaSlots:
     linear map once over all the rows, and each slot's rows attend over that slot's cache, laid out
     as the target's own. The target's kernels compute each row on its own (one chain of
     multiply-adds per output, norms per row), so a row's logits are bitwise those of the same tokens
-    scored alone, and those of the target's own `score` after the same prefill. Caches are
-    uninitialised, committed page by page as positions are written, as the target's.
+    scored alone, and those of the target's own `score` after the same prefill. The first
+    COMMITTED_POSITIONS positions of every slot are committed when the slots are made (a server makes
+    them at start): committed at first use, a slot's page faults on the transposed keys would cost
+    the whole batch a step's time or more when a request first takes it.
+
+    A prefill starts from the longest prefix of its tokens that another slot holds (the chat
+    template's system turn, a shared document), copying those positions' keys and values instead of
+    computing them again: a position's keys and values depend only on the tokens up to it, bitwise
+    (the kernels compute each row on its own), so the copy is what the prefill would write.
     """
 
     def __init__(self, target: LlamaTarget, count: int) -> None:
@@ -524,15 +531,40 @@ class LlamaSlots:
         self._keys = torch.tensor([[self.k_cache[s, i].data_ptr() for s in range(count)] for i in layers])
         self._values = torch.tensor([[self.v_cache[s, i].data_ptr() for s in range(count)] for i in layers])
         self._lengths = [0] * count
+        self._tokens: list[list[int]] = [[] for _ in range(count)]  # each slot's cached token ids
+        committed = min(COMMITTED_POSITIONS, self.k_cache.shape[-1])
+        self.k_cache[..., :committed].zero_()
+        self.v_cache[:, :, :, :committed].zero_()
 
     def length(self, slot: int) -> int:
         return self._lengths[slot]
 
     def prefill(self, slot: int, token_ids: Tensor) -> None:
-        """Reset `slot`'s cache and fill it with `token_ids` [n], in the target's prefill chunks."""
+        """Reset `slot`'s cache and fill it with `token_ids` [n]: the longest prefix another slot holds
+        copied from it, the rest in the target's prefill chunks."""
         self.rollback(slot, 0)
-        for chunk in token_ids.reshape(-1).split(PREFILL_CHUNK):
+        token_ids = token_ids.reshape(-1)
+        source, shared = self._longest_prefix(slot, token_ids.tolist())
+        if shared:
+            self.k_cache[slot, ..., :shared] = self.k_cache[source, ..., :shared]  # [layers, kv_heads, dim, n]
+            self.v_cache[slot, :, :, :shared] = self.v_cache[source, :, :, :shared]  # [layers, kv_heads, n, dim]
+            self._lengths[slot], self._tokens[slot] = shared, self._tokens[source][:shared]
+        for chunk in token_ids[shared:].split(PREFILL_CHUNK):
             self.forward([(slot, chunk)], logits=False)
+
+    def _longest_prefix(self, slot: int, token_ids: list[int]) -> tuple[int, int]:
+        """(another slot, the number of leading `token_ids` it holds) with the most, (slot, 0) if none."""
+        best = (slot, 0)
+        for other, cached in enumerate(self._tokens):
+            if other == slot:
+                continue
+            n = 0
+            for mine, theirs in zip(token_ids, cached):
+                if mine != theirs:
+                    break
+                n += 1
+            best = max(best, (other, n), key=lambda pair: pair[1])
+        return best
 
     def score(self, segments: Sequence[tuple[int, Tensor]]) -> list[Tensor]:
         """Append each segment's tokens [n_s] to its slot in one pass; logits [n_s, vocab] float32 each."""
@@ -542,6 +574,7 @@ class LlamaSlots:
         if not 0 <= length <= self._lengths[slot]:
             raise ValueError(f"cannot roll slot {slot} back to {length}: it holds {self._lengths[slot]}")
         self._lengths[slot] = length
+        del self._tokens[slot][length:]
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[tuple[int, Tensor]], logits: bool = True) -> list[Tensor]:
@@ -564,8 +597,9 @@ class LlamaSlots:
         scratch = torch.empty(n * target._scratch_per_token, dtype=torch.float32)
         for i, args in enumerate(target._kernel_layers):
             kernels.layer_slots(args, x, rows, starts, keys[i], values[i], scratch)
-        for slot, start, count in zip(slots, starts.tolist(), rows.tolist()):
+        for slot, start, count, ids in zip(slots, starts.tolist(), rows.tolist(), tokens):
             self._lengths[slot] = start + count
+            self._tokens[slot] += ids.tolist()
         if not logits:
             return []
         hidden = rms_norm(x, target.norm, target.eps)  # [n, hidden]
