@@ -123,7 +123,7 @@ runtime = status("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak resident size starts again from here
 target = LlamaCppTarget(bundled_gguf(), n_threads=1)
-sampler = SpecSampler.build(loaded, target, backend="llamacpp")  # the default drafter, as a user runs it
+sampler = SpecSampler.build(loaded, target, "none", backend="llamacpp")
 out = sampler.generate(sys.argv[1], max_new_tokens=int(sys.argv[2]), temperature=0)
 print(json.dumps({"bare_import": bare, "runtime": runtime, "peak": status("VmHWM"), "file": target.path.stat().st_size,
                   "kv_cache": target.kv_cache_bytes(), "new_tokens": len(out.token_ids)}))
