@@ -11,10 +11,10 @@ machine; the two models' passes are interleaved so that both see the same load.
 from __future__ import annotations
 
 import statistics
-from time import perf_counter
 
 import torch
 
+from specsample.cost_curve import time_score
 from specsample.models.target import Target
 
 ROUNDS = 5  # measured pairs of passes, after one to warm up
@@ -31,17 +31,11 @@ def relative_pass_cost(draft: Target, target: Target, rounds: int = ROUNDS, cont
         model.prefill(torch.arange(context) % model.vocab_size)
     ratios = []
     for round_ in range(rounds + 1):
-        draft_seconds, target_seconds = (timed_pass(model, context) for model in models)
+        token = torch.tensor([context])  # [1]
+        draft_seconds, target_seconds = (time_score(model, token % model.vocab_size, context) for model in models)
         if round_:  # the first pair warms the caches and the backends' buffers up
             ratios.append(draft_seconds / target_seconds)
     for model in models:
         model.rollback(0)
     return statistics.median(ratios)
 
-
-def timed_pass(model: Target, context: int) -> float:
-    """Seconds of one pass over one token after the first `context` cached positions."""
-    model.rollback(context)
-    start = perf_counter()
-    model.score(torch.tensor([context % model.vocab_size]))
-    return perf_counter() - start

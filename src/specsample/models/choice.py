@@ -20,10 +20,10 @@ import json
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from time import perf_counter
 
 import torch
 
+from specsample.cost_curve import time_score
 from specsample.models.target import Target
 
 CONTEXT = 64  # cached tokens under each timed pass
@@ -49,12 +49,7 @@ def seconds_per_token(target: Target, context: int = CONTEXT, passes: int = PASS
     """The median time of scoring one token after `context` cached ones (the pass is then rolled back)."""
     ids = torch.arange(context + 1) % target.vocab_size  # [context + 1]
     target.prefill(ids[:context])
-    times = []
-    for _ in range(passes + 2):
-        start = perf_counter()
-        target.score(ids[context:])
-        times.append(perf_counter() - start)
-        target.rollback(context)
+    times = [time_score(target, ids[context:], context) for _ in range(passes + 2)]
     target.rollback(0)
     return statistics.median(times[2:])
 
