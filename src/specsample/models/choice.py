@@ -7,7 +7,8 @@ llama-cpp-python is installed). Which is faster depends on the
 model, its quantization and the CPU (llama.cpp's kernels against the project's, AVX-512
 against AVX2), so it is measured rather than assumed: the median time of one single-token
 pass over a 64-token cache, plain decoding's cost per token, on each backend with the same
-threads. The faster one is remembered in the cache directory per file, CPU and thread count,
+threads, the backends' passes taken in turn (`cost_curve.measure`) so that load from other
+work slows them alike rather than whichever was measured while it lasted. The faster one is remembered in the cache directory per file, CPU and thread count,
 so only the first run on a machine pays for the measurement (a few seconds, plus the float32
 conversion if it is not cached yet). Speculation on top is then chosen for the backend picked
 (`specsample.defaults`).
@@ -17,13 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from specsample.cost_curve import time_score
+from specsample.cost_curve import measure as measure_curves
 from specsample.models.target import Target
 
 CONTEXT = 64  # cached tokens under each timed pass
@@ -43,15 +43,6 @@ def llamacpp_installed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("llama_cpp") is not None
-
-
-def seconds_per_token(target: Target, context: int = CONTEXT, passes: int = PASSES) -> float:
-    """The median time of scoring one token after `context` cached ones (the pass is then rolled back)."""
-    ids = torch.arange(context + 1) % target.vocab_size  # [context + 1]
-    target.prefill(ids[:context])
-    times = [time_score(target, ids[context:], context) for _ in range(passes + 2)]
-    target.rollback(0)
-    return statistics.median(times[2:])
 
 
 PREFERENCE = ("gguf", "auto", "llamacpp")  # ties go to the project's kernels, whose batched passes cost least
@@ -114,19 +105,29 @@ def measure(path: str | Path | None, gguf: Path, threads: int | None, trust_remo
     from specsample.models import load_model, make_target
     from specsample.models.llama import UnsupportedModel
 
-    seconds = {}
+    targets: dict[str, Target] = {}
     if llamacpp_installed():
         from specsample.models.llamacpp import LlamaCppTarget
 
-        llama = LlamaCppTarget(gguf, n_threads=threads)
-        try:
-            seconds["llamacpp"] = seconds_per_token(llama)
-        finally:
-            llama.close()
-    loaded = load_model(path, trust_remote_code=trust_remote_code)
-    seconds["auto"] = seconds_per_token(make_target(loaded, "auto"))
+        targets["llamacpp"] = LlamaCppTarget(gguf, n_threads=threads)
     try:
-        seconds["gguf"] = seconds_per_token(make_target(loaded, "gguf"))
-    except UnsupportedModel:
-        pass
-    return seconds
+        loaded = load_model(path, trust_remote_code=trust_remote_code)
+        targets["auto"] = make_target(loaded, "auto")
+        try:
+            targets["gguf"] = make_target(loaded, "gguf")
+        except UnsupportedModel:
+            pass
+        return seconds_per_token(targets)
+    finally:
+        if "llamacpp" in targets:
+            targets["llamacpp"].close()
+
+
+def seconds_per_token(targets: dict[str, Target], context: int = CONTEXT, passes: int = PASSES) -> dict[str, float]:
+    """The median time of scoring one token after `context` cached ones, by target, their passes taken in
+    turn; the targets' caches are empty afterwards."""
+    ids = torch.arange(context + 1) % min(target.vocab_size for target in targets.values())  # [context + 1]
+    curves = measure_curves(targets, ids[:context], ids[context:], ns=(1,), repeats=passes, warmup=2)
+    for target in targets.values():
+        target.rollback(0)
+    return {curve.backend: curve.ms[0] / 1000 for curve in curves}
