@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,15 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 # Tiny models are bound by per-operation overhead: one thread each avoids
 # oversubscribing the cores when pytest runs on several workers.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def thaw_the_collector():
+    """The command line freezes every object alive once its model is loaded (`specsample.gcfreeze`); a
+    test process that runs it in process thaws them after each test, so what a test leaves in cycles is
+    still collected."""
+    yield
+    gc.unfreeze()
 
 
 def tiny_llama(vocab_size: int = 16, seed: int = 0, init_scale: float = 0.5, layers: int = 2) -> LlamaForCausalLM:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -35,6 +36,17 @@ def test_generate_json_greedy_matches_transformers(capsys, tiny_dir):
     for key in ("acceptance_rate", "mean_accepted_length", "tokens_per_second", "drafted_tokens", "accepted_tokens"):
         assert key in result["stats"]
     assert result["text"]
+
+
+def test_generate_freezes_what_loading_left_for_the_collector(capsys, tiny_dir):
+    """Once the model is loaded, a full collection no longer walks the objects of the imports and the
+    model (`specsample.gcfreeze`): they are in the permanent generation."""
+    gc.unfreeze()
+    loaded_before = ["alive before the load"]  # a container: tracked by the collector
+    code, _, err = cli(capsys, "generate", "w5 w9", "--model", str(tiny_dir), "--no-chat", "--max-new-tokens", "3")
+    assert code == 0, err
+    assert gc.get_freeze_count() > 10_000
+    assert not any(o is loaded_before for o in gc.get_objects())  # frozen objects are not among the collected
 
 
 def test_generate_with_a_draft_model_streams_the_same_text(capsys, tiny_dir, tiny_draft_dir):

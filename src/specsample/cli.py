@@ -56,6 +56,7 @@ def generate(
 ) -> None:
     """Generate a completion with speculative sampling."""
     from specsample.api import SpecSampler
+    from specsample.gcfreeze import freeze_loaded
     from specsample.engine import check_max_new_tokens
     from specsample.policy import parse_k
     from specsample.sampling import SamplingParams
@@ -68,6 +69,7 @@ def generate(
         raise ValueError("the prompt is empty")
     quiet_transformers()
     sampler = SpecSampler.load(model, drafter, backend=backend, trust_remote_code=trust_remote_code, threads=threads)
+    freeze_loaded()
     generation = sampler.stream(
         text, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=min_p, k=policy, seed=seed, stop=stop or (), chat=chat,
@@ -128,6 +130,7 @@ def serve(
     import uvicorn
 
     from specsample.api import SpecSampler
+    from specsample.gcfreeze import freeze_loaded
     from specsample.policy import parse_k
     from specsample.server import create_app
 
@@ -138,6 +141,7 @@ def serve(
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     quiet_transformers()
     sampler = SpecSampler.load(model, drafter, backend=backend, trust_remote_code=trust_remote_code, threads=threads)
+    freeze_loaded()
     app = create_app(sampler, k=policy if max_batch == 1 else k, max_queue=max_queue, api_key=api_key, max_batch=max_batch)
     uvicorn.run(app, host=host, port=port)
 

@@ -162,6 +162,7 @@ def batch(
 
     from specsample.api import SpecSampler
     from specsample.bench import batch as bench_batch
+    from specsample.gcfreeze import freeze_loaded
 
     if limit < 1 or max_new_tokens < 1 or max_batch < 1 or rounds < 1:
         raise ValueError("--limit, --max-new-tokens, --max-batch and --rounds must be positive")
@@ -171,6 +172,7 @@ def batch(
         raise ValueError(f"{len(items)} prompts: --limit {limit} x --rounds {rounds} and 2 to warm up need more")
     _setup(threads)
     one, many = (SpecSampler.load(model, drafter, backend=backend, threads=threads) for _ in range(2))
+    freeze_loaded()
     sets = [items[r * limit : (r + 1) * limit] for r in range(rounds)]
     rows = bench_batch.run(one, many, items[-2:], sets, ks, max_batch, max_new_tokens)
     table = Table(title=f"{limit} prompts per round, {max_new_tokens} new tokens, drafter {drafter}, {many.backend}")
@@ -231,6 +233,7 @@ def run(
 
     from specsample.bench import harness, report, run_notes
     from specsample.cli import quiet_transformers
+    from specsample.gcfreeze import freeze_loaded
     from specsample.models import check_backend, load_model, make_target
     from specsample.models.choice import resolve
 
@@ -253,6 +256,7 @@ def run(
     needs_weights = backend != "llamacpp" or any(c.kind.startswith("hf-") for c in configs)
     loaded = load_model(model, trust_remote_code=trust_remote_code, tokenizer_only=not needs_weights)
     target = make_target(loaded, backend, threads=threads)
+    freeze_loaded()
     unavailable: dict[str, str] = {}
     records = harness.run(loaded, target, configs, items, warmup=warmup, trust_remote_code=trust_remote_code,
                           backend=backend, threads=threads, unavailable=unavailable)

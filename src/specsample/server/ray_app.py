@@ -43,6 +43,7 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from specsample.api import Chunk, Completion, Prompt, SpecSampler
+from specsample.gcfreeze import freeze_loaded
 from specsample.policy import parse_k
 from specsample.server.app import make_worker, model_card, serve_worker
 from specsample.server.metrics import ServerMetrics
@@ -141,6 +142,7 @@ class Engine:
         torch.set_num_threads(options.threads)
         sampler = SpecSampler.load(options.model, options.drafter, backend=options.backend,
                                    trust_remote_code=options.trust_remote_code, threads=options.threads)
+        freeze_loaded()
         policy = None if options.k is None else parse_k(options.k)
         self.worker = make_worker(sampler, ServerMetrics(), max_queue=options.max_queue,
                                   k=policy if options.max_batch == 1 else options.k,
