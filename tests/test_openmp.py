@@ -30,3 +30,31 @@ def test_import_sets_one_policy():
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
     assert out == ["1"]
+
+
+LOAD_AND_COUNT = """
+import os, sys, time
+from specsample import SpecSampler
+from specsample.openmp import in_passing_thread
+def threads(): return len(os.listdir("/proc/self/task"))
+before = threads()
+if sys.argv[1] == "passing":
+    sampler = in_passing_thread(SpecSampler.load, None, "none", backend="gguf")
+else:
+    sampler = SpecSampler.load(None, "none", backend="gguf")
+time.sleep(0.2)  # a finished team's threads take a moment to exit
+print(threads() - before)
+"""
+
+
+def test_a_load_on_a_passing_thread_leaves_no_openmp_team_behind():
+    """Loading runs parallel regions (the kernels, torch). On the main thread they leave a team of OpenMP
+    threads that a server's decoding thread would double (libgomp then stops spinning); on a passing
+    thread the team ends with it."""
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "2"}
+    left = {
+        where: int(subprocess.run([sys.executable, "-c", LOAD_AND_COUNT, where], env=env, capture_output=True,
+                                  text=True, check=True).stdout.split()[-1])
+        for where in ("main", "passing")
+    }
+    assert left == {"main": 1, "passing": 0}

@@ -14,13 +14,25 @@ the process starts and sleep otherwise. "Idle" is measured now, over `SAMPLE_SEC
 kernel's CPU counters, not by the load average, which lags by a minute: runs of specsample one
 after another would each see the last one's load and sleep. This module imports nothing that
 loads libgomp.
+
+Spinning needs one more thing: one team of threads. libgomp keeps a team for every thread that has
+started a parallel region (torch and the project's kernels share one libgomp), and while its teams
+hold more threads than there are cores it spins 100 rounds at most, whatever GOMP_SPINCOUNT says, so
+every pass runs as if the threads slept. A server loads its model on the main thread and decodes on
+a worker thread: two teams, and plain decoding at 112 tokens/s where the main thread alone decodes at
+299 (bundled model, AMD EPYC, 2026-11-25). `in_passing_thread` runs a load on a thread that ends
+when it returns, taking its team with it, so the decoding thread's team is the only one.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
 
 IDLE_BUSY_PER_CORE = 0.5  # fewer busy cores than this per core counts as idle
 SAMPLE_SECONDS = 0.05
@@ -54,3 +66,10 @@ def cpu_times() -> tuple[int, int]:
     with open("/proc/stat") as stat:
         fields = [int(v) for v in stat.readline().split()[1:]]
     return sum(fields), fields[3] + fields[4]
+
+
+def in_passing_thread(fn: Callable[..., T], *args, **kwargs) -> T:
+    """fn(*args, **kwargs), run on a new thread that ends when it returns: the OpenMP team its parallel
+    regions started ends with it, so the thread that then decodes keeps the process's only team."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="specsample-load") as thread:
+        return thread.submit(fn, *args, **kwargs).result()
