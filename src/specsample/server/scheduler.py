@@ -21,6 +21,7 @@ from jinja2 import TemplateError
 
 from specsample.api import Prompt, SpecSampler, TextOutput
 from specsample.batch import Request
+from specsample.openmp import in_passing_thread
 from specsample.server.metrics import ServerMetrics
 from specsample.server.worker import InvalidRequest, Job, QueueFull
 
@@ -52,7 +53,8 @@ class BatchWorker:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.sampler, self.metrics = sampler, metrics
         self.max_queue, self.default_max_tokens = max_queue, default_max_tokens
-        self.batch = sampler.batch(max_batch, k)
+        # its slots are made on a passing thread: the batch thread then holds the only OpenMP team (openmp.py)
+        self.batch = in_passing_thread(sampler.batch, max_batch, k)
         self.jobs: set[Job] = set()  # admitted: running or waiting
         self.waiting: deque[Job] = deque()
         self.running: dict[Request, Running] = {}
