@@ -14,6 +14,7 @@ from specsample.verify import ChainVerifier
 from specsample.verify.check import accept_all_greedy
 from specsample.drafters import REGISTRY
 from specsample.models import load_model, make_target
+from specsample.models.target import NotOnThisBackend
 from specsample.prompts import read_prompts
 
 from test_cli import cli
@@ -163,3 +164,20 @@ def test_bench_batch_runs_alone_and_batched(capsys, tmp_path, prompts_file, tiny
     code, _, err = cli(capsys, "bench", "batch", "--model", str(tiny_dir), "--prompts", str(prompts_file),
                        "--split", "all", "--skip", "0", "--limit", "2", "--rounds", "1")
     assert code == 2 and "3 prompts" in err
+
+
+def test_a_drafter_the_backend_cannot_serve_is_skipped_with_its_reason(prompts_file, tiny_dir):
+    """`quantized` on the transformers backend (no quantized copies): the run goes on without it and says why;
+    the same configuration as the reference is still an error."""
+    loaded = load_model(tiny_dir)
+    target = make_target(loaded, "transformers")
+    defaults, configs = harness.read_configs(["name=q,drafter=quantized,k=2", "drafter=ngram,k=2"], {"max_new_tokens": 4})
+    configs = harness.with_baselines(defaults, configs, transformers=False)
+    unavailable: dict[str, str] = {}
+    records = harness.run(loaded, target, configs, read_prompts(prompts_file, spec_bench=True), warmup=0,
+                          progress=False, backend="transformers", unavailable=unavailable)
+    assert {r.config for r in records} == {"plain", "ngram-k2"}
+    assert list(unavailable) == ["q"] and "makes a quantized copy of itself" in unavailable["q"]
+    with pytest.raises(NotOnThisBackend):
+        harness.run(loaded, target, [c for c in configs if c.name == "q"], read_prompts(prompts_file, spec_bench=True),
+                    warmup=0, progress=False, backend="transformers")

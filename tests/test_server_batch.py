@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -162,18 +164,29 @@ def test_default_max_tokens_fills_the_context_window(client, sampler):
     assert response.choices[0].text == expected.text and response.choices[0].finish_reason == expected.finish_reason
 
 
-def test_a_waiting_request_whose_client_leaves_frees_its_place(long_dir):  # noqa: F811
+@pytest.fixture(scope="module")
+def longest_dir(long_dir, tmp_path_factory) -> Path:  # noqa: F811
+    """The tiny target with an 8,192-token context (the fast backend's most): two streams of 8,000 tokens run
+    for seconds (2.6 s alone on an idle AMD EPYC), several times what the test needs them to last."""
+    directory = tmp_path_factory.mktemp("tiny-longest") / "model"
+    shutil.copytree(long_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    return directory
+
+
+def test_a_waiting_request_whose_client_leaves_frees_its_place(longest_dir):
     """Two slots, three places: two long streams run, a third request waits; its client gives up before
     it starts, and its place is free again while the two still run."""
-    sampler = SpecSampler.load(str(long_dir), "none", backend="fast")
+    sampler = SpecSampler.load(str(longest_dir), "none", backend="fast")
     with serving(create_app(sampler, max_queue=3, max_batch=2, k=0)) as url:
-        long_request = {"prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "stream": True}
+        long_request = {"prompt": PROMPT, "max_tokens": 8000, "temperature": 0, "stream": True}
         with httpx.Client(base_url=url, timeout=120) as first, httpx.Client(base_url=url, timeout=120) as second:
             with first.stream("POST", "/v1/completions", json=long_request), \
                     second.stream("POST", "/v1/completions", json=long_request):
                 wait_for(lambda: metrics(url)[("specsample_queue_depth", ())] == 2)
                 with pytest.raises(httpx.ReadTimeout):
-                    httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=1.0)
+                    httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=0.3)
                 wait_for(lambda: outcome_count(url, "cancelled") == 1)
                 assert metrics(url)[("specsample_queue_depth", ())] == 2  # the two streams still run
         wait_for(lambda: metrics(url)[("specsample_queue_depth", ())] == 0)

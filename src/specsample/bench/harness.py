@@ -39,6 +39,7 @@ from specsample.bench.baselines import Output
 from specsample.defaults import given
 from specsample.drafters import REGISTRY, DraftModelDrafter, make_drafter
 from specsample.models import LoadedModel, Target, load_model, make_target
+from specsample.models.target import NotOnThisBackend
 from specsample.policy import KPolicy, SeesCostCurve, SeesDraftCost, parse_k
 from specsample.prompts import Prompt
 from specsample.sampling import SamplingParams
@@ -345,14 +346,15 @@ def run(
 ) -> list[Record]:
     """Run every configuration on every prompt, interleaved; the first configuration is the reference.
     `backend` names `target`'s backend, for drafters that need a second target of the same kind;
-    `threads`, a llamacpp target's threads. A configuration that cannot run here (`Unavailable`)
-    gets no records, and its reason goes to `unavailable` (by name)."""
+    `threads`, a llamacpp target's threads. A configuration that cannot run here (`Unavailable`, or a
+    drafter the backend cannot serve: `NotOnThisBackend`) gets no records, and its reason goes to
+    `unavailable` (by name)."""
     setup = Setup(model, target, backend, trust_remote_code, threads)
     runners = {}
     for c in configs:
         try:
             runners[c.name] = RUNNERS[c.kind](c, setup)
-        except llamacpp.Unavailable as e:
+        except (llamacpp.Unavailable, NotOnThisBackend) as e:
             if c is configs[0]:
                 raise
             if unavailable is not None:

@@ -696,15 +696,16 @@ def on_blocks(target) -> bool:
 def lower_bit_copy(target):
     """A lower-bit copy of a LlamaTarget on GGUF blocks, with its own cache: its layer matrices of more
     than COPY_ABOVE bits requantized to Q4_0 (`requantized`); the rest, the LM head, the embedding, norms
-    and rotary tables shared. Raises ValueError where no layer matrix has more bits (no cheaper copy)."""
+    and rotary tables shared. Raises NotOnThisBackend where no layer matrix has more bits (no cheaper copy)."""
     from dataclasses import replace
 
     from specsample.models.llama import LlamaTarget
+    from specsample.models.target import NotOnThisBackend
 
     names = ("qkv", "o", "gate_up", "down")
     layers = [replace(layer, **{name: requantized(getattr(layer, name)) for name in names}) for layer in target.layers]
     if all(getattr(a, name) is getattr(b, name) for a, b in zip(layers, target.layers) for name in names):
-        raise ValueError(f"the target's layers have at most {COPY_ABOVE:g} bits per weight: "
+        raise NotOnThisBackend(f"the target's layers have at most {COPY_ABOVE:g} bits per weight: "
                          "the GGUF block kernels have no cheaper copy of it to draft with")
     return LlamaTarget(
         layers, target.embed, target.norm, target.lm_head, target.cos, target.sin, heads=target.heads,

@@ -184,10 +184,15 @@ ABILITIES: dict[type, str] = {
 }
 
 
+class NotOnThisBackend(ValueError):
+    """What a drafter needs, the target's backend cannot do (a capability, a cheaper copy): one line on the
+    command line; `bench run` skips such a configuration and says why instead of stopping the run."""
+
+
 def require(target: Target, capability: type[Capability], user: str) -> Capability:
     """`target` as `capability`, or a one-line error naming `user` (a drafter) and the backend."""
     if not isinstance(target, capability):
-        raise ValueError(
+        raise NotOnThisBackend(
             f"{user} needs a target backend that {ABILITIES[capability]}; "
             f"{type(target).__name__} does not (try --backend fast, or another drafter)"
         )
