@@ -129,11 +129,9 @@ def serve(
         raise ValueError(f"{given[0]} needs --replicas N or --min-replicas and --max-replicas")
     import uvicorn
 
-    from specsample.api import SpecSampler
-    from specsample.gcfreeze import freeze_loaded
-    from specsample.openmp import in_passing_thread
     from specsample.policy import parse_k
     from specsample.server import create_app
+    from specsample.server.app import serving_sampler
 
     policy = None if k is None else parse_k(k)
     if max_queue < 1:
@@ -141,10 +139,7 @@ def serve(
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     quiet_transformers()
-    # loaded on a passing thread: the engine's worker thread then holds the only OpenMP team (openmp.py)
-    sampler = in_passing_thread(SpecSampler.load, model, drafter, backend=backend, trust_remote_code=trust_remote_code,
-                                threads=threads)
-    freeze_loaded()
+    sampler = serving_sampler(model, drafter, backend=backend, trust_remote_code=trust_remote_code, threads=threads)
     app = create_app(sampler, k=policy if max_batch == 1 else k, max_queue=max_queue, api_key=api_key, max_batch=max_batch)
     uvicorn.run(app, host=host, port=port)
 

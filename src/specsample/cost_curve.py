@@ -97,6 +97,18 @@ def measure(
     ]
 
 
+def measure_synthetic(
+    targets: dict[str, Target], context: int, ns: Sequence[int], repeats: int, warmup: int = 1
+) -> list[CostCurve]:
+    """`measure` over a cache of `context` made-up tokens (0, 1, 2, ...: the machine's cost needs no real
+    text), leaving every target's cache empty."""
+    ids = torch.arange(context + max(ns)) % min(target.vocab_size for target in targets.values())  # [context + max n]
+    curves = measure(targets, ids[:context], ids[context:], ns, repeats, warmup)
+    for target in targets.values():
+        target.rollback(0)
+    return curves
+
+
 def machine_ratios(target: Target, key: str | None) -> dict[int, float]:
     """f(n)/f(1) of `target` on this machine at PRIOR_NS, remembered under `key` (None: measured anew,
     not remembered). The target's cache is empty afterwards."""
@@ -105,9 +117,7 @@ def machine_ratios(target: Target, key: str | None) -> dict[int, float]:
         return {int(n): ratio for n, ratio in json.loads(path.read_text()).items()}
     ns = [n for n in PRIOR_NS if n < target.max_length]  # a cached token and n new ones fit
     context = min(PRIOR_CONTEXT, target.max_length - max(ns))
-    ids = torch.arange(context + max(ns)) % target.vocab_size  # [context + max n]
-    (curve,) = measure({"target": target}, ids[:context], ids[context:], ns, PRIOR_REPEATS)
-    target.rollback(0)
+    (curve,) = measure_synthetic({"target": target}, context, ns, PRIOR_REPEATS)
     ratios = dict(zip(curve.ns, curve.ratios))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

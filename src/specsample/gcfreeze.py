@@ -8,7 +8,7 @@ suffix tree adds a node per new substring) triggers one within the first answer,
 example then ran at 165 tokens/s with the default drafter against 338 with `--drafter none`.
 
 `freeze_loaded` moves every object alive now into the permanent generation (`gc.freeze`), which
-collections skip. The command line, the server and each Ray Serve replica call it once the model
+collections skip. `generate`, `serve`, `bench` and each Ray Serve replica call it once the model
 is loaded; the library does not: an object frozen while alive and later left in an unreachable
 cycle is never freed, so a process that loads many samplers one after another (a test suite)
 decides for itself.

@@ -232,7 +232,7 @@ class CostModelK:
         for n, ratio in ratios.items():
             if n not in self.verify_count:
                 self.relative_cost[n], self.verify_count[n] = ratio, PRIOR_COST_WEIGHT
-        self.ratio_fit = None
+                self.ratio_fit = None
 
     def see_draft_cost(self, relative: float) -> None:
         """The drafter's declared cost per draft token, relative to f(1): the price of the drafting not yet measured."""

@@ -4,8 +4,8 @@ No second model and no training: a weight-only int8 copy of the target
 (models/quantize.py) drafts with its own KV cache, as a draft model does, so
 drafts are sampled from the copy's distributions under the request's sampling
 transform and verification stays exact. `quantized-tree` adds alternative
-leaves at the copy's low-confidence positions (drafters/draft_model.py). The copy agrees with the target on
-almost every token; it pays off only where its forward pass is cheaper than
+leaves at the copy's low-confidence positions (drafters/draft_model.py). The
+copy agrees with the target on almost every token; it pays off only where its forward pass is cheaper than
 the target's. On the C++ kernels it is: a draft step streams int8 weights, a
 quarter of the float32 target's bytes. On the torch fallback it is not (see
 BENCHMARKS.md).

@@ -8,9 +8,10 @@ model, its quantization and the CPU (llama.cpp's kernels against the project's, 
 against AVX2), so it is measured rather than assumed: the median time of one single-token
 pass over a 64-token cache, plain decoding's cost per token, on each backend with the same
 threads, the backends' passes taken in turn (`cost_curve.measure`) so that load from other
-work slows them alike rather than whichever was measured while it lasted. The faster one is remembered in the cache directory per file, CPU and thread count,
-so only the first run on a machine pays for the measurement (a few seconds, plus the float32
-conversion if it is not cached yet). Speculation on top is then chosen for the backend picked
+work slows them alike rather than whichever was measured while it lasted. The faster one is
+remembered in the cache directory per file, CPU and thread count, so only the first run on a
+machine pays for the measurement (a few seconds, plus the float32 conversion if it is not cached
+yet). Speculation on top is then chosen for the backend picked
 (`specsample.defaults`).
 """
 
@@ -21,9 +22,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
-from specsample.cost_curve import measure as measure_curves
+from specsample.cost_curve import measure_synthetic
 from specsample.models.target import Target
 
 CONTEXT = 64  # cached tokens under each timed pass
@@ -126,8 +125,5 @@ def measure(path: str | Path | None, gguf: Path, threads: int | None, trust_remo
 def seconds_per_token(targets: dict[str, Target], context: int = CONTEXT, passes: int = PASSES) -> dict[str, float]:
     """The median time of scoring one token after `context` cached ones, by target, their passes taken in
     turn; the targets' caches are empty afterwards."""
-    ids = torch.arange(context + 1) % min(target.vocab_size for target in targets.values())  # [context + 1]
-    curves = measure_curves(targets, ids[:context], ids[context:], ns=(1,), repeats=passes, warmup=2)
-    for target in targets.values():
-        target.rollback(0)
+    curves = measure_synthetic(targets, context, ns=(1,), repeats=passes, warmup=2)
     return {curve.backend: curve.ms[0] / 1000 for curve in curves}

@@ -706,7 +706,7 @@ def lower_bit_copy(target):
     layers = [replace(layer, **{name: requantized(getattr(layer, name)) for name in names}) for layer in target.layers]
     if all(getattr(a, name) is getattr(b, name) for a, b in zip(layers, target.layers) for name in names):
         raise NotOnThisBackend(f"the target's layers have at most {COPY_ABOVE:g} bits per weight: "
-                         "the GGUF block kernels have no cheaper copy of it to draft with")
+                               "the GGUF block kernels have no cheaper copy of it to draft with")
     return LlamaTarget(
         layers, target.embed, target.norm, target.lm_head, target.cos, target.sin, heads=target.heads,
         kv_heads=target.kv_heads, head_dim=target.head_dim, eps=target.eps,

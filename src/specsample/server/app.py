@@ -31,6 +31,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specsample.api import Chunk, Completion, SpecSampler
+from specsample.gcfreeze import freeze_loaded
+from specsample.openmp import in_passing_thread
 from specsample.policy import KPolicy
 from specsample.server.metrics import ServerMetrics
 from specsample.server.scheduler import BatchWorker
@@ -109,6 +111,17 @@ def serve_worker(worker: Worker, metrics: ServerMetrics, card: dict, *, api_key:
         return await respond(request, body, job, TextReply(name))
 
     return app
+
+
+def serving_sampler(model: str | None, drafter: str | None, *, backend: str, trust_remote_code: bool,
+                    threads: int | None) -> SpecSampler:
+    """A server's sampler (`SpecSampler.load`), loaded on a passing thread so that the worker thread that
+    decodes holds the process's only OpenMP team (`openmp.in_passing_thread`), then its objects frozen
+    for the garbage collector (`gcfreeze`)."""
+    sampler = in_passing_thread(SpecSampler.load, model, drafter, backend=backend, trust_remote_code=trust_remote_code,
+                                threads=threads)
+    freeze_loaded()
+    return sampler
 
 
 def make_worker(

@@ -42,11 +42,9 @@ from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from specsample.api import Chunk, Completion, Prompt, SpecSampler
-from specsample.gcfreeze import freeze_loaded
-from specsample.openmp import in_passing_thread
+from specsample.api import Chunk, Completion, Prompt
 from specsample.policy import parse_k
-from specsample.server.app import make_worker, model_card, serve_worker
+from specsample.server.app import make_worker, model_card, serve_worker, serving_sampler
 from specsample.server.metrics import ServerMetrics
 from specsample.server.schemas import error_body
 from specsample.server.worker import InvalidRequest, QueueFull
@@ -141,10 +139,8 @@ class Engine:
 
     def __init__(self, options: RayOptions) -> None:
         torch.set_num_threads(options.threads)
-        # loaded on a passing thread: the engine's worker thread then holds the only OpenMP team (openmp.py)
-        sampler = in_passing_thread(SpecSampler.load, options.model, options.drafter, backend=options.backend,
-                                    trust_remote_code=options.trust_remote_code, threads=options.threads)
-        freeze_loaded()
+        sampler = serving_sampler(options.model, options.drafter, backend=options.backend,
+                                  trust_remote_code=options.trust_remote_code, threads=options.threads)
         policy = None if options.k is None else parse_k(options.k)
         self.worker = make_worker(sampler, ServerMetrics(), max_queue=options.max_queue,
                                   k=policy if options.max_batch == 1 else options.k,
