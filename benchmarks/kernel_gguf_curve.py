@@ -9,7 +9,7 @@ Two measurements, each over the builds asked for (`--isa native,avx2`):
   at those shapes;
 - `target` (with --target): a whole forward pass of the bundled model on the fast backend, on
   its own GGUF blocks (`gguf_blocks.gguf_target`) and in float32, after a context of 200
-  tokens (bench.cost_curve's measurement, as benchmarks/kernel_isa_curve.py does it).
+  tokens (cost_curve.measure, as benchmarks/kernel_isa_curve.py does it).
 
 Every configuration runs in the same rounds, so other jobs' load falls on all of them alike.
 On a loaded machine two OpenMP threads wait for each other whenever one is descheduled;
@@ -106,6 +106,7 @@ def target_curve(libs: dict[str, object], ns: list[int], repeats: int, clock, co
     """Print f(n)/f(1) of whole forward passes of the bundled model, on its blocks and in float32."""
     from kernel_isa_curve import WithKernels
 
+    from specsample import cost_curve
     from specsample.bench import cost_curve as cc
     from specsample.models.llama import LlamaTarget
     from specsample.models.loading import load_model
@@ -116,8 +117,8 @@ def target_curve(libs: dict[str, object], ns: list[int], repeats: int, clock, co
         models = {"GGUF blocks": gguf_blocks.gguf_target(loaded.model, loaded.gguf), "float32": LlamaTarget.from_hf(loaded.model)}
     ids = cc.context_tokens(loaded.tokenizer, CONTEXT, context + max(ns))
     targets = {f"{build} {label}": WithKernels(model, lib) for build, lib in libs.items() for label, model in models.items()}
-    with mock.patch.object(cc, "perf_counter", clock):
-        curves = cc.measure(targets, ids[:context], ids[context:], ns, repeats)
+    with mock.patch.object(cost_curve, "perf_counter", clock):
+        curves = cost_curve.measure(targets, ids[:context], ids[context:], ns, repeats)
     print(f"\nwhole forward pass of {loaded.name} (Q4_1 layers, Q8_0 tied head), context {context}")
     table(((curve.backend, [ms / 1e3 for ms in curve.ms]) for curve in curves), ns)
 

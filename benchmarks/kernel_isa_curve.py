@@ -26,8 +26,8 @@ from unittest import mock
 
 from torch import Tensor
 
+from specsample import cost_curve
 from specsample.bench import cost_curve as cc
-from specsample.cost_curve import measure
 from specsample.models import kernels, load_model
 from specsample.models.llama import LlamaTarget
 
@@ -93,8 +93,8 @@ def main() -> None:
     ids = cc.context_tokens(loaded.tokenizer, CONTEXT, args.context_length + max(ns))
     targets = {label: WithKernels(target, lib) for label, lib in libs.items()}
     clock = time.process_time if args.cpu_time else time.perf_counter
-    with mock.patch.object(cc, "perf_counter", clock):
-        curves = measure(targets, ids[: args.context_length], ids[args.context_length :], ns, args.repeats)
+    with mock.patch.object(cost_curve, "perf_counter", clock):
+        curves = cost_curve.measure(targets, ids[: args.context_length], ids[args.context_length :], ns, args.repeats)
     threads = os.environ.get("OMP_NUM_THREADS", "all")
     print(f"{cpu_name()}; {loaded.name}; context {args.context_length}; median of {args.repeats}; "
           f"{'CPU' if args.cpu_time else 'wall'} time; OMP threads: {threads}")

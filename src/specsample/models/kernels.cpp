@@ -338,7 +338,7 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
   long end = start + n, ld = (end + VL - 1) / VL * VL;
   long parts = (groups + HEADS - 1) / HEADS;  // jobs per token and KV head
   float scale = 1.0f / __builtin_sqrtf((float)d);
-#pragma omp parallel if (n * heads * end * d >= 500000)
+#pragma omp parallel if (n * heads * end * d >= 50000)
   {
     float* scores = new float[HEADS * ld];
     float* gathered = parents ? new float[d * (2 * n + 2 * VL)] : nullptr;  // `attend`'s copies of a path
@@ -380,11 +380,15 @@ static void rms_norm(const float* x, const float* w, long M, long n, float eps, 
 // act[m, j] = silu(gate[m, j]) * up[m, j] for gu [M, 2 I] (gate, then up): silu(g) = g sigmoid(g),
 // with sigmoid(g) from e = exp(-|g|) <= 1, VL lanes at a time (the tail of a row zero-padded).
 static void silu_mul(const float* gu, long M, long I, float* act) {
-  for (long m = 0; m < M; m++) {
+  const long chunk = 256, chunks = (I + chunk - 1) / chunk;  // a multiple of VL: lanes never straddle chunks
+  // Thousands of exponentials a row: split among the team, where the products' threads would wait.
+#pragma omp parallel for schedule(static) if (M * I >= 4096)
+  for (long c = 0; c < M * chunks; c++) {
+    long m = c / chunks, j0 = c % chunks * chunk, j1 = j0 + chunk < I ? j0 + chunk : I;
     const float *gate = gu + m * 2 * I, *up = gate + I;
     float* a = act + m * I;
-    for (long j = 0; j < I; j += VL) {
-      long lanes = I - j < VL ? I - j : VL;
+    for (long j = j0; j < j1; j += VL) {
+      long lanes = j1 - j < VL ? j1 - j : VL;
       float g_buf[VL] = {}, u_buf[VL] = {}, a_buf[VL];
       memcpy(g_buf, gate + j, lanes * sizeof(float));
       memcpy(u_buf, up + j, lanes * sizeof(float));

@@ -55,7 +55,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include <vector>
+#include <memory>
 
 namespace {
 
@@ -114,8 +114,8 @@ void quantize_rows(const float* x, long M, long K, long ldx, int8_t* q, float* d
   for (long m = 0; m < M; m++)
     for (long b = 0; b < blocks; b++) {
       const float* v = x + m * ldx + b * QK;
-      float amax = 0;
-      for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
+      float amax = 0;  // a comparison, not fmaxf, which compiles to a call per input without -ffast-math
+      for (int i = 0; i < QK; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
       float scale = amax / 127.0f, inverse = scale != 0 ? 1.0f / scale : 0.0f;
       int8_t* out = q + m * K + b * QK;
       int sum = 0;
@@ -418,27 +418,47 @@ void panel(const Acts& a, int rows, const uint8_t* q, const uint8_t* sc, float* 
 }
 #endif
 
+// x's rows m0.. quantized per block into q, d, s (quantize_rows) for blocks [b0, b1) of the flattened
+// [M, K / 32] grid; a thread's share of the activations' quantization.
+void quantize_blocks(const float* x, long K, long ldx, long i0, long i1, int8_t* q, float* d, int32_t* s) {
+  const long blocks = K / QK;
+  for (long i = i0; i < i1; i++) {
+    long m = i / blocks, b = i % blocks;
+    quantize_rows(x + m * ldx + b * QK, 1, QK, ldx, q + m * K + b * QK, d + i, s + i);
+  }
+}
+
 template <int T>
 void gemm(const float* x, long M, long K, long ldx, const uint8_t* qs, const uint8_t* scales, long N,
           float* y, long ldy, const float* bias, int add) {
   const long blocks = K / QK, panels = (N + COLS - 1) / COLS;
   const long records = (blocks + per_record(T) - 1) / per_record(T);
-  std::vector<int8_t> q(M * K);
-  std::vector<float> d(M * blocks);
-  std::vector<int32_t> s(M * blocks), s16(T == Q6_K ? M * K / 16 : 0);
-  quantize_rows(x, M, K, ldx, q.data(), d.data(), s.data());
-  if (T == Q6_K) half_sums(q.data(), M, K, s16.data());
-  // Threads pay off only once the weights outgrow the cache of one core.
-#pragma omp parallel for schedule(static) if (N * K >= 65536)
-  for (long p = 0; p < panels; p++) {
-    int ncols = (int)(N - p * COLS < COLS ? N - p * COLS : COLS);
-    const uint8_t* qp = qs + p * blocks * qbytes(T);
-    const uint8_t* sp = scales + p * records * record_bytes(T);
-    for (long m0 = 0; m0 < M; m0 += MAX_ROWS) {
-      int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
-      Acts a{q.data() + m0 * K, d.data() + m0 * blocks, s.data() + m0 * blocks,
-             T == Q6_K ? s16.data() + m0 * K / 16 : 0, K};
-      panel<T>(a, rows, qp, sp, y + m0 * ldy + p * COLS, ldy, bias ? bias + p * COLS : 0, ncols, add);
+  std::unique_ptr<int8_t[]> q(new int8_t[M * K]);  // uninitialised: every byte is written below
+  std::unique_ptr<float[]> d(new float[M * blocks]);
+  std::unique_ptr<int32_t[]> s(new int32_t[M * blocks]), s16(new int32_t[T == Q6_K ? M * K / 16 : 1]);
+  // Threads pay off only once the weights outgrow the cache of one core. The activations are
+  // quantized by the same team, before the barrier that ends the first loop: outside the region
+  // that serial work would leave the other threads waiting.
+#pragma omp parallel if (N * K >= 65536)
+  {
+#pragma omp for schedule(static)
+    for (long c = 0; c < M * blocks; c += 8)
+      quantize_blocks(x, K, ldx, c, c + 8 < M * blocks ? c + 8 : M * blocks, q.get(), d.get(), s.get());
+    if (T == Q6_K) {
+#pragma omp single
+      half_sums(q.get(), M, K, s16.get());
+    }
+#pragma omp for schedule(static)
+    for (long p = 0; p < panels; p++) {
+      int ncols = (int)(N - p * COLS < COLS ? N - p * COLS : COLS);
+      const uint8_t* qp = qs + p * blocks * qbytes(T);
+      const uint8_t* sp = scales + p * records * record_bytes(T);
+      for (long m0 = 0; m0 < M; m0 += MAX_ROWS) {
+        int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
+        Acts a{q.get() + m0 * K, d.get() + m0 * blocks, s.get() + m0 * blocks,
+               T == Q6_K ? s16.get() + m0 * K / 16 : 0, K};
+        panel<T>(a, rows, qp, sp, y + m0 * ldy + p * COLS, ldy, bias ? bias + p * COLS : 0, ncols, add);
+      }
     }
   }
 }
