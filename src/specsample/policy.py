@@ -19,6 +19,7 @@ CALIBRATION_PRIOR = 4.0  # the drafter's own figure counts as this many observat
 COST_EVIDENCE_STEPS = 2  # drafting steps before the drafter's cheapest one bounds the optimism about its cost
 RANK_DECAY = 0.5  # a tree node's prior acceptance: prior_acceptance * RANK_DECAY ** (its sibling rank)
 PRIOR_COST_WEIGHT = 3  # the machine's measured f(n)/f(1) (`see_cost_curve`) counts as this many passes
+IDLE_RECHECK = 8  # while K = 0, the model is re-evaluated once in this many plain steps
 
 
 class KPolicy(Protocol):
@@ -152,7 +153,10 @@ class CostModelK:
     f(1) again while K = 0: kept as ratios, the longer passes, last measured
     over a longer context (a summary's prompt), follow f(1) down to a short
     prompt's, instead of holding K at 0 with their stale cost. K = 0, plain
-    decoding, wins when drafting does not pay.
+    decoding, wins when drafting does not pay. While it does, the model is
+    re-evaluated once every IDLE_RECHECK plain steps, and their forgetting is
+    applied then, all at once: what changes between two plain steps is a slow
+    decay, and plain decoding's step must cost what `--drafter none`'s does.
 
     Trying costs: before a drafter's cost and acceptance are known, a long draft
     may waste many target passes' worth of time (a draft model's K forwards). So
@@ -218,6 +222,9 @@ class CostModelK:
         self.kept_confidence: np.ndarray | None = None  # [n] of the draft prefix now being verified
         self.tree_reached: dict[tuple[int, int], float] = {}  # (depth, rank) -> decayed tree nodes reached there
         self.tree_accepted: dict[tuple[int, int], float] = {}  # of them accepted
+        self.idle_pending = 0  # plain steps whose forgetting is not yet applied
+        self.idle_skips = 0  # plain steps chosen since the model was last evaluated
+        self.predicted_f1 = False  # whether that evaluation knew f(1)
         self.k = k_max
         self.begin()
 
@@ -225,6 +232,7 @@ class CostModelK:
         """A new prompt may suit the drafter more or less: earlier evidence counts `carry` times."""
         self.scale_counts(self.carry)
         self.predict()
+        self.idle_skips = IDLE_RECHECK  # and a new request's first step is chosen afresh
 
     def see_cost_curve(self, ratios: Mapping[int, float]) -> None:
         """Start f(n)/f(1) at each n not measured yet from `ratios`, the target's curve measured on this
@@ -241,6 +249,9 @@ class CostModelK:
         self.declared_draft_cost = relative
 
     def choose(self) -> int:
+        if self.k == 0 and self.predicted_f1 and self.idle_skips < IDLE_RECHECK - 1:
+            self.idle_skips += 1
+            return 0
         self.predict()
         # Plain decoding is measured first: every other cost is judged against f(1).
         limit = max(1, 2 * self.largest_k) if self.f1 is not None else 0
@@ -307,14 +318,11 @@ class CostModelK:
         if step.parents is not None:
             self.observe_tree(step)
         self.observe_cost(step.drafted + 1, step.verify_seconds)
-        self.scale_counts(self.decay if self.k else self.idle_decay)
         if self.k == 0:
-            # The drafter's cost is forgotten too, toward its cheapest step: one slow early
-            # measurement must not keep K at 0 for good, but a drafter whose every draft token cost
-            # as much as a target pass must not be tried again and again.
-            self.draft_seconds *= self.idle_decay
-            self.drafted_tokens *= self.idle_decay
+            self.idle_pending += 1  # forgotten at the next evaluation (`forget_idle`)
             return
+        self.forget_idle()
+        self.scale_counts(self.decay)
         self.largest_k = max(self.largest_k, self.k)
         if step.drafted:
             self.cheapest_draft_token = min(self.cheapest_draft_token, step.draft_seconds / step.drafted)
@@ -350,6 +358,18 @@ class CostModelK:
         np.add.at(self.confidence_reached, bins, 1.0)
         np.add.at(self.confidence_accepted, bins, np.arange(verified) < step.accepted)
 
+    def forget_idle(self) -> None:
+        """Apply the forgetting of the plain steps since the last call: the counts, and the drafter's cost,
+        decay toward the prior and its cheapest step, so that one slow early measurement does not keep
+        K at 0 for good, but a drafter whose every draft token cost as much as a target pass is not
+        tried again and again."""
+        if self.idle_pending:
+            factor = self.idle_decay**self.idle_pending
+            self.scale_counts(factor)
+            self.draft_seconds *= factor
+            self.drafted_tokens *= factor
+            self.idle_pending = 0
+
     def scale_counts(self, factor: float) -> None:
         """Forget: every decayed count times `factor`."""
         for counts in (self.drafted_reached, self.drafted_ge, self.accepted_reached, self.accepted_ge):
@@ -358,8 +378,10 @@ class CostModelK:
     def predict(self) -> None:
         """Expected tokens per step, draft length and tokens per second for K = 0..k_max.
 
-        Plain Python over k_max + 1 entries: it runs at every step, just after a target pass has
+        Plain Python over k_max + 1 entries: it runs at every drafting step, just after a target pass has
         evicted it from the CPU's caches, where numpy's per-call overhead would cost more than the sums."""
+        self.forget_idle()
+        self.idle_skips, self.predicted_f1 = 0, self.f1 is not None
         accepted = self.cumulative(self.accepted_ge, self.accepted_reached, self.prior_acceptance)
         self.tokens_per_step = [1 + a for a in accepted]  # [K]
         self.draft_length = self.cumulative(self.drafted_ge, self.drafted_reached, 1.0)  # [K]

@@ -57,13 +57,14 @@ class SuffixTree:
     def append(self, active: list[Node], token: int) -> list[Node]:
         """Count the suffixes ending at `token`; returns the new active list."""
         self.clock += 1
-        extended = []
-        for node in [self.root, *active[: self.depth - 1]]:
-            child = node.children.get(token)
+        clock, extended = self.clock, []
+        for node in (self.root, *active[: self.depth - 1]):  # locals only: it runs depth times a token
+            children = node.children
+            child = children.get(token)
             if child is None:
-                child = node.children[token] = Node()
+                child = children[token] = Node()
             child.count += 1
-            child.last = self.clock
+            child.last = clock
             extended.append(child)
         return extended
 
