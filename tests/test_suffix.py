@@ -7,17 +7,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specsample.drafters.suffix import Node, SuffixDrafter, SuffixTree
+from specsample.drafters.suffix import SuffixDrafter, SuffixTree
 from specsample.sampling import SamplingParams
 
 tokens = st.lists(st.integers(0, 3), max_size=30)  # a small alphabet, so substrings repeat
 
 
-def tree_counts(node: Node, prefix: tuple[int, ...] = ()) -> dict[tuple[int, ...], int]:
+def tree_counts(tree: SuffixTree, node: int = 0, prefix: tuple[int, ...] = ()) -> dict[tuple[int, ...], int]:
     out = {}
-    for token, child in node.children.items():
-        out[prefix + (token,)] = child.count
-        out.update(tree_counts(child, prefix + (token,)))
+    for token, child in tree.children[node].items():
+        out[prefix + (token,)] = tree.count[child]
+        out.update(tree_counts(tree, child, prefix + (token,)))
     return out
 
 
@@ -36,13 +36,18 @@ def brute_counts(sequences: list[list[int]], depth: int) -> dict[tuple[int, ...]
 def test_tree_counts_every_substring_up_to_its_depth(sequences, depth, evicted):
     tree = SuffixTree(depth)
     for seq in sequences:
-        active: list[Node] = []
+        active: list[int] = []
         for token in seq:
             active = tree.append(active, token)
     evicted = min(evicted, len(sequences))
     for seq in sequences[:evicted]:
         tree.remove(seq)
-    assert tree_counts(tree.root) == brute_counts(sequences[evicted:], depth)
+    assert tree_counts(tree) == brute_counts(sequences[evicted:], depth)
+    for seq in sequences[evicted:]:  # the nodes freed by eviction are reused, counting from zero
+        active = []
+        for token in seq:
+            active = tree.append(active, token)
+    assert tree_counts(tree) == brute_counts(sequences[evicted:] * 2, depth)
 
 
 def brute_proposal(sequences, clocks, depth, max_match, growth, min_probability, k) -> list[int]:
@@ -128,3 +133,14 @@ def test_earlier_requests_are_drafted_from_until_evicted():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="max_match"):
         SuffixDrafter(depth=4, max_match=4)
+
+
+def test_the_tree_holds_nothing_the_garbage_collector_walks():
+    import gc
+
+    tree = SuffixTree(24)
+    active: list[int] = []
+    for token in range(2000):
+        active = tree.append(active, token % 97)
+    assert len(tree.count) > 2000
+    assert not any(gc.is_tracked(kids) for kids in tree.children)

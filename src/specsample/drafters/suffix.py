@@ -30,65 +30,75 @@ from specsample.drafters.ngram import LookupDrafter
 from specsample.sampling import RandomSource, SamplingParams
 
 
-class Node:
-    __slots__ = ("count", "last", "children")
-
-    def __init__(self) -> None:
-        self.count = 0  # occurrences of the substring this node spells
-        self.last = 0  # clock of its most recent occurrence
-        self.children: dict[int, Node] = {}
-
-
 class SuffixTree:
     """Occurrence counts of every substring of at most `depth` tokens of some token sequences.
 
-    A sequence is appended token by token through its `active` list: the nodes of
-    its suffixes ending at the last token, shortest first (active[i] spells the
-    last i + 1 tokens).
+    A node is an integer: node 0 is the root, `children[node]` maps a token to the child that
+    spells the node's substring followed by it, `count[node]` counts the substring's occurrences
+    and `last[node]` is the clock of its most recent one. Integers in lists and dicts of integers
+    are nothing the garbage collector tracks, where a tree of node objects held hundreds of
+    thousands that each full collection walked (about 50 ms, inside some request). Nodes whose
+    count drops to 0 are unlinked and reused.
+
+    A sequence is appended token by token through its `active` list: the nodes of its suffixes
+    ending at the last token, shortest first (active[i] spells the last i + 1 tokens).
     """
 
     def __init__(self, depth: int) -> None:
         if depth < 2:
             raise ValueError(f"depth must be >= 2, got {depth}")
         self.depth = depth
-        self.root = Node()
+        self.children: list[dict[int, int]] = [{}]  # [node] token -> child
+        self.count: list[int] = [0]  # [node] occurrences of the substring it spells
+        self.last: list[int] = [0]  # [node] clock of its most recent occurrence
+        self.free: list[int] = []  # unlinked nodes, to reuse
         self.clock = 0  # tokens appended so far, over every sequence
 
-    def append(self, active: list[Node], token: int) -> list[Node]:
+    def append(self, active: list[int], token: int) -> list[int]:
         """Count the suffixes ending at `token`; returns the new active list."""
         self.clock += 1
-        clock, extended = self.clock, []
-        for node in (self.root, *active[: self.depth - 1]):  # locals only: it runs depth times a token
-            children = node.children
-            child = children.get(token)
+        clock, children, count, last, free = self.clock, self.children, self.count, self.last, self.free
+        extended = []
+        for node in (0, *active[: self.depth - 1]):  # locals only: it runs depth times a token
+            kids = children[node]
+            child = kids.get(token)
             if child is None:
-                child = children[token] = Node()
-            child.count += 1
-            child.last = clock
+                if free:
+                    child = free.pop()
+                    children[child], count[child] = {}, 0
+                else:
+                    child = len(count)
+                    children.append({})
+                    count.append(0)
+                    last.append(0)
+                kids[token] = child
+            count[child] += 1
+            last[child] = clock
             extended.append(child)
         return extended
 
     def remove(self, tokens: list[int]) -> None:
         """Uncount a whole sequence appended earlier (its oldest occurrences go first, so
         each remaining node's `last` still belongs to a remaining occurrence)."""
-        active: list[Node] = []
+        active: list[int] = []
         for token in tokens:
             extended = []
-            for node in [self.root, *active[: self.depth - 1]]:
-                child = node.children[token]
-                child.count -= 1
-                if child.count == 0:
-                    del node.children[token]
+            for node in (0, *active[: self.depth - 1]):
+                child = self.children[node][token]
+                self.count[child] -= 1
+                if self.count[child] == 0:  # its descendants reach 0 in this same pass
+                    del self.children[node][token]
+                    self.free.append(child)
                 extended.append(child)
             active = extended
 
-    def continuation(self, node: Node, limit: int, min_probability: float) -> list[int]:
+    def continuation(self, node: int, limit: int, min_probability: float) -> list[int]:
         """Walk the most frequent (then most recent) children while the path's probability holds."""
         out: list[int] = []
         probability = 1.0
-        while len(out) < limit and node.children:
-            token, child = max(node.children.items(), key=lambda item: (item[1].count, item[1].last))
-            probability *= child.count / node.count
+        while len(out) < limit and self.children[node]:
+            token, child = max(self.children[node].items(), key=lambda item: (self.count[item[1]], self.last[item[1]]))
+            probability *= self.count[child] / self.count[node]
             if probability < min_probability:
                 break
             out.append(token)
@@ -96,20 +106,20 @@ class SuffixTree:
         return out
 
     def speculation_tree(
-        self, node: Node, limit: int, max_depth: int, min_probability: float
+        self, node: int, limit: int, max_depth: int, min_probability: float
     ) -> tuple[list[int], list[int]]:
         """SuffixDecoding's speculation tree below `node`: (tokens, parents) of up to `limit` nodes, added
         best first by the empirical probability of their path (ties: the most recent), each of
         probability at least `min_probability` and depth below `max_depth`."""
         tokens: list[int] = []
         parents: list[int] = []
-        heap: list[tuple[float, int, int, int, Node, int]] = []  # (-probability, -last, order, token, node, parent)
+        heap: list[tuple[float, int, int, int, int, int]] = []  # (-probability, -last, order, token, node, parent)
 
-        def push(above: Node, index: int, probability: float, depth: int) -> None:
-            for token, child in above.children.items() if depth < max_depth else ():
-                p = probability * child.count / above.count
+        def push(above: int, index: int, probability: float, depth: int) -> None:
+            for token, child in self.children[above].items() if depth < max_depth else ():
+                p = probability * self.count[child] / self.count[above]
                 if p >= min_probability:
-                    heapq.heappush(heap, (-p, -child.last, len(heap) + len(tokens), token, child, index))
+                    heapq.heappush(heap, (-p, -self.last[child], len(heap) + len(tokens), token, child, index))
 
         push(node, -1, 1.0, 0)
         depth = [0]  # of the nodes added, by index + 1 (the root's children at 0)
@@ -138,7 +148,7 @@ class SuffixDrafter(LookupDrafter):
         self.history_tokens = history_tokens
         self.history: deque[list[int]] = deque()  # earlier requests still counted, oldest first
         self.tokens: list[int] = []  # the current request: prompt, then every emitted token
-        self.active: list[Node] = []
+        self.active: list[int] = []  # the context's suffix nodes (`SuffixTree.append`)
 
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         self.retire()
@@ -150,12 +160,12 @@ class SuffixDrafter(LookupDrafter):
         node, depth = self.matched()
         return [] if node is None else self.tree.continuation(node, min(k, depth), self.min_probability)
 
-    def matched(self) -> tuple[Node | None, int]:
+    def matched(self) -> tuple[int | None, int]:
         """The node of the longest suffix that occurred before with a continuation, and how deep to draft
         below it (`growth` times the match length); None where no suffix did."""
         for match in range(min(self.max_match, len(self.active)), 0, -1):
             node = self.active[match - 1]
-            if node.children:
+            if self.tree.children[node]:
                 return node, max(1, int(self.growth * match))
         return None, 0
 
