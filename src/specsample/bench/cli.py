@@ -60,6 +60,7 @@ def cost_curve(
 
     from specsample.bench import cost_curve as cc
     from specsample.cost_curve import measure
+    from specsample.gcfreeze import freeze_loaded
     from specsample.models import check_backend, load_model
 
     names = [b.strip() for b in backends.split(",") if b.strip()]
@@ -75,6 +76,7 @@ def cost_curve(
     text = "\n".join(p.turns[0] for p in read_bench_prompts(None, "all"))
     ids = cc.context_tokens(loaded.tokenizer, text, context_length + max_n)
     targets = cc.targets(loaded, names, threads)
+    freeze_loaded()  # no full collection of the loaded objects inside a timed pass
     curves = measure(targets, ids[:context_length], ids[context_length:], range(1, max_n + 1), repeats)
     table = Table(title=f"f(n): one forward pass over n new tokens after {context_length} cached ({loaded.name})",
                   caption="\n".join(cc.describe(targets)))
