@@ -52,6 +52,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Sequence
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -371,14 +372,19 @@ def layer(args: LayerArgs, x: Tensor, start: int, scratch: Tensor, parents: Tens
     _library().specsample_layer(ctypes.addressof(args), x.data_ptr(), x.shape[0], start, scratch.data_ptr(), tree)
 
 
-def layer_slots(args: LayerArgs, x: Tensor, rows: Tensor, starts: Tensor, keys: Tensor, values: Tensor,
-                scratch: Tensor) -> None:
-    """`layer` over x [n, hidden] whose rows belong to several caches (slots): segment s is the next
-    rows[s] rows, at positions starts[s].. of the cache whose keys and values of this layer are at
-    addresses keys[s] and values[s] (int64 [segments] each, laid out as `args`' own, which are not
-    read). The products run once over all rows; each segment attends over its own cache only."""
+def layers_slots(layers: Sequence[LayerArgs], x: Tensor, rows: Tensor, starts: Tensor, keys: Tensor, values: Tensor,
+                 scratch: Tensor) -> None:
+    """`layer`, for every layer in turn, over x [n, hidden] whose rows belong to several caches (slots):
+    segment s is the next rows[s] rows, at positions starts[s].. of the cache whose keys and values of
+    layer i are at addresses keys[i, s] and values[i, s] (int64 [layers, segments] each, laid out as
+    the layer's own, which are not read). The products run once over all rows; each segment attends
+    over its own cache only. The arguments are checked once and the layers' addresses computed, not
+    indexed: tensor indexing per layer cost about 0.5 ms a pass (14% of a one-token pass)."""
     assert rows.dtype == starts.dtype == keys.dtype == values.dtype == torch.int64 and int(rows.sum()) == x.shape[0]
-    _library().specsample_layer_slots(
-        ctypes.addressof(args), x.data_ptr(), x.shape[0], rows.shape[0], rows.data_ptr(), starts.data_ptr(),
-        keys.data_ptr(), values.data_ptr(), scratch.data_ptr(),
-    )
+    assert keys.shape == values.shape == (len(layers), rows.shape[0])
+    keys, values = keys.contiguous(), values.contiguous()
+    fn, stride = _library().specsample_layer_slots, 8 * rows.shape[0]  # bytes of one layer's addresses
+    n, segments, pointers = x.shape[0], rows.shape[0], (rows.data_ptr(), starts.data_ptr())
+    for i, args in enumerate(layers):
+        fn(ctypes.addressof(args), x.data_ptr(), n, segments, *pointers, keys.data_ptr() + i * stride,
+           values.data_ptr() + i * stride, scratch.data_ptr())

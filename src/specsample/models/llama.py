@@ -502,7 +502,7 @@ class LlamaTarget:
 class LlamaSlots:
     """`count` KV caches over one LlamaTarget's weights, one per request (`target.Slots`).
 
-    A pass stacks the new tokens of several slots: the C++ layer (`kernels.layer_slots`) runs each
+    A pass stacks the new tokens of several slots: the C++ layer (`kernels.layers_slots`) runs each
     linear map once over all the rows, and each slot's rows attend over that slot's cache, laid out
     as the target's own. The target's kernels compute each row on its own (one chain of
     multiply-adds per output, norms per row), so a row's logits are bitwise those of the same tokens
@@ -595,8 +595,7 @@ class LlamaSlots:
         index = torch.tensor(slots)
         keys, values = self._keys[:, index], self._values[:, index]  # [layers, segments]
         scratch = torch.empty(n * target._scratch_per_token, dtype=torch.float32)
-        for i, args in enumerate(target._kernel_layers):
-            kernels.layer_slots(args, x, rows, starts, keys[i], values[i], scratch)
+        kernels.layers_slots(target._kernel_layers, x, rows, starts, keys, values, scratch)
         for slot, start, count, ids in zip(slots, starts.tolist(), rows.tolist(), tokens):
             self._lengths[slot] = start + count
             self._tokens[slot] += ids.tolist()
