@@ -250,3 +250,18 @@ def test_totals_count_steps_rows_and_seconds(target):
     assert (totals.steps, totals.rows) == (steps, rows) and rows >= steps > 0
     assert 0 < totals.pass_seconds < totals.step_seconds
     assert totals.prefill_seconds == pytest.approx(sum(r.stats.prefill_seconds for r in requests))
+
+
+def test_pass_cost_follows_the_machine_curve_beyond_the_rows_measured():
+    """Unmeasured larger passes cost what the target's own curve says, from the largest measured, not nothing."""
+    from specsample.policy import PassCost
+
+    prior = {1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0}
+    cost = PassCost(prior=prior)
+    cost.observe(1, 0.004)
+    assert cost([1])[0] == pytest.approx(0.004)
+    assert cost([2, 8])[0] == pytest.approx(0.0044) and cost([8])[0] == pytest.approx(0.008)
+    cost.observe(4, 0.006)
+    assert cost([8])[0] == pytest.approx(0.006 * 2.0 / 1.3)  # from the largest measured, in the curve's proportion
+    assert cost([2])[0] == pytest.approx(0.004 + 0.002 / 3)  # between measurements: interpolated
+    assert PassCost()([8]) == pytest.approx([1.0]) and PassCost(prior=prior)([8]) == pytest.approx([1.0])

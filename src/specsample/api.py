@@ -255,11 +255,12 @@ class SpecSampler:
 
     def batch(self, max_batch: int, k: int | str | None = None) -> Batch:
         """A batch of `max_batch` slots over this sampler's target (`batch.Batch`), drafting with forks
-        of its drafter, each slot with a K policy of the spec `k` (None: the configuration's)."""
+        of its drafter, each slot with a K policy of the spec `k` (None: the configuration's); its pass
+        cost starts from the target's cost curve on this machine (`cost_ratios`)."""
         slots = require(self.target, SlottedTarget, "batched decoding").slots(max_batch)
         spec = self.configuration.k if k is None else k
         return Batch(slots, self.drafter, lambda: parse_batch_k(spec), eos_token_ids=self.model.eos_token_ids,
-                     verifier=self.verifier)
+                     verifier=self.verifier, cost_prior=self.cost_ratios())
 
     def request(
         self,

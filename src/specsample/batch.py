@@ -15,13 +15,14 @@ a greedy request and for a request with a seed, whatever else runs and whenever 
 Each slot keeps a drafter and a K policy, used by one request after another: the drafters are forks
 of one drafter (`drafters.base.Forks`), so lookup drafters share what they learn across requests
 (the suffix drafter's tree of earlier ones). The batch measures f(rows), the seconds of its pass
-over all its rows (`policy.PassCost`); a policy that sees the batch (`policy.SeesBatch`, `auto` in a
+over all its rows (`policy.PassCost`, beyond the rows measured from `cost_prior`, the target's
+f(n)/f(1) on this machine); a policy that sees the batch (`policy.SeesBatch`, `auto` in a
 batch) chooses K knowing it and the other requests' rows, and drafts less where rows stop being free.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -87,6 +88,7 @@ class Batch:
         *,
         eos_token_ids: frozenset[int],
         verifier: ChainVerifier = ChainVerifier(),
+        cost_prior: Mapping[int, float] | None = None,
     ) -> None:
         self.slots, self.eos_token_ids, self.verifier = slots, eos_token_ids, verifier
         self.drafters = [forked(drafter) for _ in range(slots.count)]  # per slot
@@ -94,7 +96,7 @@ class Batch:
         self.free = list(range(slots.count - 1, -1, -1))  # slots without a request, next last
         self.running: list[Request] = []
         self.rows = 0  # rows scored by the last step
-        self.cost = PassCost()  # f(rows) of this batch's passes, for the policies that see the batch
+        self.cost = PassCost(prior=cost_prior)  # f(rows) of this batch's passes, for the policies that see the batch
         self.totals = Totals()
 
     @property

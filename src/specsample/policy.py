@@ -454,14 +454,18 @@ class CostModelK:
 
 class PassCost:
     """f(R): the seconds of one target pass over R rows, the rows of every request of a batch (batch.py),
-    measured online by the batch: a moving average per R, fitted nondecreasing and interpolated, flat
-    beyond the largest R measured (so more rows look free until measured, and get tried)."""
+    measured online by the batch: a moving average per R, fitted nondecreasing and interpolated. Beyond
+    the largest R measured it follows `prior`, the target's f(n)/f(1) measured on this machine for one
+    sequence (`cost_curve.machine_ratios`), from there; without one it is flat, so more rows look free
+    until measured and get tried: a lone request then drafted as if verification cost nothing, and
+    decoded at 0.89x the speed of the same request on its own policy."""
 
-    def __init__(self, smoothing: float = 0.2) -> None:
+    def __init__(self, smoothing: float = 0.2, prior: Mapping[int, float] | None = None) -> None:
         self.smoothing = smoothing
         self.seconds: dict[int, float] = {}  # rows -> moving average of a pass's seconds
         self.count: dict[int, int] = {}  # rows -> passes measured
         self.curve: tuple[list[int], list[float]] | None = None  # the fit, refitted when a pass is measured
+        self.prior = (sorted(prior), [prior[n] for n in sorted(prior)]) if prior else None  # (n, f(n)/f(1))
 
     def observe(self, rows: int, seconds: float) -> None:
         old = self.seconds.get(rows, seconds)
@@ -480,7 +484,13 @@ class PassCost:
         if self.curve is None:
             measured = sorted(self.seconds)
             self.curve = measured, nondecreasing([self.seconds[r] for r in measured], [min(self.count[r], 10) for r in measured])
-        return np.interp(rows, *self.curve)
+        rows = np.asarray(rows, dtype=float)
+        out = np.interp(rows, *self.curve)
+        (measured, fit), top = self.curve, self.curve[0][-1]
+        if self.prior is not None and (rows > top).any():
+            beyond = rows > top
+            out[beyond] = fit[-1] * np.interp(rows[beyond], *self.prior) / np.interp(top, *self.prior)
+        return out
 
 
 class BatchCostModelK(CostModelK):
