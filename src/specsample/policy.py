@@ -456,9 +456,9 @@ class PassCost:
     """f(R): the seconds of one target pass over R rows, the rows of every request of a batch (batch.py),
     measured online by the batch: a moving average per R, fitted nondecreasing and interpolated. Beyond
     the largest R measured it follows `prior`, the target's f(n)/f(1) measured on this machine for one
-    sequence (`cost_curve.machine_ratios`), from there; without one it is flat, so more rows look free
-    until measured and get tried: a lone request then drafted as if verification cost nothing, and
-    decoded at 0.89x the speed of the same request on its own policy."""
+    sequence (`cost_curve.machine_ratios`), from there, as a lone request's own policy sees it
+    (`CostModelK.see_cost_curve`); without one it is flat, so more rows look free until measured and
+    get tried."""
 
     def __init__(self, smoothing: float = 0.2, prior: Mapping[int, float] | None = None) -> None:
         self.smoothing = smoothing
