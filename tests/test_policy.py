@@ -251,3 +251,28 @@ def test_the_nondecreasing_fit_is_scipys_isotonic_regression(points):
     values, weights = zip(*points)
     expected = isotonic_regression(values, weights=np.array(weights, dtype=float)).x
     assert nondecreasing(values, weights) == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_cost_model_at_k_zero_reevaluates_once_in_idle_recheck_steps_and_forgets_as_often():
+    """While K = 0 the model is evaluated once in IDLE_RECHECK plain steps (a plain step must cost what
+    plain decoding's does), and the forgetting of the skipped steps is applied in full then."""
+    from specsample.policy import IDLE_RECHECK
+
+    policy = CostModelK(k_max=8)
+    run_cost_model(policy, 40, acceptance=lambda i: 0.0, cost=lambda n: 0.010 + 0.002 * n)
+    assert policy.k == 0
+    calls, predict = [], policy.predict
+    policy.predict = lambda: calls.append(1) or predict()
+    policy.forget_idle()
+    before = list(policy.accepted_reached)
+    for _ in range(3 * IDLE_RECHECK):
+        if policy.choose():
+            break
+        policy.observe(Step(0, 0, 1, 0.0, 0.010))
+    else:
+        assert len(calls) == 3  # once in IDLE_RECHECK steps
+        policy.forget_idle()
+        decayed = [c * policy.idle_decay ** (3 * IDLE_RECHECK) for c in before]
+        assert policy.accepted_reached == pytest.approx(decayed)
+        return
+    raise AssertionError("K left 0 within the test's steps: no idle stretch to measure")

@@ -100,3 +100,20 @@ def test_sample_draws_each_token_with_its_probability():
     skewed[0] *= 1.1
     skewed *= observed.sum() / skewed.sum()
     assert chisquare(observed, skewed).pvalue < 1e-3
+
+
+def test_sample_finds_tokens_across_blocks_of_its_two_level_sum():
+    """Weights in several blocks of `SAMPLE_BLOCK` tokens, a partial last block and empty blocks between:
+    chi-square at 1e-3 over 50,000 draws, zeros (and the padding past the vocabulary) never drawn."""
+    from specsample.sampling import SAMPLE_BLOCK
+
+    vocab = 3 * SAMPLE_BLOCK + 17
+    weights = torch.zeros(vocab)
+    tokens = [0, SAMPLE_BLOCK - 1, 2 * SAMPLE_BLOCK + 5, vocab - 1]  # block 1 is empty
+    weights[tokens] = torch.tensor([1.0, 2.0, 0.5, 1.5])
+    generator = torch.Generator().manual_seed(1)
+    counts = torch.bincount(torch.tensor([sample(weights, generator) for _ in range(50_000)]), minlength=vocab)
+    assert counts.shape[0] == vocab and counts[weights == 0].sum() == 0
+    observed = counts[tokens].double().numpy()
+    expected = weights[tokens].double().numpy() / float(weights.sum()) * observed.sum()
+    assert chisquare(observed, expected).pvalue > 1e-3
