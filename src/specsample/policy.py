@@ -486,10 +486,9 @@ class PassCost:
             self.curve = measured, nondecreasing([self.seconds[r] for r in measured], [min(self.count[r], 10) for r in measured])
         rows = np.asarray(rows, dtype=float)
         out = np.interp(rows, *self.curve)
-        (measured, fit), top = self.curve, self.curve[0][-1]
-        if self.prior is not None and (rows > top).any():
-            beyond = rows > top
-            out[beyond] = fit[-1] * np.interp(rows[beyond], *self.prior) / np.interp(top, *self.prior)
+        (measured, fit), beyond = self.curve, rows > self.curve[0][-1]
+        if self.prior is not None and beyond.any():
+            out[beyond] = fit[-1] * np.interp(rows[beyond], *self.prior) / np.interp(measured[-1], *self.prior)
         return out
 
 

@@ -418,16 +418,6 @@ void panel(const Acts& a, int rows, const uint8_t* q, const uint8_t* sc, float* 
 }
 #endif
 
-// x's rows m0.. quantized per block into q, d, s (quantize_rows) for blocks [b0, b1) of the flattened
-// [M, K / 32] grid; a thread's share of the activations' quantization.
-void quantize_blocks(const float* x, long K, long ldx, long i0, long i1, int8_t* q, float* d, int32_t* s) {
-  const long blocks = K / QK;
-  for (long i = i0; i < i1; i++) {
-    long m = i / blocks, b = i % blocks;
-    quantize_rows(x + m * ldx + b * QK, 1, QK, ldx, q + m * K + b * QK, d + i, s + i);
-  }
-}
-
 template <int T>
 void gemm(const float* x, long M, long K, long ldx, const uint8_t* qs, const uint8_t* scales, long N,
           float* y, long ldy, const float* bias, int add) {
@@ -442,8 +432,8 @@ void gemm(const float* x, long M, long K, long ldx, const uint8_t* qs, const uin
 #pragma omp parallel if (N * K >= 65536)
   {
 #pragma omp for schedule(static)
-    for (long c = 0; c < M * blocks; c += 8)
-      quantize_blocks(x, K, ldx, c, c + 8 < M * blocks ? c + 8 : M * blocks, q.get(), d.get(), s.get());
+    for (long i = 0; i < M * blocks; i++)  // block i % blocks of row i / blocks
+      quantize_rows(x + i / blocks * ldx + i % blocks * QK, 1, QK, ldx, q.get() + i * QK, d.get() + i, s.get() + i);
     if (T == Q6_K) {
 #pragma omp single
       half_sums(q.get(), M, K, s16.get());
