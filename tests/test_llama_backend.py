@@ -290,3 +290,29 @@ def test_bundled_model_matches_transformers():
         out.append(int(logits[-1].argmax()))
         logits = target.score(torch.tensor(out[-1:]))
     assert out == expected.tolist()
+
+
+def test_embedding_rows_are_the_tables_rows_and_stay_bounded():
+    table = torch.randn(50, 8)
+    calls: list[list[int]] = []
+
+    def unpack(ids: torch.Tensor) -> torch.Tensor:
+        calls.append(ids.tolist())
+        return table[ids]
+
+    rows = llama.EmbeddingRows(unpack, kept=4)
+    ids = torch.tensor([3, 7, 3, 9])
+    assert torch.equal(rows(ids), table[ids])
+    assert calls == [[3, 7, 9]]  # each missing row unpacked once
+    assert torch.equal(rows(torch.tensor([7, 3])), table[[7, 3]]) and len(calls) == 1  # kept rows: no unpacking
+    many = torch.tensor([1, 2, 3, 4, 5, 6])
+    assert torch.equal(rows(many), table[many])  # more rows than kept in one call
+    assert len(rows.rows) == 4 and list(rows.rows) == [3, 4, 5, 6]  # the most recently used
+
+
+def test_tied_embedding_equals_the_lm_heads_rows(packed):
+    target = LlamaTarget.from_hf(MODELS["llama-tied"](), max_length=64)
+    ids = torch.tensor([5, 1, 5, 63, 0])
+    assert target.tied_rows is not None
+    assert torch.equal(target._embed(ids), target._lm_head_rows(ids))
+    assert torch.equal(target._embed(ids), target._embed(ids))

@@ -27,7 +27,8 @@ logits match it to rounding (other dtypes run on torch ops, approximately).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -152,6 +153,35 @@ def _layer_from_hf(layer, dtype: torch.dtype, packed: bool) -> Layer:
     )
 
 
+
+EMBEDDING_ROWS_KEPT = 4096  # unpacked rows of a tied embedding kept: 9 MB at hidden 576
+
+
+class EmbeddingRows:
+    """The input embedding of a model whose LM head doubles as its embedding table, stored packed (GGUF
+    blocks, int8 or float panels): `unpack` gives rows [n, hidden] of the table, and the most recently
+    used EMBEDDING_ROWS_KEPT are kept. Unpacking a GGUF row through the `gguf` package costs about
+    0.17 ms a call on the bundled model, 6% of a one-token pass; a kept row is the same values, copied."""
+
+    def __init__(self, unpack: Callable[[Tensor], Tensor], kept: int = EMBEDDING_ROWS_KEPT) -> None:
+        self.unpack, self.kept = unpack, kept
+        self.rows: OrderedDict[int, Tensor] = OrderedDict()  # token -> [hidden], least recently used first
+
+    def __call__(self, token_ids: Tensor) -> Tensor:
+        """Rows `token_ids` [n] of the table, [n, hidden]."""
+        ids = token_ids.tolist()
+        missing = sorted(set(ids) - self.rows.keys())
+        if missing:
+            for token, row in zip(missing, self.unpack(torch.tensor(missing, dtype=torch.long))):
+                self.rows[token] = row.clone()
+        for token in ids:
+            self.rows.move_to_end(token)
+        out = torch.stack([self.rows[token] for token in ids])
+        while len(self.rows) > self.kept:
+            self.rows.popitem(last=False)
+        return out
+
+
 class LlamaTarget:
     """A Llama-family decoder with a preallocated KV cache, implementing the Target protocol.
 
@@ -183,6 +213,7 @@ class LlamaTarget:
         self.layers = layers
         self.source = source  # the transformers model it was copied from, for `quantized_copy`
         self.embed = embed  # [vocab, hidden], or None when tied to lm_head
+        self.tied_rows = None if embed is not None else EmbeddingRows(self._lm_head_rows)
         self.norm = norm  # [hidden]
         self.lm_head = lm_head  # hidden -> vocab
         self.cos, self.sin = cos, sin  # [max_length, head_dim]; sin signed, see rope_tables
@@ -441,8 +472,12 @@ class LlamaTarget:
 
     def _embed(self, token_ids: Tensor) -> Tensor:
         """Input embeddings [n, hidden]; a tied LM head doubles as the embedding table."""
-        if self.embed is not None:
+        if self.tied_rows is None:
             return self.embed[token_ids]
+        return self.tied_rows(token_ids)
+
+    def _lm_head_rows(self, token_ids: Tensor) -> Tensor:
+        """Rows `token_ids` [n] of the LM head's weight, float32 [n, hidden], unpacked from its storage."""
         if self.lm_head.qtype:
             from specsample.models.gguf_blocks import linear_rows
 
