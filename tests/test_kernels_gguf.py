@@ -472,7 +472,7 @@ def test_a_layer_runs_a_stacked_qkv_in_its_cxx_call(bundled):
         for i, layer in enumerate(fused.layers)
     ]
     stacked = LlamaTarget(layers, None, fused.norm, fused.lm_head, fused.cos, fused.sin, heads=fused.heads,
-                          kv_heads=fused.kv_heads, head_dim=fused.head_dim, eps=fused.eps)
+                          kv_heads=fused.kv_heads, head_dim=fused.head_dim, eps=fused.eps, kv_dtype=fused.k_cache.dtype)
     assert stacked.layers[0].qkv.qtype == gguf_blocks.STACKED
     ids = torch.arange(100, 120)
     assert torch.equal(stacked.score(ids), fused.score(ids))

@@ -316,3 +316,22 @@ def test_tied_embedding_equals_the_lm_heads_rows(packed):
     assert target.tied_rows is not None
     assert torch.equal(target._embed(ids), target._lm_head_rows(ids))
     assert torch.equal(target._embed(ids), target._embed(ids))
+
+
+F16_KV_ATOL = 2e-2  # logits about 5 in size: float16 keys and values (11-bit significands) moved them by at most 8e-3
+
+
+@pytest.mark.parametrize("name", ["llama-untied", "llama-mha-odd-sizes", "qwen2-bias", "mistral"])
+def test_float16_keys_and_values_match_transformers_to_their_rounding(name, packed):
+    """On the kernels, `kv_dtype=float16` keeps the cache in float16 (as the GGUF blocks' targets do): the
+    logits stay within F16_KV_ATOL of transformers' and are not float32's; torch ops keep float32."""
+    model = MODELS[name]()
+    ids = prompt(40, vocab=model.config.vocab_size)
+    half = LlamaTarget.from_hf(model, max_length=64, kv_dtype=torch.float16)
+    assert half.k_cache.dtype == half.v_cache.dtype == (torch.float16 if packed else torch.float32)
+    half.prefill(ids[:30])
+    got = torch.cat([half.score(ids[30:31]), half.score(ids[31:])])
+    torch.testing.assert_close(got, reference_logits(model, ids)[30:], rtol=0, atol=F16_KV_ATOL)
+    full = LlamaTarget.from_hf(model, max_length=64)
+    full.prefill(ids[:30])
+    assert torch.equal(torch.cat([full.score(ids[30:31]), full.score(ids[31:])]), got) != packed

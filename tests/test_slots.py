@@ -20,14 +20,14 @@ from specsample.models.target import Slots, SlottedTarget, require
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels could not be built here")
 
 
-def tiny_target(seed: int = 0) -> LlamaTarget:
+def tiny_target(seed: int = 0, kv_dtype: torch.dtype | None = None) -> LlamaTarget:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
         eos_token_id=None, pad_token_id=None,
     )
-    return LlamaTarget.from_hf(LlamaForCausalLM(config).eval())
+    return LlamaTarget.from_hf(LlamaForCausalLM(config).eval(), kv_dtype=kv_dtype)
 
 
 def tokens(n: int, vocab: int, seed: int) -> torch.Tensor:
@@ -61,9 +61,11 @@ def check_invariance(target: LlamaTarget, contexts: list[int], news: list[int], 
         assert torch.equal(slots.score([(slot, new)])[0], expected[i])
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float16], ids=["float32-kv", "float16-kv"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_tiny_rows_are_batch_invariant(seed):
-    target = tiny_target(seed)
+def test_tiny_rows_are_batch_invariant(seed, kv_dtype):
+    target = tiny_target(seed, kv_dtype)
+    assert target.k_cache.dtype == (kv_dtype or torch.float32)
     check_invariance(target, contexts=[5, 40, 1, 17, 90], news=[1, 4, 9, 0, 3], seed=seed)
 
 

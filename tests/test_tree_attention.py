@@ -48,10 +48,11 @@ def check(expected: torch.Tensor, got: torch.Tensor, packed: bool) -> None:
         torch.testing.assert_close(got, expected, rtol=0, atol=TORCH_ATOL)
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float16], ids=["float32-kv", "float16-kv"])
 @pytest.mark.parametrize("context_length", [0, 16, 70])  # none, a whole vector of keys, past a block of values
 @pytest.mark.parametrize("name", MODELS)
-def test_tree_logits_equal_each_path_scored_as_a_chain(name, context_length, packed):
-    target = LlamaTarget.from_hf(MODELS[name]())
+def test_tree_logits_equal_each_path_scored_as_a_chain(name, context_length, packed, kv_dtype):
+    target = LlamaTarget.from_hf(MODELS[name](), kv_dtype=kv_dtype)
     assert target.kernels == packed
     context = prompt(context_length)
     tokens = prompt(len(PARENTS), seed=1)
@@ -62,9 +63,10 @@ def test_tree_logits_equal_each_path_scored_as_a_chain(name, context_length, pac
         check(chain_logits(target, context, tokens, node), tree[node], packed)
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float16], ids=["float32-kv", "float16-kv"])
 @pytest.mark.parametrize("node", [3, 8, 5])  # a path that moves rows, one that moves most, a root child that moves
-def test_keep_path_leaves_the_cache_of_the_path(node, packed):
-    target = LlamaTarget.from_hf(MODELS["head_dim16"]())
+def test_keep_path_leaves_the_cache_of_the_path(node, packed, kv_dtype):
+    target = LlamaTarget.from_hf(MODELS["head_dim16"](), kv_dtype=kv_dtype)
     context, tokens, after = prompt(21), prompt(len(PARENTS), seed=1), prompt(3, seed=2)
     path = path_of(node)
     target.prefill(context)

@@ -38,6 +38,7 @@ from specsample.models.llama import Linear
 COLS = 16  # output columns per panel
 QK = 32  # inputs per block
 QK_K = 256  # inputs per super-block of the K types
+KV_DTYPE = torch.float16  # keys and values of a target on the blocks, as llama.cpp keeps them: half the bytes of float32
 Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
 
 # Type -> (bytes per block in the file, fp16 values before the integers).
@@ -580,6 +581,7 @@ def file_target(path: str | Path, max_length: int | None = None):
     return LlamaTarget(
         layers, None if tied else FileRows(index, "token_embd.weight"), vector(index, "output_norm.weight"), lm_head,
         cos, sin, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim, eps=shape.eps,
+        kv_dtype=KV_DTYPE,
     )
 
 
@@ -709,5 +711,5 @@ def lower_bit_copy(target):
                                "the GGUF block kernels have no cheaper copy of it to draft with")
     return LlamaTarget(
         layers, target.embed, target.norm, target.lm_head, target.cos, target.sin, heads=target.heads,
-        kv_heads=target.kv_heads, head_dim=target.head_dim, eps=target.eps,
+        kv_heads=target.kv_heads, head_dim=target.head_dim, eps=target.eps, kv_dtype=target.k_cache.dtype,
     )

@@ -63,6 +63,18 @@ static inline vf load(const int8_t* w) {
   return __builtin_convertvector(__builtin_convertvector(*(const vb*)w, vi), vf);
 #endif
 }
+// VL consecutive float16 keys or values as floats (exact: every float16 is a float).
+static inline vf load(const _Float16* w) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));
+#else
+  vf r;
+  for (int l = 0; l < VL; l++) r[l] = (float)w[l];
+  return r;
+#endif
+}
 
 // y[0:MR, panel] (+)= (x[0:MR, :] @ w_panel[K, NB]) * scale (+ bias), scale (one per column) null
 // for float32 weights. Each register block of SUB columns keeps MR x NV accumulators in registers
@@ -181,8 +193,8 @@ static constexpr int span(int G) { return (REGS - 1) / (G + 1) < 4 ? (REGS - 1) 
 
 // scores[h ld + (b + u) VL + l] = q_h . key of position (b + u) VL + l, for heads h < G (q_h at
 // q + h d) and u < B: one chain of multiply-adds over j per score.
-template <int G, int B>
-static void dot_keys(const float* q, const float* kt, long d, long cap, long b, float* scores, long ld) {
+template <int G, int B, typename KV>
+static void dot_keys(const float* q, const KV* kt, long d, long cap, long b, float* scores, long ld) {
   vf acc[G][B] = {};
   for (long j = 0; j < d; j++) {
     vf k[B];
@@ -199,15 +211,15 @@ static void dot_keys(const float* q, const float* kt, long d, long cap, long b, 
 // o_h[0:C VL] (+)= sum over i0 <= i < i1 of p_h[i] v[i, 0:C VL], for heads h < G (p_h at p + h ld,
 // o_h at o + h d; v's rows d apart), o_h overwritten where i0 = 0: one chain of multiply-adds over i
 // per output, parked in o between calls. With `prefetch`, fetches the rows PF_ROWS ahead.
-template <int G, int C>
-static void weighted_values(const float* p, long ld, const float* v, long i0, long i1, long d, float* o,
+template <int G, int C, typename KV>
+static void weighted_values(const float* p, long ld, const KV* v, long i0, long i1, long d, float* o,
                             bool prefetch) {
   vf acc[G][C];
   for (int h = 0; h < G; h++)
     for (int u = 0; u < C; u++) acc[h][u] = i0 ? load(o + h * d + u * VL) : (vf){};
   for (long i = i0; i < i1; i++) {
     if (prefetch)
-      for (long l = 0; l < d; l += 16) __builtin_prefetch(v + (i + PF_ROWS) * d + l);
+      for (long l = 0; l < d; l += 64 / (long)sizeof(KV)) __builtin_prefetch(v + (i + PF_ROWS) * d + l);
     vf x[C];
     for (int u = 0; u < C; u++) x[u] = load(v + i * d + u * VL);
     for (int h = 0; h < G; h++) {
@@ -223,12 +235,14 @@ static void weighted_values(const float* p, long ld, const float* v, long i0, lo
 // positions from `start` on are the cache slots slots[i - start] (a tree node's path), and of the
 // values ([len - start, d]) of positions start..len-1, so that `dot_keys` and `weighted_values` run
 // on them as on keys and values in place: the same chains of float operations, bitwise.
-static void gather_path(const float* kt, const float* v, long d, long cap, long from, long len, const long* slots,
+template <typename KV>
+static void gather_path(const KV* kt, const KV* v, long d, long cap, long from, long len, const long* slots,
                         long start, float* keys, long w, float* values) {
   for (long i = from; i < len; i++) {
     long pos = i < start ? i : slots[i - start];
-    for (long j = 0; j < d; j++) keys[j * w + i - from] = kt[j * cap + pos];
-    if (i >= start) memcpy(values + (i - start) * d, v + pos * d, d * sizeof(float));
+    for (long j = 0; j < d; j++) keys[j * w + i - from] = (float)kt[j * cap + pos];
+    if (i >= start)
+      for (long j = 0; j < d; j++) values[(i - start) * d + j] = (float)v[pos * d + j];
   }
 }
 
@@ -236,8 +250,8 @@ static void gather_path(const float* kt, const float* v, long d, long cap, long 
 // values v [cap, d]): queries q [G, d], out [G, d]; scores holds G rows of ld floats. With `slots`
 // (tree attention), positions start..len-1 are the cache slots slots[0..len-start-1] instead, read
 // through copies in `gathered` (d (len - start + 2 VL) + (len - start) d floats, `gather_path`).
-template <int G>
-static void attend(const float* q, const float* kt, const float* v, long d, long cap, long len, float scale,
+template <int G, typename KV>
+static void attend(const float* q, const KV* kt, const KV* v, long d, long cap, long len, float scale,
                    float* scores, long ld, float* out, const long* slots = nullptr, long start = 0,
                    float* gathered = nullptr) {
   constexpr int B = span(G);
@@ -278,8 +292,8 @@ static void attend(const float* q, const float* kt, const float* v, long d, long
       float* o = out + h * d;
       for (long j = 0; j < d; j++) o[j] = 0;
       for (long i = 0; i < len; i++) {
-        const float* row = slots && i >= start ? path_values + (i - start) * d : v + i * d;
-        for (long j = 0; j < d; j++) o[j] += scores[h * ld + i] * row[j];
+        for (long j = 0; j < d; j++)
+          o[j] += scores[h * ld + i] * (slots && i >= start ? path_values[(i - start) * d + j] : (float)v[i * d + j]);
       }
     }
     return;
@@ -311,8 +325,11 @@ static void attend(const float* q, const float* kt, const float* v, long d, long
 // With `parents` [n] (a tree: token t's parent among the n, -1 for none, parents[t] < t), token t
 // sits at position start + its depth (its rotary angle), is written to slot start + t, and sees
 // positions 0..start-1 and the slots of its ancestors and itself, as its path scored as a chain would.
+// Keys and values are of type KV: float, or _Float16 (rounded to nearest when written, read exactly:
+// half the bytes a position streams, as llama.cpp keeps them).
+template <typename KV>
 static void attention(float* qkv, long n, long heads, long kv_heads, long d, const float* cos,
-                      const float* sin, float* keys, float* values, long cap, long start, float* out,
+                      const float* sin, KV* keys, KV* values, long cap, long start, float* out,
                       const long* parents = nullptr) {
   long width = (heads + 2 * kv_heads) * d, groups = heads / kv_heads, half = d / 2;
   std::vector<long> depth(parents ? n : 0), slots(parents ? n * n : 0);  // slots [t, depth]: t's path
@@ -331,8 +348,8 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
       for (long j = half; j < d; j++) y[j] = x[j] * c[j] + x[j - half] * s[j];
     }
     for (long g = 0; g < kv_heads; g++) {
-      for (long j = 0; j < d; j++) keys[(g * d + j) * cap + start + t] = row[(heads + g) * d + j];
-      memcpy(values + (g * cap + start + t) * d, row + (heads + kv_heads + g) * d, d * sizeof(float));
+      for (long j = 0; j < d; j++) keys[(g * d + j) * cap + start + t] = (KV)row[(heads + g) * d + j];
+      for (long j = 0; j < d; j++) values[(g * cap + start + t) * d + j] = (KV)row[(heads + kv_heads + g) * d + j];
     }
   }
   long end = start + n, ld = (end + VL - 1) / VL * VL;
@@ -347,7 +364,7 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
       long t = job / (kv_heads * parts), g = job / parts % kv_heads, part = job % parts;
       long h0 = g * groups + part * groups / parts, h1 = g * groups + (part + 1) * groups / parts;
       const float* q = qkv + t * width + h0 * d;
-      const float *kt = keys + g * d * cap, *v = values + g * cap * d;
+      const KV *kt = keys + g * d * cap, *v = values + g * cap * d;
       float* o = out + t * heads * d + h0 * d;
       long len = start + (parents ? depth[t] : t) + 1;
       const long* path = parents ? slots.data() + t * n : nullptr;
@@ -414,8 +431,9 @@ struct Layer {
   const float* bo;
   const void *wgu, *wdown;
   const float *sqkv, *so, *sgu, *sdown, *cos, *sin;
-  float *keys, *values;
+  void *keys, *values;  // float, or _Float16 where kv_half
   int fqkv, fo, fgu, fdown;
+  int kv_half;
 };
 
 extern "C" int specsample_gemm_gguf(int type, const float* x, long M, long K, long ldx, const uint8_t* qs,
@@ -464,8 +482,13 @@ static void attention_output_and_mlp(const Layer* L, float* x, long M, const Scr
 extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, float* scratch, const long* parents) {
   Scratch s(L, M, scratch);
   attention_input(L, x, M, s);
-  attention(s.qkv, M, L->heads, L->kv_heads, L->d, L->cos + start * L->d, L->sin + start * L->d,
-            L->keys, L->values, L->cap, start, s.att, parents);
+  const float *cos = L->cos + start * L->d, *sin = L->sin + start * L->d;
+  if (L->kv_half)
+    attention(s.qkv, M, L->heads, L->kv_heads, L->d, cos, sin, (_Float16*)L->keys, (_Float16*)L->values, L->cap,
+              start, s.att, parents);
+  else
+    attention(s.qkv, M, L->heads, L->kv_heads, L->d, cos, sin, (float*)L->keys, (float*)L->values, L->cap, start,
+              s.att, parents);
   attention_output_and_mlp(L, x, M, s);
 }
 
@@ -479,7 +502,7 @@ extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, f
 // (inside an inactive outer region, libgomp would run that inner region on a fresh team each call:
 // a one-segment prefill through slots took 2.3x the target's own layer).
 extern "C" void specsample_layer_slots(const Layer* L, float* x, long M, long segments, const long* rows,
-                                       const long* starts, float* const* keys, float* const* values,
+                                       const long* starts, void* const* keys, void* const* values,
                                        float* scratch) {
   Scratch sc(L, M, scratch);
   long work = 0;
@@ -491,8 +514,14 @@ extern "C" void specsample_layer_slots(const Layer* L, float* x, long M, long se
   }
   attention_input(L, x, M, sc);
   auto segment = [&](long s) {
-    attention(sc.qkv + first[s] * sc.qkv_width, rows[s], L->heads, L->kv_heads, L->d, L->cos + starts[s] * L->d,
-              L->sin + starts[s] * L->d, keys[s], values[s], L->cap, starts[s], sc.att + first[s] * sc.att_width);
+    float *qkv = sc.qkv + first[s] * sc.qkv_width, *att = sc.att + first[s] * sc.att_width;
+    const float *cos = L->cos + starts[s] * L->d, *sin = L->sin + starts[s] * L->d;
+    if (L->kv_half)
+      attention(qkv, rows[s], L->heads, L->kv_heads, L->d, cos, sin, (_Float16*)keys[s], (_Float16*)values[s], L->cap,
+                starts[s], att);
+    else
+      attention(qkv, rows[s], L->heads, L->kv_heads, L->d, cos, sin, (float*)keys[s], (float*)values[s], L->cap,
+                starts[s], att);
   };
   if (segments > 1 && work >= 500000) {  // not an `if` clause: a region of one thread would still start a team
 #pragma omp parallel for schedule(dynamic)

@@ -341,14 +341,15 @@ class LayerArgs(ctypes.Structure):
     """The C `Layer`: pointers into tensors that the caller keeps alive. The scales sqkv, so,
     sgu and sdown belong to int8 matrices (`pack_int8`) and are null for float32 ones (`pack`);
     a matrix whose GGML type fqkv, fo, fgu or fdown is set (not 0) is in GGUF blocks
-    (`gguf_blocks.pack_blocks`: weight its qs, scales its fp16 scales)."""
+    (`gguf_blocks.pack_blocks`: weight its qs, scales its fp16 scales). Keys and values are float32, or
+    float16 where kv_half is set."""
 
     _fields_ = [(name, ctypes.c_long) for name in ("hidden", "heads", "kv_heads", "d", "inter", "cap")] + [
         ("eps", ctypes.c_float)
     ] + [(name, ctypes.c_void_p) for name in (
         "attn_norm", "mlp_norm", "wqkv", "bqkv", "wo", "bo", "wgu", "wdown", "sqkv", "so", "sgu", "sdown",
         "cos", "sin", "keys", "values",
-    )] + [(name, ctypes.c_int) for name in ("fqkv", "fo", "fgu", "fdown")]
+    )] + [(name, ctypes.c_int) for name in ("fqkv", "fo", "fgu", "fdown", "kv_half")]
 
 
 def scratch_size(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> int:

@@ -209,6 +209,7 @@ class LlamaTarget:
         head_dim: int,
         eps: float,
         source=None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.layers = layers
         self.source = source  # the transformers model it was copied from, for `quantized_copy`
@@ -228,11 +229,13 @@ class LlamaTarget:
         # The attention kernel wants keys transposed, 16 positions to a vector.
         capacity = kernels.capacity(self.max_length)
         layers_kv = (len(layers), kv_heads)
+        # Keys and values in `kv_dtype` on the kernels (float16 halves what a position streams), else the weights'.
+        cache_dtype = kv_dtype if self.kernels and kv_dtype is not None else self.dtype
         if self.kernels:
-            self.k_cache = torch.empty(*layers_kv, head_dim, capacity, dtype=self.dtype)  # [layers, kv_heads, dim, cap]
+            self.k_cache = torch.empty(*layers_kv, head_dim, capacity, dtype=cache_dtype)  # [layers, kv_heads, dim, cap]
         else:
-            self.k_cache = torch.empty(*layers_kv, capacity, head_dim, dtype=self.dtype)  # [layers, kv_heads, cap, dim]
-        self.v_cache = torch.empty(*layers_kv, capacity, head_dim, dtype=self.dtype)  # [layers, kv_heads, cap, dim]
+            self.k_cache = torch.empty(*layers_kv, capacity, head_dim, dtype=cache_dtype)  # [layers, kv_heads, cap, dim]
+        self.v_cache = torch.empty(*layers_kv, capacity, head_dim, dtype=cache_dtype)  # [layers, kv_heads, cap, dim]
         intermediate = layers[0].gate_up.out_features // 2 if layers else 0
         self._scratch_per_token = kernels.scratch_size(self.hidden_size, heads, kv_heads, head_dim, intermediate)
         self._kernel_layers = [self._kernel_args(i) for i in range(len(layers))] if self.kernels else []
@@ -242,9 +245,10 @@ class LlamaTarget:
 
     @classmethod
     def from_hf(
-        cls, model, max_length: int | None = None, dtype: torch.dtype = torch.float32
+        cls, model, max_length: int | None = None, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None
     ) -> LlamaTarget:
-        """Copy the weights of a transformers Llama/Qwen2/Mistral causal LM.
+        """Copy the weights of a transformers Llama/Qwen2/Mistral causal LM; keys and values in `kv_dtype` on the
+        kernels (None: `dtype`).
 
         Raises UnsupportedModel when the result would not match the model, so
         callers can fall back to the transformers backend.
@@ -280,6 +284,7 @@ class LlamaTarget:
                 head_dim=head_dim,
                 eps=config.rms_norm_eps,
                 source=model,
+                kv_dtype=kv_dtype,
             )
 
     @property
@@ -468,6 +473,7 @@ class LlamaTarget:
             sqkv=ptr(w.qkv.scales), so=ptr(w.o.scales), sgu=ptr(w.gate_up.scales), sdown=ptr(w.down.scales),
             cos=ptr(self.cos), sin=ptr(self.sin), keys=ptr(self.k_cache[i]), values=ptr(self.v_cache[i]),
             fqkv=w.qkv.qtype, fo=w.o.qtype, fgu=w.gate_up.qtype, fdown=w.down.qtype,
+            kv_half=int(self.k_cache.dtype == torch.float16),
         )
 
     def _embed(self, token_ids: Tensor) -> Tensor:
@@ -559,8 +565,8 @@ class LlamaSlots:
             raise ValueError(f"need at least one slot, got {count}")
         self.target, self.count = target, count
         self.vocab_size, self.max_length = target.vocab_size, target.max_length
-        self.k_cache = torch.empty(count, *target.k_cache.shape, dtype=target.dtype)  # [slots, layers, kv_heads, dim, cap]
-        self.v_cache = torch.empty(count, *target.v_cache.shape, dtype=target.dtype)  # [slots, layers, kv_heads, cap, dim]
+        self.k_cache = torch.empty(count, *target.k_cache.shape, dtype=target.k_cache.dtype)  # [slots, layers, kv_heads, dim, cap]
+        self.v_cache = torch.empty(count, *target.v_cache.shape, dtype=target.v_cache.dtype)  # [slots, layers, kv_heads, cap, dim]
         layers = range(len(target.layers))
         # addresses of each slot's cache of each layer, [layers, slots], for the C++ layer
         self._keys = torch.tensor([[self.k_cache[s, i].data_ptr() for s in range(count)] for i in layers])
