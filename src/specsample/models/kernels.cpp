@@ -63,6 +63,10 @@ static inline vf load(const int8_t* w) {
   return __builtin_convertvector(__builtin_convertvector(*(const vb*)w, vi), vf);
 #endif
 }
+// Float16 keys and values where the compiler has the type (GCC 12 on x86, any aarch64 compiler): a
+// library built without it keeps float32 caches only (`specsample_half_caches`).
+#if defined(__FLT16_MAX__)
+#define SPECSAMPLE_HALF 1
 // VL consecutive float16 keys or values as floats (exact: every float16 is a float).
 static inline vf load(const _Float16* w) {
 #if defined(__AVX512F__)
@@ -75,6 +79,10 @@ static inline vf load(const _Float16* w) {
   return r;
 #endif
 }
+#else
+#define SPECSAMPLE_HALF 0
+#endif
+extern "C" int specsample_half_caches() { return SPECSAMPLE_HALF; }
 
 // y[0:MR, panel] (+)= (x[0:MR, :] @ w_panel[K, NB]) * scale (+ bias), scale (one per column) null
 // for float32 weights. Each register block of SUB columns keeps MR x NV accumulators in registers
@@ -483,10 +491,12 @@ extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, f
   Scratch s(L, M, scratch);
   attention_input(L, x, M, s);
   const float *cos = L->cos + start * L->d, *sin = L->sin + start * L->d;
+#if SPECSAMPLE_HALF
   if (L->kv_half)
     attention(s.qkv, M, L->heads, L->kv_heads, L->d, cos, sin, (_Float16*)L->keys, (_Float16*)L->values, L->cap,
               start, s.att, parents);
   else
+#endif
     attention(s.qkv, M, L->heads, L->kv_heads, L->d, cos, sin, (float*)L->keys, (float*)L->values, L->cap, start,
               s.att, parents);
   attention_output_and_mlp(L, x, M, s);
@@ -516,10 +526,12 @@ extern "C" void specsample_layer_slots(const Layer* L, float* x, long M, long se
   auto segment = [&](long s) {
     float *qkv = sc.qkv + first[s] * sc.qkv_width, *att = sc.att + first[s] * sc.att_width;
     const float *cos = L->cos + starts[s] * L->d, *sin = L->sin + starts[s] * L->d;
+#if SPECSAMPLE_HALF
     if (L->kv_half)
       attention(qkv, rows[s], L->heads, L->kv_heads, L->d, cos, sin, (_Float16*)keys[s], (_Float16*)values[s], L->cap,
                 starts[s], att);
     else
+#endif
       attention(qkv, rows[s], L->heads, L->kv_heads, L->d, cos, sin, (float*)keys[s], (float*)values[s], L->cap,
                 starts[s], att);
   };

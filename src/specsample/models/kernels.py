@@ -331,6 +331,16 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q, d, s
 
 
+def cache_dtype(requested: torch.dtype | None, default: torch.dtype) -> torch.dtype:
+    """The element type of a KV cache on the kernels: `requested` (None: `default`), float32 for float16
+    where the library was built by a compiler without a float16 type."""
+    if requested is None:
+        return default
+    if requested == torch.float16 and not _library().specsample_half_caches():
+        return torch.float32
+    return requested
+
+
 def capacity(length: int) -> int:
     """Cache capacity for `length` positions: a multiple of 16 plus 16, so that rows of the
     transposed keys are never a power of two apart (they would fall into the same cache sets)."""

@@ -230,7 +230,7 @@ class LlamaTarget:
         capacity = kernels.capacity(self.max_length)
         layers_kv = (len(layers), kv_heads)
         # Keys and values in `kv_dtype` on the kernels (float16 halves what a position streams), else the weights'.
-        cache_dtype = kv_dtype if self.kernels and kv_dtype is not None else self.dtype
+        cache_dtype = kernels.cache_dtype(kv_dtype, self.dtype) if self.kernels else self.dtype
         if self.kernels:
             self.k_cache = torch.empty(*layers_kv, head_dim, capacity, dtype=cache_dtype)  # [layers, kv_heads, dim, cap]
         else:
