@@ -193,6 +193,10 @@ class LlamaTarget:
     same positions rewrites every layer. It keeps per-position features for a
     draft head (`RecordsFeatures`), makes an int8 copy of itself
     (`QuantizedCopies`) and starts a copy's cache from its own (`AdoptsCache`).
+
+    On the kernels the cache holds keys and values in `kv_dtype` (None: the weights' dtype): float16
+    halves the bytes a cached position streams in every pass (the GGUF blocks' targets use it, as
+    llama.cpp does), at float16's rounding of each key and value.
     """
 
     def __init__(
