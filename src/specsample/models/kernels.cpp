@@ -367,7 +367,7 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
   {
     float* scores = new float[HEADS * ld];
     float* gathered = parents ? new float[d * (2 * n + 2 * VL)] : nullptr;  // `attend`'s copies of a path
-#pragma omp for schedule(static)
+#pragma omp for schedule(static, 1)  // round robin: a later token of a prefill attends over more positions
     for (long job = 0; job < n * kv_heads * parts; job++) {
       long t = job / (kv_heads * parts), g = job / parts % kv_heads, part = job % parts;
       long h0 = g * groups + part * groups / parts, h1 = g * groups + (part + 1) * groups / parts;
