@@ -149,9 +149,15 @@ def _build(source: str, isa: str) -> ctypes.CDLL | None:
     fn = lib.specsample_layer
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = None
+    fn = lib.specsample_layers
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                   ctypes.c_void_p]
+    fn.restype = None
     fn = lib.specsample_layer_slots
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 5
     fn.restype = None
+    lib.specsample_half_caches.argtypes = []
+    lib.specsample_half_caches.restype = ctypes.c_int
     lib.specsample_isa.argtypes = []
     lib.specsample_isa.restype = ctypes.c_char_p
     _declare_gguf(lib)
@@ -381,6 +387,17 @@ def layer(args: LayerArgs, x: Tensor, start: int, scratch: Tensor, parents: Tens
     """
     tree = None if parents is None else parents.data_ptr()
     _library().specsample_layer(ctypes.addressof(args), x.data_ptr(), x.shape[0], start, scratch.data_ptr(), tree)
+
+
+def layer_table(layers: Sequence[LayerArgs]) -> ctypes.Array:
+    """The addresses of `layers` as `layers` takes them; the caller keeps the LayerArgs alive."""
+    return (ctypes.c_void_p * len(layers))(*[ctypes.addressof(args) for args in layers])
+
+
+def layers(table: ctypes.Array, x: Tensor, start: int, scratch: Tensor, parents: Tensor | None = None) -> None:
+    """`layer` for each layer of `table` (`layer_table`) in turn, in one call into the library."""
+    tree = None if parents is None else parents.data_ptr()
+    _library().specsample_layers(table, len(table), x.data_ptr(), x.shape[0], start, scratch.data_ptr(), tree)
 
 
 def layers_slots(layers: Sequence[LayerArgs], x: Tensor, rows: Tensor, starts: Tensor, keys: Tensor, values: Tensor,

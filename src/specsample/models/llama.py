@@ -154,6 +154,16 @@ def _layer_from_hf(layer, dtype: torch.dtype, packed: bool) -> Layer:
 
 
 
+def runs_to(layer_ids: Iterable[int], recording: frozenset[int]) -> list[list[int]]:
+    """`layer_ids` in consecutive runs, each ending where a layer's output (1-based, in `recording`) is kept."""
+    runs: list[list[int]] = [[]]
+    for i in layer_ids:
+        runs[-1].append(i)
+        if i + 1 in recording:
+            runs.append([])
+    return [run for run in runs if run]
+
+
 EMBEDDING_ROWS_KEPT = 4096  # unpacked rows of a tied embedding kept: 9 MB at hidden 576
 
 
@@ -243,6 +253,7 @@ class LlamaTarget:
         intermediate = layers[0].gate_up.out_features // 2 if layers else 0
         self._scratch_per_token = kernels.scratch_size(self.hidden_size, heads, kv_heads, head_dim, intermediate)
         self._kernel_layers = [self._kernel_args(i) for i in range(len(layers))] if self.kernels else []
+        self._layer_table = kernels.layer_table(self._kernel_layers) if self.kernels else None
         self._length = 0
         self.last_hidden: Tensor | None = None  # [n, hidden] final normed state of the last pass
         self._features = FeatureStore(len(layers), self.hidden_size, self.max_length)
@@ -438,10 +449,12 @@ class LlamaTarget:
             layer_ids = range(len(self.layers)) if layers is None else layers
             if self.kernels:
                 scratch = torch.empty(n * self._scratch_per_token, dtype=torch.float32)
-                for i in layer_ids:
-                    kernels.layer(self._kernel_layers[i], x, start, scratch, parents)
-                    if i + 1 in recording:
-                        outputs[i + 1] = normalized(x)
+                for run in runs_to(layer_ids, recording):
+                    table = self._layer_table if layers is None and len(run) == len(self.layers) else \
+                        kernels.layer_table([self._kernel_layers[i] for i in run])
+                    kernels.layers(table, x, start, scratch, parents)
+                    if run[-1] + 1 in recording:
+                        outputs[run[-1] + 1] = normalized(x)
             else:
                 mask = self._mask(start, n)
                 cos = self.cos[start : start + n, None]  # [n, 1, dim]
