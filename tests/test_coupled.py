@@ -34,12 +34,12 @@ from test_lossless import models  # noqa: F401  (the fixture: target and draft m
 from specsample.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter, NoDrafter, SuffixDrafter
 from specsample.drafters.quantized import QuantizedDrafter
 from specsample.engine import decode
-from specsample.models import make_target
+from specsample.models import kernels, make_target
 from specsample.models.loading import LoadedModel
 from specsample.models.quantize import int8_target
 from specsample.policy import FixedK
 from specsample.sampling import (
-    CoupledSource, GeneratorSource, RandomSource, SamplingParams, gumbel_max, position_noise,
+    CoupledSource, GeneratorSource, RandomSource, SamplingParams, gumbel_max, numpy_position_noise, position_noise,
 )
 from specsample.stats import Stats
 from specsample.verify import Verdict, coupled_tokens, coupled_verify
@@ -70,6 +70,25 @@ def test_position_noise_is_a_function_of_seed_and_position_alone():
     source = CoupledSource(7)
     assert torch.equal(source.at(3).noise(2, 64), alone)  # offset 2 from position 3
     assert position_noise(-1, 0, 4).shape == (4,)  # any int is a seed
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the kernels could not be built here")
+@pytest.mark.parametrize("seed, position, vocab", [(7, 5, 64), (-3, 2**40, 49152), (2**70 + 1, 0, 37)])
+def test_kernel_noise_is_the_numpy_stream_to_float32_rounding(seed, position, vocab):
+    """The kernels' noise (vectors of 4 to 16 lanes, a tail of any length) and `numpy_position_noise` are
+    one stream: within a few float32 ulps of each other, finite (u never 0 or 1)."""
+    fast, slow = kernels.gumbel_noise(seed, position, vocab), numpy_position_noise(seed, position, vocab)
+    assert fast.dtype == slow.dtype == torch.float32 and fast.shape == (vocab,)
+    torch.testing.assert_close(fast, slow, rtol=1e-6, atol=1e-6)
+    assert torch.isfinite(fast).all()
+
+
+def test_position_noise_is_never_infinite():
+    """200 positions of a 49,152-token vocabulary: 9.8 million numbers, none infinite (a u of 1 or 0 would
+    make one token win, or lose, whatever its probability)."""
+    noise = torch.stack([position_noise(1, n, 49152) for n in range(200)])
+    assert torch.isfinite(noise).all()
+    assert -3.5 < float(noise.min()) and float(noise.max()) < 17.5  # -log(-log(u)) over u in [2^-24, 1 - 2^-24]
 
 
 def test_gumbel_max_over_position_numbers_draws_exactly():

@@ -14,7 +14,7 @@ drafter and its verifier at every step. There are two:
   (`verify.chain.rejection_sample`).
 - `CoupledSource`: the numbers of output position n (the n-th new token,
   counting from 0) are a function of (seed, n) alone: a counter-based stream
-  (`position_noise`, Philox keyed by the seed, its counter at the position).
+  (`position_noise`, SplitMix64 of a key of the seed and the position, and of the token).
   A token is the Gumbel-max of its distribution under that position's numbers
   (`gumbel_max`): plain decoding emits the target's; a drafter with
   probabilities draws its draft token at that position from its own
@@ -149,19 +149,43 @@ def make_generator(seed: int | None) -> torch.Generator:
     return generator
 
 
-def position_noise(seed: int, position: int, vocab: int) -> Tensor:
-    """Standard Gumbel noise [vocab] float64 of output `position` of a request with `seed`.
+GOLDEN = 0x9E3779B97F4A7C15  # the constants of kernels.cpp's specsample_gumbel_noise
+MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+POSITION_SALT = 0x632BE59BD9B4E019
 
-    A counter-based stream: number j is a pure function of (seed, position, j), computed by
-    Philox4x64 keyed by the seed (mod 2**128) with its counter at (j // 4, position, 0, 0), so no
-    position's numbers depend on how many were drawn before it, and a shorter vocabulary gets a
-    prefix of a longer one's numbers. Uniforms have 53 random bits; one of exactly 0 gives -inf,
-    a token never chosen (probability 2**-53 per token).
+
+def position_noise(seed: int, position: int, vocab: int) -> Tensor:
+    """Standard Gumbel noise [vocab] float32 of output `position` of a request with `seed`.
+
+    A counter-based stream: number j is -log(-log(u_j)), u_j = (the top 23 bits of
+    mix64(key + (j + 1) GOLDEN) + 1/2) / 2**23, mix64 SplitMix64's output function and key a mix of
+    the seed and the position (both mod 2**64). So no position's numbers depend on how many were
+    drawn before it, a shorter vocabulary gets a prefix of a longer one's numbers, and no number is
+    infinite (u_j within [2**-24, 1 - 2**-24], exact in float32). Computed by the C++ kernels (about
+    30 us for 49,152 tokens on AVX-512, bitwise the same on AVX2; numpy's Philox and two float64 logs
+    took 220), else by `numpy_position_noise`, the same stream to float32 rounding.
     """
-    bits = np.random.Philox(key=seed % 2**128, counter=position << 64)
-    uniform = np.random.Generator(bits).random(vocab)  # [vocab] in [0, 1)
-    with np.errstate(divide="ignore"):  # log(0) = -inf; in numpy, on one thread, as `sample`
-        return torch.from_numpy(-np.log(-np.log(uniform)))
+    from specsample.models import kernels
+
+    if kernels.available():
+        return kernels.gumbel_noise(seed, position, vocab)
+    return numpy_position_noise(seed, position, vocab)
+
+
+def numpy_position_noise(seed: int, position: int, vocab: int) -> Tensor:
+    """`position_noise` in numpy (uint64 arithmetic wraps mod 2**64; logs in float64, then rounded)."""
+    with np.errstate(over="ignore"):
+        key = _mix64(np.uint64((seed + GOLDEN) % 2**64)) ^ _mix64(np.uint64((position % 2**64) ^ POSITION_SALT))
+        z = _mix64(key + (np.arange(1, vocab + 1, dtype=np.uint64)) * np.uint64(GOLDEN))
+    uniform = ((z >> np.uint64(41)).astype(np.float64) + 0.5) / 2**23  # [vocab]
+    return torch.from_numpy((-np.log(-np.log(uniform))).astype(np.float32))
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function on uint64 values."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(MIX[0])
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(MIX[1])
+    return z ^ (z >> np.uint64(31))
 
 
 def gumbel_max(probs: Tensor, noise: Tensor) -> Tensor:

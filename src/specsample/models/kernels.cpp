@@ -184,6 +184,66 @@ static inline vf exp_nonpositive(vf x) {
   return p * (vf)bits;
 }
 
+// log(x) for x > 0 (normal, finite), VL lanes at a time: Cephes' logf (x = m 2^e, m in [sqrt(1/2),
+// sqrt(2)), a degree-9 polynomial in m - 1), within about 1 ulp.
+static inline vf log_positive(vf x) {
+  vi bits = (vi)x;
+  vi e = ((bits >> 23) & 0xff) - 126;
+  vf m = (vf)((bits & 0x007fffff) | 0x3f000000);  // in [0.5, 1)
+  vi small = m < 0.70710678f;  // -1 where m is below sqrt(1/2): use 2m and e - 1
+  e += small;
+  m = m + (vf)((vi)m & small) - 1.0f;
+  vf z = m * m;
+  vf y = (vf){} + 7.0376836292e-2f;
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  vf ef = __builtin_convertvector(e, vf);
+  y = y * m * z + ef * -2.12194440e-4f - 0.5f * z;
+  return m + y + ef * 0.693359375f;
+}
+
+typedef uint64_t vu64 __attribute__((vector_size(VL * 8)));
+
+// SplitMix64's output function: a bijection of 64-bit integers whose outputs over consecutive inputs pass
+// BigCrush.
+template <typename T>
+static inline T mix64(T z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Standard Gumbel noise out[j] = -log(-log(u_j)), j < vocab, of output `position` of a request with
+// `seed`: u_j = (top 23 bits of mix64(key + (j + 1) golden) + 1/2) / 2^23, key a mix of the seed and the
+// position; u_j is exact in float32 and within [2^-24, 1 - 2^-24] (24 bits would round 1 - 2^-25 to 1,
+// whose noise is infinite). Number j is a function of (seed, position, j) alone, so a shorter
+// vocabulary reads a prefix. About 30 us for 49,152 tokens, where numpy's Philox and logs took 220.
+extern "C" void specsample_gumbel_noise(uint64_t seed, uint64_t position, long vocab, float* out) {
+  const uint64_t golden = 0x9E3779B97F4A7C15ull;
+  uint64_t key = mix64(seed + golden) ^ mix64(position ^ 0x632BE59BD9B4E019ull);
+  vu64 lane;
+  for (int l = 0; l < VL; l++) lane[l] = (uint64_t)l;
+  long j = 0;
+  for (; j + VL <= vocab; j += VL) {
+    vu64 z = mix64(key + (lane + (uint64_t)(j + 1)) * golden);
+    vf u = (__builtin_convertvector(z >> 41, vf) + 0.5f) * (1.0f / 8388608.0f);
+    vf g = 0.0f - log_positive(0.0f - log_positive(u));
+    memcpy(out + j, &g, sizeof(g));
+  }
+  if (j < vocab) {  // the tail, through a whole vector's lanes
+    vu64 z = mix64(key + (lane + (uint64_t)(j + 1)) * golden);
+    vf u = (__builtin_convertvector(z >> 41, vf) + 0.5f) * (1.0f / 8388608.0f);
+    vf g = 0.0f - log_positive(0.0f - log_positive(u));
+    memcpy(out + j, &g, (vocab - j) * sizeof(float));
+  }
+}
+
 // Attention works on the query heads that share a KV head together, up to HEADS of them, so that
 // each key and value vector loaded serves them all; REGS: the vector registers there are.
 #if defined(__AVX512F__)

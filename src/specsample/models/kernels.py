@@ -158,6 +158,8 @@ def _build(source: str, isa: str) -> ctypes.CDLL | None:
     fn.restype = None
     lib.specsample_half_caches.argtypes = []
     lib.specsample_half_caches.restype = ctypes.c_int
+    lib.specsample_gumbel_noise.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_long, ctypes.c_void_p]
+    lib.specsample_gumbel_noise.restype = None
     lib.specsample_isa.argtypes = []
     lib.specsample_isa.restype = ctypes.c_char_p
     _declare_gguf(lib)
@@ -335,6 +337,13 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     s = torch.empty(n, in_features // 32, dtype=torch.int32)
     _library().specsample_gguf_quantize(x.data_ptr(), n, in_features, x.stride(0), q.data_ptr(), d.data_ptr(), s.data_ptr())
     return q, d, s
+
+
+def gumbel_noise(seed: int, position: int, vocab: int) -> Tensor:
+    """`sampling.position_noise` on the kernels: standard Gumbel noise [vocab] float32 of (seed, position)."""
+    out = torch.empty(vocab, dtype=torch.float32)
+    _library().specsample_gumbel_noise(seed % 2**64, position % 2**64, vocab, out.data_ptr())
+    return out
 
 
 def cache_dtype(requested: torch.dtype | None, default: torch.dtype) -> torch.dtype:
