@@ -162,8 +162,8 @@ def position_noise(seed: int, position: int, vocab: int) -> Tensor:
     the seed and the position (both mod 2**64). So no position's numbers depend on how many were
     drawn before it, a shorter vocabulary gets a prefix of a longer one's numbers, and no number is
     infinite (u_j within [2**-24, 1 - 2**-24], exact in float32). Computed by the C++ kernels (about
-    30 us for 49,152 tokens on AVX-512, bitwise the same on AVX2; numpy's Philox and two float64 logs
-    took 220), else by `numpy_position_noise`, the same stream to float32 rounding.
+    46 us for 49,152 tokens on AMD EPYC with AVX-512, bitwise the same with the AVX2 build; numpy's
+    Philox and two float64 logs took 220), else by `numpy_position_noise`, the same stream to float32 rounding.
     """
     from specsample.models import kernels
 

@@ -153,7 +153,6 @@ def _layer_from_hf(layer, dtype: torch.dtype, packed: bool) -> Layer:
     )
 
 
-
 def runs_to(layer_ids: Iterable[int], recording: frozenset[int]) -> list[list[int]]:
     """`layer_ids` in consecutive runs, each ending where a layer's output (1-based, in `recording`) is kept."""
     runs: list[list[int]] = [[]]
