@@ -276,3 +276,44 @@ def test_cost_model_at_k_zero_reevaluates_once_in_idle_recheck_steps_and_forgets
         assert policy.accepted_reached == pytest.approx(decayed)
         return
     raise AssertionError("K left 0 within the test's steps: no idle stretch to measure")
+
+
+def test_a_preempted_pass_moves_the_cost_curve_no_more_than_a_slow_one():
+    """A plain step timed at 10x (the OS preempted it) counts as OUTLIER x: f(1) rises by at most
+    smoothing * (OUTLIER - 1), so a 2-token pass measured right after it still costs more than one token,
+    and the policy, drafting nothing that is accepted, stays at K = 0. Without the cap f(1) would jump by
+    1.8x its value and the 2-token pass would look cheaper than a plain one."""
+    from specsample.policy import OUTLIER
+
+    policy = CostModelK(k_max=4)
+    for _ in range(20):
+        policy.observe_cost(1, 0.003)
+    policy.observe_cost(1, 0.030)
+    assert policy.f1 == pytest.approx(0.003 * (1 + policy.smoothing * (OUTLIER - 1)))
+    policy.observe_cost(2, 0.0033)
+    measured, curve = policy.cost_curve()
+    assert measured == [1, 2] and curve[1] > curve[0] * 0.9
+    assert policy.relative_cost[2] > 0.9
+
+
+def test_the_cost_model_keeps_k_without_reevaluating_while_the_drafter_has_nothing():
+    """A K > 0 step at which the drafter proposed nothing is a plain step: the model is evaluated again
+    after IDLE_RECHECK of them, or at once after a step that drafted."""
+    from specsample.policy import IDLE_RECHECK
+
+    policy = CostModelK(k_max=8)
+    run_cost_model(policy, 10, acceptance=lambda i: 1.0, cost=lambda n: 0.010 + 0.0001 * n)
+    k = policy.choose()
+    assert k > 0
+    calls, predict = [], policy.predict
+    policy.predict = lambda: calls.append(1) or predict()
+    for _ in range(IDLE_RECHECK - 1):
+        policy.observe(Step(0, 0, 1, 0.0, 0.010))
+        assert policy.choose() == k
+    assert not calls
+    policy.observe(Step(0, 0, 1, 0.0, 0.010))
+    policy.choose()
+    assert len(calls) == 1
+    policy.observe(Step(2, 2, 3, 0.0, 0.0102))
+    policy.choose()
+    assert len(calls) == 2

@@ -95,14 +95,19 @@ def brute_proposal(sequences, clocks, depth, max_match, growth, min_probability,
     st.sampled_from([1.0, 2.0]),
     st.sampled_from([0.0, 0.3]),
     st.integers(0, 40),
+    st.sets(st.integers(0, 20)),
 )
-def test_drafter_proposes_what_brute_force_finds(requests, depth, k, growth, min_probability, history_tokens):
+def test_drafter_proposes_what_brute_force_finds(requests, depth, k, growth, min_probability, history_tokens, asked):
+    """Also when asked for drafts at some steps (`asked`, by output position) and not at others, so that
+    the tree counts the tokens emitted since the last proposal in one go."""
     max_match = depth - 1
     drafter = SuffixDrafter(depth, max_match, growth, min_probability, history_tokens)
     sequences, clocks, clock = [], [], 0
     for prompt, output in requests:
         drafter.begin(torch.tensor(prompt), SamplingParams())
-        for token in output:
+        for i, token in enumerate(output):
+            if i in asked:
+                drafter.propose(k, torch.Generator())
             drafter.observe([token])
         sequences.append(prompt + output)
         clocks.append(list(range(clock + 1, clock + 1 + len(sequences[-1]))))
@@ -112,6 +117,19 @@ def test_drafter_proposes_what_brute_force_finds(requests, depth, k, growth, min
     assert kept == len(sequences) or sum(map(len, sequences[-kept - 1 : -1])) > history_tokens
     expected = brute_proposal(sequences[-kept:], clocks[-kept:], depth, max_match, growth, min_probability, k)
     assert drafter.propose(k, torch.Generator()).tokens.tolist() == expected
+
+
+def test_emitted_tokens_are_counted_when_a_draft_is_asked_for():
+    """While the K policy asks for no draft, observing a token leaves the tree alone (no work in a plain
+    step); the next proposal counts every token emitted since."""
+    drafter = SuffixDrafter()
+    drafter.begin(torch.tensor([7, 1, 2, 3]), SamplingParams())
+    counted = drafter.tree.clock
+    for token in [4, 5, 9, 1, 2]:
+        drafter.observe([token])
+    assert drafter.tree.clock == counted
+    assert drafter.propose(3, torch.Generator()).tokens.tolist() == [3, 4, 5]
+    assert drafter.tree.clock == counted + 5
 
 
 def test_a_repeated_phrase_is_proposed_whole():

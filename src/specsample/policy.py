@@ -20,6 +20,7 @@ COST_EVIDENCE_STEPS = 2  # drafting steps before the drafter's cheapest one boun
 RANK_DECAY = 0.5  # a tree node's prior acceptance: prior_acceptance * RANK_DECAY ** (its sibling rank)
 PRIOR_COST_WEIGHT = 3  # the machine's measured f(n)/f(1) (`see_cost_curve`) counts as this many passes
 IDLE_RECHECK = 8  # while K = 0, the model is re-evaluated once in this many plain steps
+OUTLIER = 1.5  # a pass timed above this many times its moving average counts as this many (`smoothed`)
 
 
 class KPolicy(Protocol):
@@ -157,6 +158,10 @@ class CostModelK:
     re-evaluated once every IDLE_RECHECK plain steps, and their forgetting is
     applied then, all at once: what changes between two plain steps is a slow
     decay, and plain decoding's step must cost what `--drafter none`'s does.
+    So is a K > 0 at which the drafter had nothing to propose (a lookup drafter
+    over a text without repeats): K is kept, not re-chosen, for up to
+    IDLE_RECHECK steps that draft nothing, while each still counts as a step
+    that asked for K; a step that drafts is always followed by a new choice.
 
     Trying costs: before a drafter's cost and acceptance are known, a long draft
     may waste many target passes' worth of time (a draft model's K forwards). So
@@ -225,6 +230,7 @@ class CostModelK:
         self.idle_pending = 0  # plain steps whose forgetting is not yet applied
         self.idle_skips = 0  # plain steps chosen since the model was last evaluated
         self.predicted_f1 = False  # whether that evaluation knew f(1)
+        self.idle = False  # whether the last step scored the pending token alone (K = 0, or nothing drafted)
         self.k = k_max
         self.begin()
 
@@ -249,9 +255,9 @@ class CostModelK:
         self.declared_draft_cost = relative
 
     def choose(self) -> int:
-        if self.k == 0 and self.predicted_f1 and self.idle_skips < IDLE_RECHECK - 1:
+        if self.idle and self.predicted_f1 and self.idle_skips < IDLE_RECHECK - 1:
             self.idle_skips += 1
-            return 0
+            return self.k
         self.predict()
         # Plain decoding is measured first: every other cost is judged against f(1).
         limit = max(1, 2 * self.largest_k) if self.f1 is not None else 0
@@ -318,6 +324,7 @@ class CostModelK:
         if step.parents is not None:
             self.observe_tree(step)
         self.observe_cost(step.drafted + 1, step.verify_seconds)
+        self.idle = step.drafted == 0
         if self.k == 0:
             self.idle_pending += 1  # forgotten at the next evaluation (`forget_idle`)
             return
@@ -338,13 +345,12 @@ class CostModelK:
     def observe_cost(self, n: int, seconds: float) -> None:
         """One pass over n positions took `seconds`: update f(1), or f(n)/f(1) against the f(1) of now."""
         if n == 1:
-            self.f1 = seconds if self.f1 is None else self.f1 + self.smoothing * (seconds - self.f1)
+            self.f1 = seconds if self.f1 is None else smoothed(self.f1, seconds, self.smoothing)
             if 1 not in self.relative_cost:
                 self.relative_cost[1], self.ratio_fit = 1.0, None
         else:
             ratio = seconds / (self.f1 or seconds)
-            old = self.relative_cost.get(n, ratio)
-            self.relative_cost[n] = old + self.smoothing * (ratio - old)
+            self.relative_cost[n] = smoothed(self.relative_cost.get(n, ratio), ratio, self.smoothing)
             self.ratio_fit = None
         self.verify_count[n] = self.verify_count.get(n, 0) + 1
 
@@ -468,8 +474,7 @@ class PassCost:
         self.prior = (sorted(prior), [prior[n] for n in sorted(prior)]) if prior else None  # (n, f(n)/f(1))
 
     def observe(self, rows: int, seconds: float) -> None:
-        old = self.seconds.get(rows, seconds)
-        self.seconds[rows] = old + self.smoothing * (seconds - old)
+        self.seconds[rows] = smoothed(self.seconds.get(rows, seconds), seconds, self.smoothing)
         self.count[rows] = self.count.get(rows, 0) + 1
         self.curve = None
 
@@ -531,6 +536,14 @@ class BatchCostModelK(CostModelK):
 
     def estimates(self) -> dict:
         return {**super().estimates(), "policy": "cost-model-batch", "other_rows": self.other_rows}
+
+
+def smoothed(average: float, value: float, smoothing: float) -> float:
+    """The moving average after `value`, counted as at most OUTLIER times the average: a pass the OS
+    preempted (10 ms where 3 is usual) would otherwise raise f(1) by a third for several steps and make
+    every longer pass, timed against it, look free; a real change of speed (a longer context) still
+    moves the average within a few steps."""
+    return average + smoothing * (min(value, OUTLIER * average) - average)
 
 
 def nondecreasing(values: Sequence[float], weights: Sequence[float]) -> list[float]:
