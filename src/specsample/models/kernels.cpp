@@ -603,3 +603,12 @@ extern "C" void specsample_layer_slots(const Layer* L, float* x, long M, long se
   delete[] first;
   attention_output_and_mlp(L, x, M, sc);
 }
+
+// specsample_layer_slots for Ls[0], ..., Ls[count - 1] in turn, in one call from Python (as
+// specsample_layers): layer i's caches are keys[i * segments + s] and values[i * segments + s].
+extern "C" void specsample_layers_slots(const Layer* const* Ls, long count, float* x, long M, long segments,
+                                        const long* rows, const long* starts, void* const* keys,
+                                        void* const* values, float* scratch) {
+  for (long i = 0; i < count; i++)
+    specsample_layer_slots(Ls[i], x, M, segments, rows, starts, keys + i * segments, values + i * segments, scratch);
+}

@@ -652,7 +652,7 @@ class LlamaSlots:
         index = torch.tensor(slots)
         keys, values = self._keys[:, index], self._values[:, index]  # [layers, segments]
         scratch = torch.empty(n * target._scratch_per_token, dtype=torch.float32)
-        kernels.layers_slots(target._kernel_layers, x, rows, starts, keys, values, scratch)
+        kernels.layers_slots(target._layer_table, x, rows, starts, keys, values, scratch)
         for slot, start, count, ids in zip(slots, starts.tolist(), rows.tolist(), tokens):
             self._lengths[slot] = start + count
             self._tokens[slot] += ids.tolist()
