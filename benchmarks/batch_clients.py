@@ -85,8 +85,12 @@ def batch_metrics(url: str) -> dict[str, float]:
 
 
 def run_clients(url: str, prompts: list[str], clients: int, requests: int, max_tokens: int) -> dict:
-    """`clients` threads, each streaming `requests` prompts in turn; the run's figures."""
+    """`clients` threads, each streaming `requests` prompts in turn; the run's figures. One untimed short
+    request first: on a shared 2-core VM a server that sat idle while the others ran answers its next
+    request up to 2x slower than one that has just answered (BENCHMARKS.md), which would fall on the
+    first timed request of each configuration."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=1200)
+    one_request(client, prompts[-1], 8)
     work = [[prompts[(c * requests + r) % len(prompts)] for r in range(requests)] for c in range(clients)]
     before = batch_metrics(url)
     start = time.perf_counter()

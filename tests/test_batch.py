@@ -265,3 +265,28 @@ def test_pass_cost_follows_the_machine_curve_beyond_the_rows_measured():
     assert cost([8])[0] == pytest.approx(0.006 * 2.0 / 1.3)  # from the largest measured, in the curve's proportion
     assert cost([2])[0] == pytest.approx(0.004 + 0.002 / 3)  # between measurements: interpolated
     assert PassCost()([8]) == pytest.approx([1.0]) and PassCost(prior=prior)([8]) == pytest.approx([1.0])
+
+
+def test_a_request_alone_in_a_batch_chooses_as_one_request_does():
+    """With no other rows the batch-aware cost model follows the request's own cost curve, not the batch's
+    f(R) in seconds: a batch curve measured where rows were dear (a long prompt's passes) does not hold K
+    at 0 for the next request, which drafts as `CostModelK` does, step for step."""
+    from specsample.policy import BatchCostModelK, CostModelK, PassCost
+    from specsample.stats import Step
+
+    dear = PassCost()
+    for rows in range(1, 100):
+        dear.observe(rows, 0.003 * rows)  # every row as dear as a whole pass
+    alone, plain, rng = BatchCostModelK(), CostModelK(), torch.Generator().manual_seed(0)
+    chosen = []
+    for _ in range(60):
+        alone.see_batch(dear, 0, 0)
+        k = alone.choose()
+        assert plain.choose() == k
+        accepted = int(torch.cumprod(torch.rand(k, generator=rng) < 0.8, 0).sum()) if k else 0
+        step = Step(k, accepted, accepted + 1, 1e-6 * k, 0.003 * (1 + 0.1 * k))  # the request's own passes: cheap rows
+        alone.observe(step)
+        plain.observe(step)
+        chosen.append(k)
+    assert min(chosen[-20:]) >= 4
+    assert max(run_policy(dear, other_rows=15)[-20:]) == 0  # with other requests, the batch's curve decides

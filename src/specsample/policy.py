@@ -508,6 +508,12 @@ class BatchCostModelK(CostModelK):
     request's row (f linear in R: many requests, compute-bound), a draft must be accepted more
     often than the batch's tokens per row to pay, and K turns down, to 0. Acceptance and drafting
     cost are measured per request as by `CostModelK`.
+
+    A request alone in the batch (no other rows) is chosen for exactly as by `CostModelK`, on its own
+    curve of f(n)/f(1): the batch's f(R) is kept in seconds, and after a long prompt's passes its
+    larger R, no longer measured while K = 0, would price a short prompt's drafts as the long one's
+    (one client of a `--max-batch 8` server drafted 63, 2, 4 and 0 tokens over four requests where the
+    one-at-a-time server drafted 135, 81, 85 and 56).
     """
 
     def __init__(self, **options) -> None:
@@ -519,9 +525,14 @@ class BatchCostModelK(CostModelK):
         """Before `choose`: the batch's cost curve, and the rows and expected tokens of the other requests."""
         self.cost, self.other_rows, self.other_tokens = cost, other_rows, other_tokens
 
+    @property
+    def batched(self) -> bool:
+        """Whether the step runs other requests' rows, and the batch's pass cost is measured."""
+        return self.cost is not None and self.cost.measured and self.other_rows > 0
+
     def predict(self) -> None:
         super().predict()
-        if self.cost is not None and self.cost.measured:
+        if self.batched:
             verify = self.target_seconds([1 + d for d in self.draft_length])
             self.rates = [  # [K] expected tokens per second of the whole batch
                 (self.other_tokens + t) / (self.seconds_per_draft_token * d + f)
@@ -529,8 +540,8 @@ class BatchCostModelK(CostModelK):
             ]
 
     def target_seconds(self, n: Sequence[float]) -> np.ndarray:
-        """f(other rows + n) of the batch, once measured; before, as for one request."""
-        if self.cost is None or not self.cost.measured:
+        """f(other rows + n) of the batch, once measured; before, or alone in it, as for one request."""
+        if not self.batched:
             return super().target_seconds(n)
         return self.cost([self.other_rows + x for x in n])
 
