@@ -3,7 +3,7 @@ logits of its root-to-token path scored as a chain, and keeping a path leaves th
 path had been scored alone.
 
 Tolerance: on the C++ kernels, bitwise (a node's scores, softmax and weighted values are the same
-chains of float operations as its path's, `kernels.layer`); on torch ops (the mask and gathered
+chains of float operations as its path's, `kernels.layers`); on torch ops (the mask and gathered
 rotary tables of `LlamaTarget._tree_inputs`), 1e-5 absolute, float32 rounding of other summation
 orders. Backends without trees refuse a tree draft in one line (tests/test_tree_engine.py).
 """

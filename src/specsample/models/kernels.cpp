@@ -555,18 +555,18 @@ static void layer_attention(const Layer* L, float* qkv, long n, long start, void
 // One decoder layer over x [M, hidden] (the residual stream, updated in place) at positions
 // start..start+M-1. scratch holds M (hidden + (heads + 2 kv_heads) d + heads d + 3 inter) floats.
 // With `parents` [M] (null for a chain), the M tokens are a tree (`attention`).
-extern "C" void specsample_layer(const Layer* L, float* x, long M, long start, float* scratch, const long* parents) {
+static void layer(const Layer* L, float* x, long M, long start, float* scratch, const long* parents) {
   Scratch s(L, M, scratch);
   attention_input(L, x, M, s);
   layer_attention(L, s.qkv, M, start, L->keys, L->values, s.att, parents);
   attention_output_and_mlp(L, x, M, s);
 }
 
-// specsample_layer for Ls[0], ..., Ls[count - 1] in turn: a pass's layers in one call from Python, whose
+// `layer` for Ls[0], ..., Ls[count - 1] in turn: a pass's layers in one call from Python, whose
 // ctypes call costs about 5 us a layer (5% of a one-token pass of the bundled model).
 extern "C" void specsample_layers(const Layer* const* Ls, long count, float* x, long M, long start, float* scratch,
                                   const long* parents) {
-  for (long i = 0; i < count; i++) specsample_layer(Ls[i], x, M, start, scratch, parents);
+  for (long i = 0; i < count; i++) layer(Ls[i], x, M, start, scratch, parents);
 }
 
 // One decoder layer over x [M, hidden] whose rows belong to `segments` requests, each with a cache
@@ -578,9 +578,8 @@ extern "C" void specsample_layers(const Layer* const* Ls, long count, float* x, 
 // after another, each `attention` parallel over its own tokens and heads where it has enough work
 // (inside an inactive outer region, libgomp would run that inner region on a fresh team each call:
 // a one-segment prefill through slots took 2.3x the target's own layer).
-extern "C" void specsample_layer_slots(const Layer* L, float* x, long M, long segments, const long* rows,
-                                       const long* starts, void* const* keys, void* const* values,
-                                       float* scratch) {
+static void layer_slots(const Layer* L, float* x, long M, long segments, const long* rows, const long* starts,
+                        void* const* keys, void* const* values, float* scratch) {
   Scratch sc(L, M, scratch);
   long work = 0;
   long* first = new long[segments + 1];  // first row of each segment
@@ -604,11 +603,11 @@ extern "C" void specsample_layer_slots(const Layer* L, float* x, long M, long se
   attention_output_and_mlp(L, x, M, sc);
 }
 
-// specsample_layer_slots for Ls[0], ..., Ls[count - 1] in turn, in one call from Python (as
+// `layer_slots` for Ls[0], ..., Ls[count - 1] in turn, in one call from Python (as
 // specsample_layers): layer i's caches are keys[i * segments + s] and values[i * segments + s].
 extern "C" void specsample_layers_slots(const Layer* const* Ls, long count, float* x, long M, long segments,
                                         const long* rows, const long* starts, void* const* keys,
                                         void* const* values, float* scratch) {
   for (long i = 0; i < count; i++)
-    specsample_layer_slots(Ls[i], x, M, segments, rows, starts, keys + i * segments, values + i * segments, scratch);
+    layer_slots(Ls[i], x, M, segments, rows, starts, keys + i * segments, values + i * segments, scratch);
 }

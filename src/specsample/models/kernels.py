@@ -146,9 +146,6 @@ def _build(source: str, isa: str) -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
     fn.restype = None
-    fn = lib.specsample_layer
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = None
     fn = lib.specsample_layers
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                    ctypes.c_void_p]
@@ -378,14 +375,20 @@ class LayerArgs(ctypes.Structure):
 
 
 def scratch_size(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> int:
-    """Floats of scratch `layer` needs per token."""
+    """Floats of scratch `layers` needs per token."""
     return hidden + (2 * heads + 2 * kv_heads) * head_dim + 3 * intermediate
 
 
-def layer(args: LayerArgs, x: Tensor, start: int, scratch: Tensor, parents: Tensor | None = None) -> None:
-    """One decoder layer over the residual stream x [n, hidden] (updated in place) at positions start..
+def layer_table(layers: Sequence[LayerArgs]) -> ctypes.Array:
+    """The addresses of `layers` as `layers` takes them; the caller keeps the LayerArgs alive."""
+    return (ctypes.c_void_p * len(layers))(*[ctypes.addressof(args) for args in layers])
 
-    In one call: RMSNorm, the fused QKV product, rotary embedding, K/V written into the
+
+def layers(table: ctypes.Array, x: Tensor, start: int, scratch: Tensor, parents: Tensor | None = None) -> None:
+    """The decoder layers of `table` (`layer_table`) in turn over the residual stream x [n, hidden]
+    (updated in place) at positions start.., in one call into the library.
+
+    Each layer: RMSNorm, the fused QKV product, rotary embedding, K/V written into the
     cache, causal grouped-query attention, the output projection added into x, RMSNorm,
     the fused gate/up product, SiLU(gate) * up and the down projection added into x.
 
@@ -395,23 +398,12 @@ def layer(args: LayerArgs, x: Tensor, start: int, scratch: Tensor, parents: Tens
     its output is bitwise that of its root-to-node path scored as a chain at start.
     """
     tree = None if parents is None else parents.data_ptr()
-    _library().specsample_layer(ctypes.addressof(args), x.data_ptr(), x.shape[0], start, scratch.data_ptr(), tree)
-
-
-def layer_table(layers: Sequence[LayerArgs]) -> ctypes.Array:
-    """The addresses of `layers` as `layers` takes them; the caller keeps the LayerArgs alive."""
-    return (ctypes.c_void_p * len(layers))(*[ctypes.addressof(args) for args in layers])
-
-
-def layers(table: ctypes.Array, x: Tensor, start: int, scratch: Tensor, parents: Tensor | None = None) -> None:
-    """`layer` for each layer of `table` (`layer_table`) in turn, in one call into the library."""
-    tree = None if parents is None else parents.data_ptr()
     _library().specsample_layers(table, len(table), x.data_ptr(), x.shape[0], start, scratch.data_ptr(), tree)
 
 
 def layers_slots(table: ctypes.Array, x: Tensor, rows: Tensor, starts: Tensor, keys: Tensor, values: Tensor,
                  scratch: Tensor) -> None:
-    """`layer`, for every layer of `table` (`layer_table`) in turn, over x [n, hidden] whose rows belong to
+    """`layers` over x [n, hidden] whose rows belong to
     several caches (slots): segment s is the next rows[s] rows, at positions starts[s].. of the cache
     whose keys and values of layer i are at addresses keys[i, s] and values[i, s] (int64 [layers,
     segments] each, laid out as the layer's own, which are not read). The products run once over all

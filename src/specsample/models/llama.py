@@ -8,7 +8,7 @@ about as much as scoring one. transformers does not get there (its forward over
 overhead is large); this backend does, by:
 
 - fusing the Q, K and V projections into one matrix and gate and up into one;
-- running each decoder layer as one call into C++ (`kernels.layer`): weights
+- running the decoder layers in one call into C++ (`kernels.layers`): weights
   packed in 32-column panels that a small-row matrix multiply streams once for
   up to 12 rows, and norms, rotary embedding, cache writes and grouped-query
   attention without the dispatch cost of ~40 small torch ops per layer;
@@ -449,7 +449,7 @@ class LlamaTarget:
             if self.kernels:
                 scratch = torch.empty(n * self._scratch_per_token, dtype=torch.float32)
                 for run in runs_to(layer_ids, recording):
-                    table = self._layer_table if layers is None and len(run) == len(self.layers) else \
+                    table = self._layer_table if len(run) == len(self.layers) else \
                         kernels.layer_table([self._kernel_layers[i] for i in run])
                     kernels.layers(table, x, start, scratch, parents)
                     if run[-1] + 1 in recording:
@@ -475,7 +475,7 @@ class LlamaTarget:
         return self.lm_head(self.last_hidden).float()  # [n, vocab]
 
     def _kernel_args(self, i: int) -> kernels.LayerArgs:
-        """Pointers to layer i's packed weights and cache, for `kernels.layer`."""
+        """Pointers to layer i's packed weights and cache, for `kernels.layers`."""
         w = self.layers[i]
 
         def ptr(t: Tensor | None) -> int | None:
