@@ -37,7 +37,7 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = (
 )
 FORMATS = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K]
 K_TYPES = {Q4_K, Q6_K}
-OUT = 100  # a partial last panel of 16 columns
+OUT = 100  # a partial last pair of panels (32 columns), its second panel empty
 UNIT = 2.0**-24  # float32 rounding, relative
 CHAIN = {Q4_0: 1, Q5_0: 1, Q8_0: 1, Q4_1: 2, Q5_1: 2, Q4_K: 2, Q6_K: 2}  # multiply-adds per block and output
 
@@ -145,7 +145,7 @@ def test_packing_keeps_every_byte(qtype):
     in_features = inputs(qtype)
     raw = random_raw(qtype, OUT, in_features, seed=1)
     matrix = gguf_blocks.pack_blocks(raw, qtype)
-    assert matrix.qs.shape[:2] == (-(-OUT // 16), in_features // 32) and matrix.in_features == in_features
+    assert matrix.qs.shape[:2] == (-(-OUT // 32), in_features // 32) and matrix.in_features == in_features
     assert np.array_equal(matrix.raw_rows(np.arange(OUT)), raw)
     rows = torch.tensor([99, 0, 17, 17])
     assert torch.equal(matrix.rows(rows), torch.from_numpy(dequantize(raw, qtype))[rows])
@@ -197,9 +197,9 @@ def test_a_wrong_scale_fails_the_tolerance(isa, qtype):
     assert within(matrix(x), reference, tolerance)
     if qtype in K_TYPES:  # column 5's integer scale of sub-block 3 in super-block 1, one step off
         offset = (64 if qtype == Q4_K else 32) + 3 * 16 + 5
-        matrix.scales[0, 1, offset] ^= 1
+        matrix.scales[0, 1, 1, offset] ^= 1  # of the pair's second panel: column 21
     else:
-        matrix.scales[0, 3, 0, 5] *= 1.01  # column 5's d in block 3, one percent off
+        matrix.scales[0, 3, 1, 0, 5] *= 1.01  # column 21's d in block 3, one percent off
     assert not within(matrix(x), reference, tolerance)
 
 

@@ -5,7 +5,7 @@ an fp16 scale d (Q4_1: and an fp16 min m) and 32 integers (4-bit nibbles, or int
 kernels want the integers of 16 output columns side by side, 4 inputs per 32-bit lane, so one
 vector load serves 16 columns and the dot-product instructions (vpdpbusd, vpmaddubsw) need no
 horizontal sums. `pack_blocks` rearranges the bytes once at load, without changing a bit of
-them: the packed matrix is exactly as large as the file's tensor (plus padding to 16 rows), and
+them: the packed matrix is exactly as large as the file's tensor (plus padding to 32 rows), and
 `raw_rows` gives the file's bytes of any rows back (the embedding lookup of a tied LM head, and
 the tests, dequantize those with the `gguf` package itself).
 
@@ -16,10 +16,11 @@ blocks of integers (Q6_K's 2 high bits in two more chunks) and one record of sca
 super-block, with the 6-bit scales unpacked to bytes (Q4_K: 4 more bytes per 256 inputs and
 column than the file). `raw_rows` rebuilds the file's bytes exactly.
 
-Layout (kernels_gguf.cpp's header comment has it from the kernel's side):
-    qs     uint8   [panels, blocks, 256 (Q4, Q4_K) | 320 (Q5) | 384 (Q6_K) | 512 (Q8_0)]
-    scales float16 [panels, blocks, 1 (Q4_0, Q5_0, Q8_0) | 2 (Q4_1, Q5_1: d, m), 16]
-           uint8   [panels, blocks / 8, 320 (Q4_K) | 288 (Q6_K)]   the K types' records
+Layout (kernels_gguf.cpp's header comment has it from the kernel's side): two panels (a pair, 32
+output columns) block after block, so that a pass reads one stream and multiplies both at once:
+    qs     uint8   [pairs, blocks, 2 * (256 (Q4, Q4_K) | 320 (Q5) | 384 (Q6_K) | 512 (Q8_0))]
+    scales float16 [pairs, blocks, 2, 1 (Q4_0, Q5_0, Q8_0) | 2 (Q4_1, Q5_1: d, m), 16]
+           uint8   [pairs, blocks / 8, 2, 320 (Q4_K) | 288 (Q6_K)]   the K types' records
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from torch import Tensor
 from specsample.models.llama import Linear
 
 COLS = 16  # output columns per panel
+PAIR = 2  # panels stored block after block together: the kernels multiply both at once
 QK = 32  # inputs per block
 QK_K = 256  # inputs per super-block of the K types
 KV_DTYPE = torch.float16  # keys and values of a target on the blocks, as llama.cpp keeps them: half the bytes of float32
@@ -66,11 +68,11 @@ def supported(qtype: int) -> bool:
 
 @dataclass
 class BlockMatrix:
-    """A weight [out, in] in GGUF blocks, packed in panels of 16 output columns for the kernels."""
+    """A weight [out, in] in GGUF blocks, packed in pairs of panels of 16 output columns for the kernels."""
 
     qtype: GGMLQuantizationType
-    qs: Tensor  # uint8 [panels, blocks, 256 | 384 | 512]
-    scales: Tensor  # float16 [panels, blocks, 1 | 2, 16]; K types: uint8 [panels, blocks / 8, record bytes]
+    qs: Tensor  # uint8 [pairs, blocks, 2 * (256 | 320 | 384 | 512)]
+    scales: Tensor  # float16 [pairs, blocks, 2, 1 | 2, 16]; K types: uint8 [pairs, blocks / 8, 2, record bytes]
     out_features: int
     in_features: int
 
@@ -104,17 +106,14 @@ def pack_blocks(raw: np.ndarray, qtype: int) -> BlockMatrix:
     block_bytes, halves = FORMATS[qtype]
     out_features = raw.shape[0]
     blocks = raw.shape[1] // block_bytes
-    panels = -(-out_features // COLS)
     by_block = raw.reshape(out_features, blocks, block_bytes)  # a view: the file's bytes are read once, below
-    scales = np.zeros((panels * COLS, blocks, 2 * halves), dtype=np.uint8)
-    scales[:out_features] = by_block[..., : 2 * halves]
-    scales = scales.view(np.float16).reshape(panels, COLS, blocks, halves).transpose(0, 2, 3, 1)  # [p, b, halves, col]
+    scales = _to_pairs(by_block[..., : 2 * halves], 2).view(np.float16)
     ints = by_block[..., 2 * halves :]  # [out, b, 16 | 32 | Q5: 4 + 16]
     if qtype in FIVE_BITS:  # the nibbles, then their fifth bits
         ints = np.concatenate([ints[..., 4:], _fifth_bytes(ints[..., :4])], axis=-1)
     return BlockMatrix(
-        qtype, torch.from_numpy(_to_panels(ints)), torch.from_numpy(np.ascontiguousarray(scales)), out_features,
-        blocks * QK,
+        qtype, torch.from_numpy(_to_pairs(ints, 4)), torch.from_numpy(scales.reshape(*scales.shape[:2], PAIR, halves, COLS)),
+        out_features, blocks * QK,
     )
 
 
@@ -122,12 +121,12 @@ def unpack_rows(matrix: BlockMatrix, rows: np.ndarray) -> np.ndarray:
     """The inverse of `pack_blocks` for rows `rows` [n]: the file's bytes, uint8 [n, blocks * block bytes]."""
     if matrix.qtype in RECORDS:
         return _unpack_k(matrix, rows)
-    ints = _from_panels(matrix.qs.numpy(), rows)  # [n, b, bytes]
+    ints = _from_pairs(matrix.qs.numpy(), rows, 4)  # [n, b, bytes]
     if matrix.qtype in FIVE_BITS:
         ints = np.concatenate([_qh_bytes(ints[..., 16:]), ints[..., :16]], axis=-1)
-    scales = matrix.scales.numpy()[rows // COLS, :, :, rows % COLS]  # [n, b, halves]
-    n, blocks = len(rows), ints.shape[1]
-    return np.concatenate([scales.view(np.uint8).reshape(n, blocks, -1), ints], axis=-1).reshape(n, -1)
+    scales = matrix.scales.numpy()
+    scales = _from_pairs(scales.view(np.uint8).reshape(*scales.shape[:2], -1), rows, 2)  # [n, b, 2 * halves]
+    return np.concatenate([scales, ints], axis=-1).reshape(len(rows), -1)
 
 
 def _fifth_bytes(qh: np.ndarray) -> np.ndarray:
@@ -145,30 +144,41 @@ def _qh_bytes(fifth: np.ndarray) -> np.ndarray:
     return np.packbits(by_input.reshape(*fifth.shape[:-1], 32), axis=-1, bitorder="little")
 
 
-PANELS_AT_ONCE = 256  # panels rearranged at a time: bounds the temporaries of packing a large matrix
+PAIRS_AT_ONCE = 128  # pairs rearranged at a time: bounds the temporaries of packing a large matrix
 
 
-def _to_panels(per_row: np.ndarray) -> np.ndarray:
-    """Bytes per row and group [out, groups, 4 * chunks] as panels [panels, groups, chunks * 64]: chunk c of
-    a group holds bytes 4c..4c+3 of each of 16 rows (zero rows pad the last panel)."""
-    out_features, groups, width = per_row.shape
-    panels = -(-out_features // COLS)
-    out = np.empty((panels, groups, width * COLS), dtype=np.uint8)
-    for p0 in range(0, panels, PANELS_AT_ONCE):
-        p1 = min(p0 + PANELS_AT_ONCE, panels)
-        rows = per_row[p0 * COLS : p1 * COLS]
-        padded = np.zeros(((p1 - p0) * COLS, groups, width), dtype=np.uint8)
+def _to_pairs(per_row: np.ndarray, inner: int) -> np.ndarray:
+    """Bytes per row [out, X, A * inner] in pairs of panels, [pairs, X, PAIR * A * COLS * inner]: for each X,
+    a pair's two panels one after the other, and in a panel its A pieces of `inner` bytes, each piece of
+    all 16 columns side by side (zero rows pad the last pair)."""
+    out_features, x, width = per_row.shape
+    pairs = -(-out_features // (PAIR * COLS))
+    out = np.empty((pairs, x, PAIR * width * COLS), dtype=np.uint8)
+    for p0 in range(0, pairs, PAIRS_AT_ONCE):
+        p1 = min(p0 + PAIRS_AT_ONCE, pairs)
+        rows = per_row[p0 * PAIR * COLS : p1 * PAIR * COLS]
+        padded = np.zeros(((p1 - p0) * PAIR * COLS, x, width), dtype=np.uint8)
         padded[: len(rows)] = rows
-        chunks = padded.reshape(p1 - p0, COLS, groups, width // 4, 4).transpose(0, 2, 3, 1, 4)  # [p, g, chunk, col, 4]
-        out[p0:p1] = chunks.reshape(p1 - p0, groups, -1)
+        pieces = padded.reshape(p1 - p0, PAIR, COLS, x, width // inner, inner).transpose(0, 3, 1, 4, 2, 5)
+        out[p0:p1] = pieces.reshape(p1 - p0, x, -1)  # [pair, X, panel, piece, column, inner]
     return out
 
 
-def _from_panels(packed: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """The inverse of `_to_panels` for rows `rows` [n]: [n, groups, 4 * chunks]."""
-    panels, groups, _ = packed.shape
-    picked = packed.reshape(panels, groups, -1, COLS, 4)[rows // COLS, :, :, rows % COLS]  # [n, g, chunk, 4]
-    return picked.reshape(len(rows), groups, -1)
+def _from_pairs(packed: np.ndarray, rows: np.ndarray, inner: int) -> np.ndarray:
+    """The inverse of `_to_pairs` for rows `rows` [n] of `packed` [pairs, X, PAIR * bytes]: [n, X, bytes / 16]."""
+    return _columns(_panels(packed, rows), rows, inner)
+
+
+def _panels(packed: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The bytes of the panels holding rows `rows` [n] of `packed` [pairs, X, PAIR * bytes]: [n, X, bytes]."""
+    pairs, x = packed.shape[:2]
+    return packed.reshape(pairs, x, PAIR, -1)[rows // (PAIR * COLS), :, rows // COLS % PAIR]
+
+
+def _columns(panels: np.ndarray, rows: np.ndarray, inner: int) -> np.ndarray:
+    """Row `rows[i]`'s pieces of `inner` bytes in panel bytes [n, X, A * COLS * inner]: [n, X, A * inner]."""
+    n, x = panels.shape[:2]
+    return panels.reshape(n, x, -1, COLS, inner)[np.arange(n), :, :, rows % COLS].reshape(n, x, -1)
 
 
 def _nibble_bytes(u: np.ndarray) -> np.ndarray:
@@ -245,29 +255,27 @@ def _pack_k(raw: np.ndarray, qtype: GGMLQuantizationType) -> BlockMatrix:
     ints = _nibble_bytes(by_block)
     if qtype == Q6_K:
         ints = np.concatenate([ints, _high_bytes(by_block)], axis=-1)
-    panels = -(-out_features // COLS)
-    record = []
+    record = []  # per field [pairs, sb, PAIR, count * COLS * width], joined per panel
     for name, count, width in RECORDS[qtype]:
-        padded = np.zeros((panels * COLS, sb, count, width), dtype=np.uint8)
-        padded[:out_features] = fields[name]
-        by_panel = padded.reshape(panels, COLS, sb, count, width).transpose(0, 2, 3, 1, 4)  # [p, sb, count, col, w]
-        record.append(by_panel.reshape(panels, sb, -1))
+        pairs = _to_pairs(fields[name].reshape(out_features, sb, count * width), width)
+        record.append(pairs.reshape(*pairs.shape[:2], PAIR, -1))
     return BlockMatrix(
-        qtype, torch.from_numpy(_to_panels(ints)), torch.from_numpy(np.ascontiguousarray(np.concatenate(record, -1))),
-        out_features, sb * QK_K,
+        qtype, torch.from_numpy(_to_pairs(ints, 4)), torch.from_numpy(np.concatenate(record, -1)), out_features,
+        sb * QK_K,
     )
 
 
 def _unpack_k(matrix: BlockMatrix, rows: np.ndarray) -> np.ndarray:
     """`unpack_rows` of a Q4_K or Q6_K matrix."""
-    values = _values(_from_panels(matrix.qs.numpy(), rows), matrix.qtype == Q6_K)  # [n, blocks, 32]
+    values = _values(_from_pairs(matrix.qs.numpy(), rows, 4), matrix.qtype == Q6_K)  # [n, blocks, 32]
     n = len(rows)
     values = values.reshape(n, -1, QK_K)
-    record = matrix.scales.numpy()  # [p, sb, bytes]
+    record = matrix.scales.numpy()  # [pairs, sb, PAIR, bytes]
+    record = _panels(record.reshape(*record.shape[:2], -1), rows)  # [n, sb, bytes]
     fields, start = {}, 0
     for name, count, width in RECORDS[matrix.qtype]:
-        part = record[..., start : start + count * COLS * width].reshape(*record.shape[:2], count, COLS, width)
-        fields[name] = part[rows // COLS, :, :, rows % COLS]  # [n, sb, count, width]
+        part = record[..., start : start + count * COLS * width]
+        fields[name] = _columns(part, rows, width).reshape(n, -1, count, width)
         start += count * COLS * width
     return _k_bytes(fields, values, matrix.qtype)
 

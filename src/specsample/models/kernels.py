@@ -309,7 +309,7 @@ def matmul_gguf(
     assert bias is None or bias.dtype == torch.float32
     if qtype != GGUF_STACKED:
         assert qs.dtype == torch.uint8 and scales.dtype in (torch.float16, torch.uint8) and scales.is_contiguous()
-        assert qs.shape[:2] == (-(-out_features // 16), in_features // 32)
+        assert qs.shape[:2] == (-(-out_features // 32), in_features // 32)
     n = x.shape[0]
     add = out is not None
     if out is None:

@@ -3,13 +3,14 @@
 // kernels.cpp's decoder layer can call it. docs/kernels-gguf.md says why and how it measures.
 //
 // y[M, N] (+)= x[M, K] @ W^T (+ bias), W [N, K] in blocks of 32 inputs, repacked once at load by
-// gguf_blocks.py into panels of 16 output columns:
-//   qs     [panels, K / 32, QBYTES]  the block integers of the panel's 16 columns, 4 inputs per
+// gguf_blocks.py into panels of 16 output columns, two panels (a pair, 32 columns) block after block
+// so that a pass reads one stream:
+//   qs     [pairs, K / 32, 2, QBYTES]  the block integers of a panel's 16 columns, 4 inputs per
 //                                    32-bit lane: chunk c (64 bytes) holds, for column j at bytes
 //                                    4j..4j+3, inputs of group c (Q8_0: inputs 4c..4c+3, int8) or,
 //                                    for Q4, inputs 4c..4c+3 in the low nibbles and 16+4c..16+4c+3
 //                                    in the high nibbles (unsigned 0..15; GGUF's own nibble order)
-//   scales [panels, K / 32, S, 16]   fp16: d of each column (and, Q4_1, its min m after it)
+//   scales [pairs, K / 32, 2, S, 16]   fp16: d of each column (and, Q4_1, its min m after it)
 // Block values: Q4_0 d (u - 8), Q4_1 d u + m, Q8_0 d q; Q5_0 d (u - 16), Q5_1 d u + m, whose fifth
 // bits follow the nibbles in one more 64-byte chunk: byte 4j + i holds, for column j, at bit c the
 // fifth bit of input 4c + i and at bit 4 + c that of input 16 + 4c + i.
@@ -18,7 +19,7 @@
 // small integer scale. Their integers are repacked into the same 32-input blocks (Q6_K: the low
 // nibbles as Q4's, then two 64-byte chunks of the 2 high bits: byte 4j + i of chunk 4 + half holds,
 // at bits 2c, the high bits of input 16 half + 4c + i of column j), and their scales into one record
-// per panel and super-block ("meta", uint8 [panels, K / 256, bytes]):
+// per panel and super-block ("meta", uint8 [pairs, K / 256, 2, bytes]):
 //   Q4_K  d [16] fp16, dmin [16] fp16, sc [8][16] uint8, m [8][16] uint8   value d sc u - dmin m
 //   Q6_K  d [16] fp16, sc [16][16] int8                                    value d sc (u - 32)
 // A sub-block's float scale d sc (and dmin m) is exact in float32 (11 by 8 bits at most), so
@@ -38,7 +39,10 @@
 // read or unpacking of the weights.
 //   avx512vnni: 16 columns are one register of 16 int32 lanes; vpdpbusd multiplies 4 unsigned
 //               weight bytes by 4 signed activation bytes per lane (Q8_0's signed weights are
-//               offset by 128 with one xor, and 128 sx taken off after).
+//               offset by 128 with one xor, and 128 sx taken off after). Both panels of a pair are
+//               in registers at once, so a row's broadcast activations feed two products each: a
+//               product waits on its broadcast load, and with one panel the loads bound the rows
+//               (8-row pass of a 1,536 x 576 Q4_1 matrix 17% faster, AMD EPYC).
 //   avx2:       two halves of 8 columns; vpmaddubsw (unsigned x signed bytes to int16 pairs) and
 //               vpmaddwd. Q4: the 8 groups of a block are summed in int16 (at most
 //               8 * 2 * 15 * 127 = 30480, no saturation) and widened once; Q8_0 uses llama.cpp's
@@ -60,10 +64,11 @@
 namespace {
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // GGML type ids
-// PREFETCH: how far ahead of a panel's block its integers are prefetched, in bytes (a thread's panels are
-// contiguous). 1,024 (4 Q4_0 blocks) left a single-token pass of a 1B Q4_0 model waiting on memory and
-// its 8-row pass 28% slower than 4,096 does (AMD EPYC, AVX-512; 8,192 measured the same as 4,096).
-enum { QK = 32, COLS = 16, MAX_ROWS = 16, PREFETCH = 4096, SUB = 8 };  // SUB: 32-blocks per super-block
+// PREFETCH: how far ahead of a pair's block its integers are prefetched, in bytes (a thread's pairs are
+// contiguous). 2,048 (4 Q4_0 blocks of one panel) left a single-token pass of a 1B Q4_0 model waiting on
+// memory and its 8-row pass 28% slower than 8,192 does (AMD EPYC, AVX-512; 16,384 measured the same).
+// PAIR: panels stored and multiplied together.
+enum { QK = 32, COLS = 16, PAIR = 2, MAX_ROWS = 16, PREFETCH = 8192, SUB = 8 };  // SUB: 32-blocks per super-block
 
 // Bytes of block integers per panel and block.
 constexpr bool five_bits(int type) { return type == Q5_0 || type == Q5_1; }
@@ -131,12 +136,12 @@ void quantize_rows(const float* x, long M, long K, long ldx, int8_t* q, float* d
     }
 }
 
-// Rows' accumulators acc [rows, 16] written out: y = acc (+ bias), or y += that.
-void store(const float (*acc)[COLS], int rows, float* y, long ldy, const float* bias, int ncols, int add) {
+// Rows' accumulators acc [rows, stride] written out, ncols of them: y = acc (+ bias), or y += that.
+void store(const float* acc, int stride, int rows, float* y, long ldy, const float* bias, int ncols, int add) {
   for (int m = 0; m < rows; m++) {
     float* row = y + m * ldy;
     for (int j = 0; j < ncols; j++) {
-      float out = bias ? acc[m][j] + bias[j] : acc[m][j];
+      float out = bias ? acc[m * stride + j] + bias[j] : acc[m * stride + j];
       row[j] = add ? row[j] + out : out;
     }
   }
@@ -254,13 +259,24 @@ inline void unpack(const uint8_t* q, int h, VI w[8]) {
   }
 }
 
-// The unsigned dot product of groups g0..g1-1 of one block with row xm, per column (exact int32).
+// The row's 8 groups of 4 activation bytes of one block, each broadcast to every lane (loaded once per
+// row and block, shared by the panels of one call).
+inline void splats(const int8_t* xm, VI xs[8]) {
+  for (int g = 0; g < 8; g++) xs[g] = splat(xm + 4 * g);
+}
+
+// The unsigned dot product of groups g0..g1-1 of one block with a row's broadcast groups xs, per
+// column (exact int32).
 template <int T>
-inline VI udot(const VI w[8], const int8_t* xm, int g0, int g1) {
+inline VI udot(const VI w[8], const VI xs[8], int g0, int g1) {
 #if defined(GGUF_VNNI)
-  VI acc = _mm512_setzero_si512();
-  for (int g = g0; g < g1; g++) acc = _mm512_dpbusd_epi32(acc, w[g], splat(xm + 4 * g));
-  return acc;
+  // 2 independent chains: vpdpbusd's latency is 4 cycles, and a row's 8 products in one chain
+  // leave the scheduler full of waiting products.
+  VI acc[2];
+  for (int c = 0; c < 2; c++) acc[c] = _mm512_setzero_si512();
+  for (int g = g0; g < g1; g++) acc[(g - g0) % 2] = _mm512_dpbusd_epi32(acc[(g - g0) % 2], w[g], xs[g]);
+  for (int c = 1; c < 2 && c < g1 - g0; c++) acc[0] = _mm512_add_epi32(acc[0], acc[c]);
+  return acc[0];
 #else
   // int16 pair sums: Q4 at most 2 * 15 * 127 per group, all 8 summed; Q5 2 * 31 * 127, four summed;
   // Q6_K 2 * 63 * 127, two summed.
@@ -268,21 +284,20 @@ inline VI udot(const VI w[8], const int8_t* xm, int g0, int g1) {
   const int run = T == Q6_K ? 2 : five_bits(T) ? 4 : 8;
   VI acc = _mm256_setzero_si256();
   for (int g = g0; g < g1; g += run) {
-    VI pairs = _mm256_maddubs_epi16(w[g], splat(xm + 4 * g));
-    for (int r = 1; r < run && g + r < g1; r++)
-      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[g + r], splat(xm + 4 * (g + r))));
+    VI pairs = _mm256_maddubs_epi16(w[g], xs[g]);
+    for (int r = 1; r < run && g + r < g1; r++) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[g + r], xs[g + r]));
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
   }
   return acc;
 #endif
 }
 
-// The exact integer dot products t of one block with row xm (32 int8, sum sx), per column.
+// The exact integer dot products t of one block with a row (broadcast groups xs, sum sx), per column.
 template <int T>
-inline VI dot(const VI w[8], const uint8_t* q, int h, const int8_t* xm, int32_t sx) {
+inline VI dot(const VI w[8], const uint8_t* q, int h, const VI xs[8], int32_t sx) {
 #if defined(GGUF_VNNI)
   (void)q, (void)h;
-  VI acc = udot<T>(w, xm, 0, 8);
+  VI acc = udot<T>(w, xs, 0, 8);
   return T == Q8_0 ? minus(acc, 128 * sx) : offset(T) ? minus(acc, offset(T) * sx) : acc;
 #else
   if (T == Q8_0) {
@@ -291,12 +306,12 @@ inline VI dot(const VI w[8], const uint8_t* q, int h, const int8_t* xm, int32_t 
     VI acc = _mm256_setzero_si256();
     for (int g = 0; g < 8; g++) {
       VI signs = load(base + g * 64);
-      VI pairs = _mm256_maddubs_epi16(w[g], _mm256_sign_epi8(splat(xm + 4 * g), signs));
+      VI pairs = _mm256_maddubs_epi16(w[g], _mm256_sign_epi8(xs[g], signs));
       acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
     }
     return acc;
   }
-  VI acc = udot<T>(w, xm, 0, 8);
+  VI acc = udot<T>(w, xs, 0, 8);
   return offset(T) ? minus(acc, offset(T) * sx) : acc;
 #endif
 }
@@ -319,42 +334,57 @@ inline void block_scales(const uint8_t* rec, long b, int h, VF& dw, VF& dw2, VF&
   }
 }
 
-// y[0:rows, panel] (+)= x[0:rows] @ panel^T (+ bias) for one panel of 16 columns over all blocks.
+// A pair's vectors per block (16 columns a vector on AVX-512, 8 on AVX2), and how many of them one
+// pass over the rows multiplies: AVX-512 both panels (16 weight registers of 32), so each broadcast
+// of a row's activations feeds two products; AVX2's 16 registers hold one vector's 8 groups.
+enum { UNITS = PAIR * HALVES, TOGETHER = HALVES == 1 ? PAIR : 1 };
+
+// y[0:rows, pair] (+)= x[0:rows] @ pair^T (+ bias) for one pair of panels (32 columns, ncols of them
+// real) over all blocks.
 template <int T>
-void panel(const Acts& a, int rows, const uint8_t* q, const uint8_t* sc, float* y, long ldy,
-           const float* bias, int ncols, int add) {
+void pair(const Acts& a, int rows, const uint8_t* q, const uint8_t* sc, float* y, long ldy, const float* bias,
+          int ncols, int add) {
   const long blocks = a.K / QK;
-  VF acc[MAX_ROWS][HALVES];
+  VF acc[MAX_ROWS][UNITS];
   for (int m = 0; m < rows; m++)
-    for (int h = 0; h < HALVES; h++) acc[m][h] = fzero();
+    for (int u = 0; u < UNITS; u++) acc[m][u] = fzero();
   for (long b = 0; b < blocks; b++) {
-    const uint8_t* qb = q + b * qbytes(T);
-    const uint8_t* rec = sc + b / per_record(T) * record_bytes(T);
-    for (int l = 0; l < qbytes(T); l += 64) __builtin_prefetch(qb + PREFETCH + l);
-    for (int h = 0; h < HALVES; h++) {
-      VI w[8];
-      unpack<T>(qb, h, w);
-      VF dw = fzero(), dw2 = fzero(), mw = fzero();
-      block_scales<T>(rec, b, h, dw, dw2, mw);
+    const uint8_t* qb = q + b * PAIR * qbytes(T);
+    const uint8_t* rec = sc + b / per_record(T) * PAIR * record_bytes(T);
+    for (int l = 0; l < PAIR * qbytes(T); l += 64) __builtin_prefetch(qb + PREFETCH + l);
+    for (int u0 = 0; u0 < UNITS; u0 += TOGETHER) {
+      VI w[TOGETHER][8];
+      VF dw[TOGETHER], dw2[TOGETHER], mw[TOGETHER];
+      for (int k = 0; k < TOGETHER; k++) {
+        int p = (u0 + k) / HALVES, h = (u0 + k) % HALVES;
+        dw[k] = dw2[k] = mw[k] = fzero();
+        unpack<T>(qb + p * qbytes(T), h, w[k]);
+        block_scales<T>(rec + p * record_bytes(T), b, h, dw[k], dw2[k], mw[k]);
+      }
       for (int m = 0; m < rows; m++) {
         long i = m * blocks + b;
-        const int8_t* xm = a.q + m * a.K + b * QK;
-        if (T == Q6_K) {
-          VI ta = minus(udot<T>(w, xm, 0, 4), 32 * a.s16[2 * i]), tb = minus(udot<T>(w, xm, 4, 8), 32 * a.s16[2 * i + 1]);
-          acc[m][h] = fma(floats(ta), mul(dw, a.d[i]), acc[m][h]);
-          acc[m][h] = fma(floats(tb), mul(dw2, a.d[i]), acc[m][h]);
-          continue;
+        VI xs[8];
+        splats(a.q + m * a.K + b * QK, xs);
+        const float dx = a.d[i];
+        for (int k = 0; k < TOGETHER; k++) {
+          VF& out = acc[m][u0 + k];
+          if (T == Q6_K) {
+            VI ta = minus(udot<T>(w[k], xs, 0, 4), 32 * a.s16[2 * i]), tb = minus(udot<T>(w[k], xs, 4, 8), 32 * a.s16[2 * i + 1]);
+            out = fma(floats(ta), mul(dw[k], dx), out);
+            out = fma(floats(tb), mul(dw2[k], dx), out);
+            continue;
+          }
+          VI t = dot<T>(w[k], qb + (u0 + k) / HALVES * qbytes(T), (u0 + k) % HALVES, xs, a.s[i]);
+          out = fma(floats(t), mul(dw[k], dx), out);
+          if (with_min(T)) out = fma(mw[k], fsplat(dx * (float)a.s[i]), out);
         }
-        VI t = dot<T>(w, qb, h, xm, a.s[i]);
-        acc[m][h] = fma(floats(t), mul(dw, a.d[i]), acc[m][h]);
-        if (with_min(T)) acc[m][h] = fma(mw, fsplat(a.d[i] * (float)a.s[i]), acc[m][h]);
       }
     }
   }
-  float out[MAX_ROWS][COLS];
+  float out[MAX_ROWS][PAIR * COLS];
   for (int m = 0; m < rows; m++)
-    for (int h = 0; h < HALVES; h++) fstore(out[m] + h * LANES, acc[m][h]);
-  store(out, rows, y, ldy, bias, ncols, add);
+    for (int u = 0; u < UNITS; u++) fstore(out[m] + u * LANES, acc[m][u]);
+  store(out[0], PAIR * COLS, rows, y, ldy, bias, ncols, add);
 }
 
 #else
@@ -393,38 +423,40 @@ inline void column_scales(const uint8_t* rec, long b, int j, float& dw, float& d
 }
 
 template <int T>
-void panel(const Acts& a, int rows, const uint8_t* q, const uint8_t* sc, float* y, long ldy,
-           const float* bias, int ncols, int add) {
+void pair(const Acts& a, int rows, const uint8_t* q, const uint8_t* sc, float* y, long ldy, const float* bias,
+          int ncols, int add) {
   const long blocks = a.K / QK;
-  float acc[MAX_ROWS][COLS] = {};
-  for (long b = 0; b < blocks; b++) {
-    const uint8_t* qb = q + b * qbytes(T);
-    const uint8_t* rec = sc + b / per_record(T) * record_bytes(T);
-    int8_t wb[COLS][QK];
-    for (int j = 0; j < COLS; j++)
-      for (int k = 0; k < QK; k++) wb[j][k] = (int8_t)weight<T>(qb, j, k);  // Q4_1's u fits too
-    for (int m = 0; m < rows; m++) {
-      long i = m * blocks + b;
-      const int8_t* xm = a.q + m * a.K + b * QK;
-      for (int j = 0; j < COLS; j++) {
-        float dw = 0, dw2 = 0, mw = 0;
-        column_scales<T>(rec, b, j, dw, dw2, mw);
-        int t = 0, t2 = 0;
-        for (int k = 0; k < QK; k++) (T == Q6_K && k >= 16 ? t2 : t) += wb[j][k] * xm[k];
-        acc[m][j] = fmaf((float)t, dw * a.d[i], acc[m][j]);
-        if (T == Q6_K) acc[m][j] = fmaf((float)t2, dw2 * a.d[i], acc[m][j]);
-        if (with_min(T)) acc[m][j] = fmaf(mw, a.d[i] * (float)a.s[i], acc[m][j]);
+  float acc[MAX_ROWS][PAIR * COLS] = {};
+  for (long b = 0; b < blocks; b++)
+    for (int p = 0; p < PAIR; p++) {
+      const uint8_t* qb = q + (b * PAIR + p) * qbytes(T);
+      const uint8_t* rec = sc + (b / per_record(T) * PAIR + p) * record_bytes(T);
+      int8_t wb[COLS][QK];
+      for (int j = 0; j < COLS; j++)
+        for (int k = 0; k < QK; k++) wb[j][k] = (int8_t)weight<T>(qb, j, k);  // Q4_1's u fits too
+      for (int m = 0; m < rows; m++) {
+        long i = m * blocks + b;
+        const int8_t* xm = a.q + m * a.K + b * QK;
+        for (int j = 0; j < COLS; j++) {
+          float dw = 0, dw2 = 0, mw = 0;
+          column_scales<T>(rec, b, j, dw, dw2, mw);
+          int t = 0, t2 = 0;
+          for (int k = 0; k < QK; k++) (T == Q6_K && k >= 16 ? t2 : t) += wb[j][k] * xm[k];
+          float& out = acc[m][p * COLS + j];
+          out = fmaf((float)t, dw * a.d[i], out);
+          if (T == Q6_K) out = fmaf((float)t2, dw2 * a.d[i], out);
+          if (with_min(T)) out = fmaf(mw, a.d[i] * (float)a.s[i], out);
+        }
       }
     }
-  }
-  store(acc, rows, y, ldy, bias, ncols, add);
+  store(acc[0], PAIR * COLS, rows, y, ldy, bias, ncols, add);
 }
 #endif
 
 template <int T>
 void gemm(const float* x, long M, long K, long ldx, const uint8_t* qs, const uint8_t* scales, long N,
           float* y, long ldy, const float* bias, int add) {
-  const long blocks = K / QK, panels = (N + COLS - 1) / COLS;
+  const long blocks = K / QK, pairs = (N + PAIR * COLS - 1) / (PAIR * COLS);
   const long records = (blocks + per_record(T) - 1) / per_record(T);
   std::unique_ptr<int8_t[]> q(new int8_t[M * K]);  // uninitialised: every byte is written below
   std::unique_ptr<float[]> d(new float[M * blocks]);
@@ -442,15 +474,15 @@ void gemm(const float* x, long M, long K, long ldx, const uint8_t* qs, const uin
       half_sums(q.get(), M, K, s16.get());
     }
 #pragma omp for schedule(static)
-    for (long p = 0; p < panels; p++) {
-      int ncols = (int)(N - p * COLS < COLS ? N - p * COLS : COLS);
-      const uint8_t* qp = qs + p * blocks * qbytes(T);
-      const uint8_t* sp = scales + p * records * record_bytes(T);
+    for (long p = 0; p < pairs; p++) {
+      int ncols = (int)(N - p * PAIR * COLS < PAIR * COLS ? N - p * PAIR * COLS : PAIR * COLS);
+      const uint8_t* qp = qs + p * blocks * PAIR * qbytes(T);
+      const uint8_t* sp = scales + p * records * PAIR * record_bytes(T);
       for (long m0 = 0; m0 < M; m0 += MAX_ROWS) {
         int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
         Acts a{q.get() + m0 * K, d.get() + m0 * blocks, s.get() + m0 * blocks,
                T == Q6_K ? s16.get() + m0 * K / 16 : 0, K};
-        panel<T>(a, rows, qp, sp, y + m0 * ldy + p * COLS, ldy, bias ? bias + p * COLS : 0, ncols, add);
+        pair<T>(a, rows, qp, sp, y + m0 * ldy + p * PAIR * COLS, ldy, bias ? bias + p * PAIR * COLS : 0, ncols, add);
       }
     }
   }
