@@ -34,6 +34,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from torch import Tensor
 
+from specsample.models import hugepages
 from specsample.models.llama import Linear
 
 COLS = 16  # output columns per panel
@@ -153,7 +154,7 @@ def _to_pairs(per_row: np.ndarray, inner: int) -> np.ndarray:
     all 16 columns side by side (zero rows pad the last pair)."""
     out_features, x, width = per_row.shape
     pairs = -(-out_features // (PAIR * COLS))
-    out = np.empty((pairs, x, PAIR * width * COLS), dtype=np.uint8)
+    out = hugepages.empty((pairs, x, PAIR * width * COLS), np.uint8)
     for p0 in range(0, pairs, PAIRS_AT_ONCE):
         p1 = min(p0 + PAIRS_AT_ONCE, pairs)
         rows = per_row[p0 * PAIR * COLS : p1 * PAIR * COLS]

@@ -60,6 +60,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from specsample.models import hugepages
+
 BLOCK = 32  # output columns per panel (NB in kernels.cpp)
 MAX_HEAD_DIM = 1024  # rotary embedding works on a stack copy of one head
 
@@ -209,7 +211,8 @@ def _panels(weight: Tensor) -> Tensor:
     blocks = -(-out_features // BLOCK)
     padded = torch.zeros(blocks * BLOCK, in_features, dtype=weight.dtype)
     padded[:out_features] = weight.detach()
-    return padded.view(blocks, BLOCK, in_features).transpose(1, 2).contiguous()  # [blocks, in, 32]
+    panels = hugepages.tensor((blocks, in_features, BLOCK), weight.dtype)  # streamed every pass
+    return panels.copy_(padded.view(blocks, BLOCK, in_features).transpose(1, 2))  # [blocks, in, 32]
 
 
 def pack(weight: Tensor) -> Tensor:
