@@ -468,14 +468,19 @@ static void silu_mul(const float* gu, long M, long I, float* act) {
     float* a = act + m * I;
     for (long j = j0; j < j1; j += VL) {
       long lanes = j1 - j < VL ? j1 - j : VL;
-      float g_buf[VL] = {}, u_buf[VL] = {}, a_buf[VL];
-      memcpy(g_buf, gate + j, lanes * sizeof(float));
-      memcpy(u_buf, up + j, lanes * sizeof(float));
-      vf g = load(g_buf), u = load(u_buf);
+      float g_buf[VL] = {}, u_buf[VL] = {};
+      if (lanes < VL) {  // a partial last vector through buffers (a memcpy of a variable size is a call)
+        memcpy(g_buf, gate + j, lanes * sizeof(float));
+        memcpy(u_buf, up + j, lanes * sizeof(float));
+      }
+      vf g = load(lanes < VL ? g_buf : gate + j), u = load(lanes < VL ? u_buf : up + j);
       vf e = exp_nonpositive(g < 0 ? g : -g);
       vf sigmoid = (g < 0 ? e : (vf){} + 1.0f) / (1.0f + e);
-      *(vfu*)a_buf = g * sigmoid * u;
-      memcpy(a + j, a_buf, lanes * sizeof(float));
+      vf out = g * sigmoid * u;
+      if (lanes < VL)
+        memcpy(a + j, &out, lanes * sizeof(float));
+      else
+        *(vfu*)(a + j) = out;
     }
   }
 }

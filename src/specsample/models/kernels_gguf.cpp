@@ -115,6 +115,24 @@ struct Acts {
   long K;
 };
 
+typedef float f8 __attribute__((vector_size(32)));
+
+// max |v[i]| of a 32-block (NaNs skipped). Comparisons, not fmaxf (a call per input without
+// -ffast-math), in 8 lanes: a scalar maximum is a chain of 32 compare-and-selects, which the compiler
+// will not reorder (3% of a single-token pass, AMD EPYC).
+inline float block_amax(const float* v) {
+  f8 top = {};
+  for (int i = 0; i < QK; i += 8) {
+    f8 x;
+    memcpy(&x, v + i, sizeof x);
+    f8 a = x < 0 ? -x : x;
+    top = a > top ? a : top;
+  }
+  float amax = 0;
+  for (int l = 0; l < 8; l++) amax = top[l] > amax ? top[l] : amax;
+  return amax;
+}
+
 // x [M, K] (row stride ldx) per 32-block: d = amax / 127, q = round(x / d) (half to even, as
 // x * (1 / d)), s = sum q. The same float operations as gguf_blocks.quantize_activations.
 void quantize_rows(const float* x, long M, long K, long ldx, int8_t* q, float* d, int32_t* s) {
@@ -122,8 +140,7 @@ void quantize_rows(const float* x, long M, long K, long ldx, int8_t* q, float* d
   for (long m = 0; m < M; m++)
     for (long b = 0; b < blocks; b++) {
       const float* v = x + m * ldx + b * QK;
-      float amax = 0;  // a comparison, not fmaxf, which compiles to a call per input without -ffast-math
-      for (int i = 0; i < QK; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+      float amax = block_amax(v);
       float scale = amax / 127.0f, inverse = scale != 0 ? 1.0f / scale : 0.0f;
       int8_t* out = q + m * K + b * QK;
       int sum = 0;
