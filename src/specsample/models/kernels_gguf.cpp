@@ -68,7 +68,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 // contiguous). 2,048 (4 Q4_0 blocks of one panel) left a single-token pass of a 1B Q4_0 model waiting on
 // memory and its 8-row pass 28% slower than 8,192 does (AMD EPYC, AVX-512; 16,384 measured the same).
 // PAIR: panels stored and multiplied together.
-enum { QK = 32, COLS = 16, PAIR = 2, MAX_ROWS = 16, PREFETCH = 8192, SUB = 8 };  // SUB: 32-blocks per super-block
+enum { QK = 32, COLS = 16, PAIR = 2, MAX_ROWS = 16, PREFETCH = 8192, SUB = 8, EACH = 512 };  // SUB: 32-blocks per super-block
 
 // Bytes of block integers per panel and block.
 constexpr bool five_bits(int type) { return type == Q5_0 || type == Q5_1; }
@@ -470,25 +470,45 @@ void pair(const Acts& a, int rows, const uint8_t* q, const uint8_t* sc, float* y
 }
 #endif
 
+// The activations of one product quantized per block: q [M, K] int8, d and s [M, K / 32], and for
+// Q6_K the half sums s16 [M, K / 16].
+struct Quantized {
+  std::unique_ptr<int8_t[]> q;  // uninitialised: every byte is written by whoever quantizes
+  std::unique_ptr<float[]> d;
+  std::unique_ptr<int32_t[]> s, s16;
+  Quantized(long M, long K, bool halves)
+      : q(new int8_t[M * K]), d(new float[M * K / QK]), s(new int32_t[M * K / QK]),
+        s16(new int32_t[halves ? M * K / 16 : 1]) {}
+  Acts rows(long m0, long K) const { return {q.get() + m0 * K, d.get() + m0 * K / QK, s.get() + m0 * K / QK, s16.get() + m0 * K / 16, K}; }
+};
+
 template <int T>
 void gemm(const float* x, long M, long K, long ldx, const uint8_t* qs, const uint8_t* scales, long N,
           float* y, long ldy, const float* bias, int add) {
   const long blocks = K / QK, pairs = (N + PAIR * COLS - 1) / (PAIR * COLS);
   const long records = (blocks + per_record(T) - 1) / per_record(T);
-  std::unique_ptr<int8_t[]> q(new int8_t[M * K]);  // uninitialised: every byte is written below
-  std::unique_ptr<float[]> d(new float[M * blocks]);
-  std::unique_ptr<int32_t[]> s(new int32_t[M * blocks]), s16(new int32_t[T == Q6_K ? M * K / 16 : 1]);
+  // Up to EACH blocks of activations, every thread quantizes all of them for itself and starts on its
+  // pairs at once; more, the team splits them and waits for each other (a barrier per product: 1 to 2 us
+  // of a thread spinning, against 20 ns a block quantized).
+  const bool each = M * blocks <= EACH;
+  Quantized shared(each ? 0 : M, K, T == Q6_K);
   // Threads pay off only once the weights outgrow the cache of one core. The activations are
-  // quantized by the same team, before the barrier that ends the first loop: outside the region
-  // that serial work would leave the other threads waiting.
+  // quantized by the same team: outside the region that serial work would leave the other threads waiting.
 #pragma omp parallel if (N * K >= 65536)
   {
+    std::unique_ptr<Quantized> own(each ? new Quantized(M, K, T == Q6_K) : nullptr);
+    const Quantized& a = each ? *own : shared;
+    if (each) {
+      quantize_rows(x, M, K, ldx, a.q.get(), a.d.get(), a.s.get());
+      if (T == Q6_K) half_sums(a.q.get(), M, K, a.s16.get());
+    } else {
 #pragma omp for schedule(static)
-    for (long i = 0; i < M * blocks; i++)  // block i % blocks of row i / blocks
-      quantize_rows(x + i / blocks * ldx + i % blocks * QK, 1, QK, ldx, q.get() + i * QK, d.get() + i, s.get() + i);
-    if (T == Q6_K) {
+      for (long i = 0; i < M * blocks; i++)  // block i % blocks of row i / blocks
+        quantize_rows(x + i / blocks * ldx + i % blocks * QK, 1, QK, ldx, a.q.get() + i * QK, a.d.get() + i, a.s.get() + i);
+      if (T == Q6_K) {
 #pragma omp single
-      half_sums(q.get(), M, K, s16.get());
+        half_sums(a.q.get(), M, K, a.s16.get());
+      }
     }
 #pragma omp for schedule(static)
     for (long p = 0; p < pairs; p++) {
@@ -497,9 +517,7 @@ void gemm(const float* x, long M, long K, long ldx, const uint8_t* qs, const uin
       const uint8_t* sp = scales + p * records * PAIR * record_bytes(T);
       for (long m0 = 0; m0 < M; m0 += MAX_ROWS) {
         int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
-        Acts a{q.get() + m0 * K, d.get() + m0 * blocks, s.get() + m0 * blocks,
-               T == Q6_K ? s16.get() + m0 * K / 16 : 0, K};
-        pair<T>(a, rows, qp, sp, y + m0 * ldy + p * PAIR * COLS, ldy, bias ? bias + p * PAIR * COLS : 0, ncols, add);
+        pair<T>(a.rows(m0, K), rows, qp, sp, y + m0 * ldy + p * PAIR * COLS, ldy, bias ? bias + p * PAIR * COLS : 0, ncols, add);
       }
     }
   }
