@@ -1,4 +1,4 @@
-"""Arrays in transparent huge pages, for what the kernels stream on every pass (weights, KV caches).
+"""Arrays in transparent huge pages, for the weights the kernels stream on every pass.
 
 A pass reads every weight once. In 4 KiB pages that is a TLB miss every 4 KiB (a two-level page
 walk on a virtual machine), and the hardware prefetchers stop at each page's end. Linux backs

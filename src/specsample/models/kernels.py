@@ -406,10 +406,10 @@ def layers(table: ctypes.Array, x: Tensor, start: int, scratch: Tensor, parents:
 
 def layers_slots(table: ctypes.Array, x: Tensor, rows: Tensor, starts: Tensor, keys: Tensor, values: Tensor,
                  scratch: Tensor) -> None:
-    """`layers` over x [n, hidden] whose rows belong to
-    several caches (slots): segment s is the next rows[s] rows, at positions starts[s].. of the cache
-    whose keys and values of layer i are at addresses keys[i, s] and values[i, s] (int64 [layers,
-    segments] each, laid out as the layer's own, which are not read). The products run once over all
+    """`layers` over x [n, hidden] whose rows belong to several caches (slots): segment s is the next
+    rows[s] rows, at positions starts[s].. of the cache whose keys and values of layer i are at
+    addresses keys[i, s] and values[i, s] (int64 [layers, segments] each, laid out as the layer's own,
+    which are not read). The products run once over all
     rows; each segment attends over its own cache only. One call into the library, as `layers`: a call
     per layer cost about 5 us each (5% of a one-row pass of the bundled model)."""
     assert rows.dtype == starts.dtype == keys.dtype == values.dtype == torch.int64 and int(rows.sum()) == x.shape[0]

@@ -153,12 +153,12 @@ void quantize_rows(const float* x, long M, long K, long ldx, int8_t* q, float* d
     }
 }
 
-// Rows' accumulators acc [rows, stride] written out, ncols of them: y = acc (+ bias), or y += that.
-void store(const float* acc, int stride, int rows, float* y, long ldy, const float* bias, int ncols, int add) {
+// Rows' accumulators acc [rows, 32] of a pair written out, ncols of them: y = acc (+ bias), or y += that.
+void store(const float (*acc)[PAIR * COLS], int rows, float* y, long ldy, const float* bias, int ncols, int add) {
   for (int m = 0; m < rows; m++) {
     float* row = y + m * ldy;
     for (int j = 0; j < ncols; j++) {
-      float out = bias ? acc[m * stride + j] + bias[j] : acc[m * stride + j];
+      float out = bias ? acc[m][j] + bias[j] : acc[m][j];
       row[j] = add ? row[j] + out : out;
     }
   }
@@ -287,13 +287,14 @@ inline void splats(const int8_t* xm, VI xs[8]) {
 template <int T>
 inline VI udot(const VI w[8], const VI xs[8], int g0, int g1) {
 #if defined(GGUF_VNNI)
-  // 2 independent chains: vpdpbusd's latency is 4 cycles, and a row's 8 products in one chain
-  // leave the scheduler full of waiting products.
-  VI acc[2];
-  for (int c = 0; c < 2; c++) acc[c] = _mm512_setzero_si512();
-  for (int g = g0; g < g1; g++) acc[(g - g0) % 2] = _mm512_dpbusd_epi32(acc[(g - g0) % 2], w[g], xs[g]);
-  for (int c = 1; c < 2 && c < g1 - g0; c++) acc[0] = _mm512_add_epi32(acc[0], acc[c]);
-  return acc[0];
+  // Two chains (g1 - g0 is 4 or 8): vpdpbusd's latency is 4 cycles, and a row's 8 products in one
+  // chain leave the scheduler full of waiting products.
+  VI even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+  for (int g = g0; g < g1; g += 2) {
+    even = _mm512_dpbusd_epi32(even, w[g], xs[g]);
+    odd = _mm512_dpbusd_epi32(odd, w[g + 1], xs[g + 1]);
+  }
+  return _mm512_add_epi32(even, odd);
 #else
   // int16 pair sums: Q4 at most 2 * 15 * 127 per group, all 8 summed; Q5 2 * 31 * 127, four summed;
   // Q6_K 2 * 63 * 127, two summed.
@@ -401,7 +402,7 @@ void pair(const Acts& a, int rows, const uint8_t* q, const uint8_t* sc, float* y
   float out[MAX_ROWS][PAIR * COLS];
   for (int m = 0; m < rows; m++)
     for (int u = 0; u < UNITS; u++) fstore(out[m] + u * LANES, acc[m][u]);
-  store(out[0], PAIR * COLS, rows, y, ldy, bias, ncols, add);
+  store(out, rows, y, ldy, bias, ncols, add);
 }
 
 #else
@@ -466,20 +467,25 @@ void pair(const Acts& a, int rows, const uint8_t* q, const uint8_t* sc, float* y
         }
       }
     }
-  store(acc[0], PAIR * COLS, rows, y, ldy, bias, ncols, add);
+  store(acc, rows, y, ldy, bias, ncols, add);
 }
 #endif
 
 // The activations of one product quantized per block: q [M, K] int8, d and s [M, K / 32], and for
 // Q6_K the half sums s16 [M, K / 16].
 struct Quantized {
+  long K;
+  bool halves;
   std::unique_ptr<int8_t[]> q;  // uninitialised: every byte is written by whoever quantizes
   std::unique_ptr<float[]> d;
   std::unique_ptr<int32_t[]> s, s16;
   Quantized(long M, long K, bool halves)
-      : q(new int8_t[M * K]), d(new float[M * K / QK]), s(new int32_t[M * K / QK]),
-        s16(new int32_t[halves ? M * K / 16 : 1]) {}
-  Acts rows(long m0, long K) const { return {q.get() + m0 * K, d.get() + m0 * K / QK, s.get() + m0 * K / QK, s16.get() + m0 * K / 16, K}; }
+      : K(K), halves(halves), q(new int8_t[M * K]), d(new float[M * K / QK]), s(new int32_t[M * K / QK]),
+        s16(halves ? new int32_t[M * K / 16] : nullptr) {}
+  // Rows m0.. as the products read them.
+  Acts rows(long m0) const {
+    return {q.get() + m0 * K, d.get() + m0 * K / QK, s.get() + m0 * K / QK, halves ? s16.get() + m0 * K / 16 : nullptr, K};
+  }
 };
 
 template <int T>
@@ -491,13 +497,13 @@ void gemm(const float* x, long M, long K, long ldx, const uint8_t* qs, const uin
   // pairs at once; more, the team splits them and waits for each other (a barrier per product: 1 to 2 us
   // of a thread spinning, against 20 ns a block quantized).
   const bool each = M * blocks <= EACH;
-  Quantized shared(each ? 0 : M, K, T == Q6_K);
+  std::unique_ptr<Quantized> shared(each ? nullptr : new Quantized(M, K, T == Q6_K));
   // Threads pay off only once the weights outgrow the cache of one core. The activations are
   // quantized by the same team: outside the region that serial work would leave the other threads waiting.
 #pragma omp parallel if (N * K >= 65536)
   {
     std::unique_ptr<Quantized> own(each ? new Quantized(M, K, T == Q6_K) : nullptr);
-    const Quantized& a = each ? *own : shared;
+    const Quantized& a = each ? *own : *shared;
     if (each) {
       quantize_rows(x, M, K, ldx, a.q.get(), a.d.get(), a.s.get());
       if (T == Q6_K) half_sums(a.q.get(), M, K, a.s16.get());
@@ -517,7 +523,7 @@ void gemm(const float* x, long M, long K, long ldx, const uint8_t* qs, const uin
       const uint8_t* sp = scales + p * records * PAIR * record_bytes(T);
       for (long m0 = 0; m0 < M; m0 += MAX_ROWS) {
         int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
-        pair<T>(a.rows(m0, K), rows, qp, sp, y + m0 * ldy + p * PAIR * COLS, ldy, bias ? bias + p * PAIR * COLS : 0, ncols, add);
+        pair<T>(a.rows(m0), rows, qp, sp, y + m0 * ldy + p * PAIR * COLS, ldy, bias ? bias + p * PAIR * COLS : 0, ncols, add);
       }
     }
   }
