@@ -28,7 +28,7 @@ from specsample.models.target import Target
 CONTEXT = 64  # cached tokens under each timed pass
 PASSES = 12  # timed single-token passes per backend (after 2 untimed)
 CANDIDATES = "llamacpp,gguf,auto"  # part of the remembered choice's key: a new candidate measures anew
-KERNELS_VERSION = 5  # 2: block kernels for Q4_K, Q6_K, Q5_0, Q5_1; 3: float16 caches, one call a pass; 4: prefetch; 5: pairs of panels
+KERNELS_VERSION = 6  # 2: block kernels for Q4_K, Q6_K, Q5_0, Q5_1; 3: float16 caches, one call a pass; 4: prefetch; 5: pairs of panels; 6: attention of several tokens a job, keys prefetched
 # distance (remembered passes are stale)
 
 
