@@ -226,13 +226,15 @@ static inline T mix64(T z) {
 // `seed`: u_j = (top 23 bits of mix64(key + (j + 1) golden) + 1/2) / 2^23, key a mix of the seed and the
 // position; u_j is exact in float32 and within [2^-24, 1 - 2^-24] (24 bits would round 1 - 2^-25 to 1,
 // whose noise is infinite). Number j is a function of (seed, position, j) alone, so a shorter
-// vocabulary reads a prefix. About 46 us for 49,152 tokens (AMD EPYC, AVX-512), where numpy's Philox
-// and logs took 220.
+// vocabulary reads a prefix. About 46 us for 49,152 tokens on one thread (AMD EPYC, AVX-512), where
+// numpy's Philox and logs took 220; a large vocabulary is split among the team, which waits between
+// passes anyway.
 extern "C" void specsample_gumbel_noise(uint64_t seed, uint64_t position, long vocab, float* out) {
   const uint64_t golden = 0x9E3779B97F4A7C15ull;
   const uint64_t key = mix64(seed + golden) ^ mix64(position ^ 0x632BE59BD9B4E019ull);
   vu64 lane;
   for (int l = 0; l < VL; l++) lane[l] = (uint64_t)l;
+#pragma omp parallel for schedule(static) if (vocab >= 16384)
   for (long j = 0; j < vocab; j += VL) {  // the tail through a whole vector's lanes, stored in part
     vu64 z = mix64(key + (lane + (uint64_t)(j + 1)) * golden);
     vf u = (__builtin_convertvector(z >> 41, vf) + 0.5f) * (1.0f / 8388608.0f);
