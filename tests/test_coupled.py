@@ -66,6 +66,8 @@ def test_position_noise_is_a_function_of_seed_and_position_alone():
     alone = position_noise(7, 5, 64)
     assert torch.equal(alone, position_noise(7, 5, 64))
     assert torch.equal(position_noise(7, 5, 16), alone[:16])  # a shorter vocabulary reads a prefix
+    large = position_noise(7, 5, 49_153)  # the kernels split a large vocabulary among their threads
+    assert torch.equal(large[:64], alone) and torch.equal(position_noise(7, 5, 16_383), large[:16_383])
     assert not torch.equal(alone, position_noise(7, 6, 64)) and not torch.equal(alone, position_noise(8, 5, 64))
     source = CoupledSource(7)
     assert torch.equal(source.at(3).noise(2, 64), alone)  # offset 2 from position 3
