@@ -87,3 +87,11 @@ def test_the_sampler_hands_its_targets_curve_to_the_cost_model(tiny_dir):
     fixed = SpecSampler.load(str(tiny_dir), "suffix")
     fixed.generate("w3 w4 w5", chat=False, temperature=0, max_new_tokens=4, k=2)
     assert fixed._cost_ratios is None  # a fixed K never pays for the measurement
+
+
+def test_a_request_alone_in_a_batch_starts_from_the_same_curve(tiny_dir):
+    """The batch's per-slot cost models get the machine's curve as `generate`'s does: without it, one cold
+    pass over two positions left a request alone in a server's batch at K = 0 (BENCHMARKS.md, 2026-11-26)."""
+    sampler = SpecSampler.load(str(tiny_dir), "suffix")
+    out = sampler.generate_batch(["w3 w4 w5"], chat=False, temperature=0, max_new_tokens=4, k="auto")[0]
+    assert set(out.stats.policy["target_ms"]) >= set(PRIOR_NS)  # known before any pass over 17 positions

@@ -246,10 +246,7 @@ class SpecSampler:
         """
         params = SamplingParams(temperature, top_k, top_p, min_p)
         k = self.configuration.k if k is None else k
-        policy = self.policy(k) if isinstance(k, (int, str)) else k
-        if isinstance(policy, SeesCostCurve):
-            policy.see_cost_curve(self.cost_ratios())
-        tell_draft_cost(policy, self.drafter)
+        policy = self.informed(self.policy(k) if isinstance(k, (int, str)) else k)
         prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)
         return Generation(self, prompt_ids, params, policy, max_new_tokens, seed, stop)
 
@@ -259,8 +256,17 @@ class SpecSampler:
         cost starts from the target's cost curve on this machine (`cost_ratios`)."""
         slots = require(self.target, SlottedTarget, "batched decoding").slots(max_batch)
         spec = self.configuration.k if k is None else k
-        return Batch(slots, self.drafter, lambda: parse_batch_k(spec), eos_token_ids=self.model.eos_token_ids,
+        return Batch(slots, self.drafter, lambda: self.informed(parse_batch_k(spec)), eos_token_ids=self.model.eos_token_ids,
                      verifier=self.verifier, cost_prior=self.cost_ratios())
+
+    def informed(self, policy: KPolicy) -> KPolicy:
+        """`policy`, told what this sampler knows before its first step: the target's cost curve on this
+        machine (`SeesCostCurve`) and the drafter's declared cost (`SeesDraftCost`); a request alone in a
+        batch then chooses K as one decoded by `stream` does."""
+        if isinstance(policy, SeesCostCurve):
+            policy.see_cost_curve(self.cost_ratios())
+        tell_draft_cost(policy, self.drafter)
+        return policy
 
     def request(
         self,
