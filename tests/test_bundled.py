@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from specsample import SpecSampler
 from specsample.drafters import DraftModelDrafter
 from specsample.models import TransformersTarget, make_target
-from specsample.models.loading import bundled_gguf, load_model
+from specsample.models.loading import bundled_gguf, conversion_dir, load_model
 
 pytestmark = pytest.mark.slow
 
@@ -59,3 +60,23 @@ def test_readme_python_example_runs():
     block = re.search(r"## Python API\n\n```python\n(.*?)```", readme, re.S).group(1)
     block = block.replace("max_new_tokens=48", "max_new_tokens=8").replace("max_new_tokens=40", "max_new_tokens=8")
     exec(compile(block, "README.md", "exec"), {})
+
+
+def test_a_gguf_file_is_cached_by_content_not_by_path(tmp_path):
+    """The bundled file copied elsewhere (another install) keeps its cache entry; a byte
+    changed in its last MiB, or a different size, gives another (the key of path and
+    modification time made a 0.5 GB conversion per install)."""
+    source = bundled_gguf()
+    copy = tmp_path / source.name
+    shutil.copyfile(source, copy)
+    assert conversion_dir(copy) == conversion_dir(source)
+    with copy.open("r+b") as file:
+        file.seek(-10, 2)
+        last = file.read(1)
+        file.seek(-10, 2)
+        file.write(bytes([last[0] ^ 1]))
+    assert conversion_dir(copy) != conversion_dir(source)
+    short = tmp_path / "short" / source.name
+    short.parent.mkdir()
+    short.write_bytes(source.read_bytes()[:-1])
+    assert conversion_dir(short) != conversion_dir(source)
