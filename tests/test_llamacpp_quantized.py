@@ -79,12 +79,19 @@ def test_the_copy_is_made_once_and_reused_from_the_cache(tiny_gguf, cache, quant
 
 
 def test_a_changed_source_gets_a_new_copy(tiny_model, tmp_path, cache, quantizations):
-    """The cache is keyed by the source's path, size and modification time."""
+    """The cache is keyed by the source's content: touched, it keeps its copy; a weight changed, it gets another."""
     from test_llamacpp import write_gguf
 
     path = write_gguf(tiny_model, tmp_path / "model.gguf")
     LlamaCppTarget(path, n_threads=1, max_length=32).quantized_copy()
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    LlamaCppTarget(path, n_threads=1, max_length=32).quantized_copy()
+    assert len(quantizations) == 1
+    with path.open("r+b") as file:  # the last bytes are weights: flip one bit
+        file.seek(-4, 2)
+        byte = file.read(1)
+        file.seek(-4, 2)
+        file.write(bytes([byte[0] ^ 1]))
     LlamaCppTarget(path, n_threads=1, max_length=32).quantized_copy()
     assert len(quantizations) == 2 and quantizations[0] != quantizations[1]
 

@@ -57,7 +57,7 @@ def choose(seconds: dict[str, float]) -> BackendChoice:
 
 
 def choice_path(gguf: Path, threads: int | None) -> Path:
-    """Where the choice for this file (path, size, modification time), CPU and thread count is kept."""
+    """Where the choice for this file (its name and content, `file_fingerprint`), CPU and thread count is kept."""
     from specsample.models.kernels import _cpu_id
     from specsample.models.loading import conversion_dir
 

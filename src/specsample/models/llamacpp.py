@@ -217,7 +217,7 @@ def copy_type(source: str) -> str:
 
 def copy_path(source: Path, type_name: str) -> Path:
     """Where the `type_name` copy of the GGUF file `source` is cached: beside its float32
-    conversion (models/loading.py), named by the source's path, size and modification time."""
+    conversion (models/loading.py), named by the source's name and content (`file_fingerprint`)."""
     from specsample.models.loading import conversion_dir
 
     directory = conversion_dir(source)
