@@ -188,6 +188,7 @@ def test_models_health_and_metrics(base_url, client, tiny_dir):
     assert samples[("specsample_mean_accepted_length", ())] >= 1
     assert samples[("specsample_request_duration_seconds_count", ())] >= 1
     assert samples[("specsample_time_to_first_token_seconds_count", ())] >= 1
+    assert samples[("specsample_prefill_seconds_total", ())] > 0
 
 
 def test_sixteen_concurrent_streams_do_not_mix(client, sampler):

@@ -99,6 +99,7 @@ def test_load_32_streaming_clients_200_requests(client, sampler, base_url):
     assert steps > 0 and samples[("specsample_rows_per_step_sum", ())] >= samples[("specsample_batch_size_sum", ())]
     assert samples[("specsample_batch_size_sum", ())] / samples[("specsample_batch_size_count", ())] > 1  # batched
     assert samples[("specsample_queue_depth", ())] == 0
+    assert samples[("specsample_prefill_seconds_total", ())] > 0  # the batch's prefills are counted too
 
 
 @pytest.mark.parametrize("path, body", BAD_REQUESTS)

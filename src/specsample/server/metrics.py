@@ -31,6 +31,7 @@ class ServerMetrics:
         self.drafted_tokens = Counter("specsample_drafted_tokens", "Draft tokens proposed.", registry=registry)
         self.accepted_tokens = Counter("specsample_accepted_tokens", "Draft tokens accepted.", registry=registry)
         self.steps = Counter("specsample_verification_steps", "Verification steps.", registry=registry)
+        self.prefill_seconds = Counter("specsample_prefill_seconds", "Seconds spent prefilling prompts.", registry=registry)
         Gauge("specsample_acceptance_rate", "Accepted / drafted tokens.",
               registry=registry).set_function(lambda: self.totals.acceptance_rate)
         Gauge("specsample_mean_accepted_length", "Tokens per verification step.",
@@ -56,6 +57,7 @@ class ServerMetrics:
         self.drafted_tokens.inc(stats.drafted_tokens)
         self.accepted_tokens.inc(stats.accepted_tokens)
         self.steps.inc(stats.steps)
+        self.prefill_seconds.inc(stats.prefill_seconds)
         with self.lock:
             self.totals.steps += stats.steps
             self.totals.drafted_tokens += stats.drafted_tokens
