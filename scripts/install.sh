@@ -8,8 +8,8 @@
 # the best one picked at run time, so one install runs on AVX2-only and AVX-512/AMX
 # machines alike; and no llamafile kernels, so that a token's logits do not depend on the
 # batch it is scored in. The build takes about 7.5 minutes on 2 cores, once: it is skipped
-# while that build is installed. Ray Serve (the `ray` extra, ~360 MB) is installed too, so the
-# tests of `specsample serve --replicas` run in CI.
+# while that build is installed, and its wheel is kept for the next venv. Ray Serve (the `ray`
+# extra, ~360 MB) is installed too, so the tests of `specsample serve --replicas` run in CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
@@ -25,9 +25,19 @@ variants = list((pathlib.Path(llama_cpp.__file__).parent / "lib").glob("libggml-
 sys.exit(llama_cpp.__version__ != sys.argv[1] or len(variants) < 2)
 EOF
 then
-    echo "building llama-cpp-python $LLAMA_CPP_PYTHON from source (about 8 minutes on 2 cores)" >&2
-    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_LLAMAFILE=OFF -DLLAVA_BUILD=OFF -DCMAKE_INSTALL_BINDIR=llama_cpp/lib" \
-        CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-        pip install -q --no-cache-dir --force-reinstall --no-deps --no-binary llama-cpp-python "llama-cpp-python==$LLAMA_CPP_PYTHON"
+    # The wheel is kept under the user's cache, keyed by the version, these flags and the Python, so
+    # another venv or clone of the project installs it in seconds (pip's own cache would not see the flags).
+    FLAGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_LLAMAFILE=OFF -DLLAVA_BUILD=OFF -DCMAKE_INSTALL_BINDIR=llama_cpp/lib"
+    KEY=$(printf '%s|%s|%s' "$LLAMA_CPP_PYTHON" "$FLAGS" "$(python -c 'import sys, sysconfig; print(sys.version, sysconfig.get_platform())')" | sha256sum | cut -c1-16)
+    WHEELS="${SPECSAMPLE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/specsample}/wheels/llama-cpp-python-$KEY"
+    if ! ls "$WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+        echo "building llama-cpp-python $LLAMA_CPP_PYTHON from source (about 8 minutes on 2 cores)" >&2
+        mkdir -p "$(dirname "$WHEELS")"
+        BUILD=$(mktemp -d "$(dirname "$WHEELS")/.build-XXXXXX")
+        CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+            pip wheel -q --no-cache-dir --no-deps --no-binary llama-cpp-python -w "$BUILD" "llama-cpp-python==$LLAMA_CPP_PYTHON"
+        mv "$BUILD" "$WHEELS" 2>/dev/null || rm -rf "$BUILD"  # another install may have won the rename
+    fi
+    pip install -q --force-reinstall --no-deps "$WHEELS"/llama_cpp_python-*.whl
 fi
 pip install -q -e ".[test,llamacpp,ray]"
