@@ -2,23 +2,37 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from unittest.mock import patch
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specsample.drafters.suffix import SuffixDrafter, SuffixTree
+from specsample.drafters import suffix
+from specsample.drafters.suffix import NativeSuffixTree, SuffixDrafter, SuffixTree
 from specsample.sampling import SamplingParams
 
 tokens = st.lists(st.integers(0, 3), max_size=30)  # a small alphabet, so substrings repeat
 
+# The tree in Python and in C++ (suffix_tree.cpp, what the drafter uses where it builds): each test runs on both.
+IMPLEMENTATIONS = ["python", "native"]
 
-def tree_counts(tree: SuffixTree, node: int = 0, prefix: tuple[int, ...] = ()) -> dict[tuple[int, ...], int]:
-    out = {}
-    for token, child in tree.children[node].items():
-        out[prefix + (token,)] = tree.count[child]
-        out.update(tree_counts(tree, child, prefix + (token,)))
-    return out
+
+def make_tree(implementation: str, depth: int) -> SuffixTree | NativeSuffixTree:
+    if implementation == "python":
+        return SuffixTree(depth)
+    library = suffix.native_library()
+    assert library is not None, "the C++ suffix tree did not build"
+    return NativeSuffixTree(depth, library)
+
+
+@contextmanager
+def implemented_in(implementation: str):
+    """Drafters made inside use the tree of `implementation`."""
+    with patch.object(suffix, "suffix_tree", lambda depth: make_tree(implementation, depth)):
+        yield
 
 
 def brute_counts(sequences: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
@@ -31,23 +45,53 @@ def brute_counts(sequences: list[list[int]], depth: int) -> dict[tuple[int, ...]
     return out
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @settings(max_examples=150, deadline=None)
-@given(st.lists(tokens, min_size=1, max_size=5), st.integers(2, 6), st.integers(0, 5))
-def test_tree_counts_every_substring_up_to_its_depth(sequences, depth, evicted):
-    tree = SuffixTree(depth)
+@given(st.lists(tokens, min_size=1, max_size=5), st.integers(2, 6), st.integers(0, 5), st.integers(1, 4))
+def test_tree_counts_every_substring_up_to_its_depth(implementation, sequences, depth, evicted, pieces):
+    """Also when each sequence is counted in `pieces` calls (the drafter counts what was emitted since its last draft)."""
+    tree = make_tree(implementation, depth)
     for seq in sequences:
         active: list[int] = []
-        for token in seq:
-            active = tree.append(active, token)
+        for start in range(0, len(seq), pieces):
+            active = tree.extend(active, seq[start : start + pieces])
     evicted = min(evicted, len(sequences))
     for seq in sequences[:evicted]:
         tree.remove(seq)
-    assert tree_counts(tree) == brute_counts(sequences[evicted:], depth)
+    assert tree.substrings() == brute_counts(sequences[evicted:], depth)
     for seq in sequences[evicted:]:  # the nodes freed by eviction are reused, counting from zero
-        active = []
-        for token in seq:
-            active = tree.append(active, token)
-    assert tree_counts(tree) == brute_counts(sequences[evicted:] * 2, depth)
+        tree.extend([], seq)
+    assert tree.substrings() == brute_counts(sequences[evicted:] * 2, depth)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(tokens, min_size=1, max_size=5), st.integers(2, 6), st.integers(0, 3), st.integers(1, 12),
+       st.sampled_from([0.0, 0.05, 0.3]))
+def test_the_native_tree_walks_as_the_python_tree(sequences, depth, evicted, limit, min_probability):
+    """Matches, continuations and speculation trees (ties included: a small alphabet) are the same in C++."""
+    trees = [make_tree(implementation, depth) for implementation in IMPLEMENTATIONS]
+    for tree in trees:
+        for seq in sequences:
+            active = tree.extend([], seq)
+        for seq in sequences[: min(evicted, len(sequences) - 1)]:
+            tree.remove(seq)
+    python, native = trees
+    active = python.extend([], sequences[-1])
+    assert native.extend([], sequences[-1]) == active and python.clock == native.clock
+    for max_match in range(1, depth):
+        assert python.match(active, max_match) == native.match(active, max_match)
+    for node in active:  # the nodes a drafter walks from (never the root, whose count is 0)
+        assert python.continuation(node, limit, min_probability) == native.continuation(node, limit, min_probability)
+        for max_depth in (1, 3, depth):
+            assert python.speculation_tree(node, limit, max_depth, min_probability) == \
+                native.speculation_tree(node, limit, max_depth, min_probability)
+
+
+def test_removing_what_was_never_counted_is_refused():
+    tree = make_tree("native", 4)
+    tree.extend([], [1, 2, 3])
+    with pytest.raises(KeyError):
+        tree.remove([3, 2, 1])
 
 
 def brute_proposal(sequences, clocks, depth, max_match, growth, min_probability, k) -> list[int]:
@@ -87,6 +131,7 @@ def brute_proposal(sequences, clocks, depth, max_match, growth, min_probability,
     return []
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(st.tuples(tokens.filter(bool), tokens), min_size=1, max_size=4),  # (prompt, output) per request
@@ -97,11 +142,13 @@ def brute_proposal(sequences, clocks, depth, max_match, growth, min_probability,
     st.integers(0, 40),
     st.sets(st.integers(0, 20)),
 )
-def test_drafter_proposes_what_brute_force_finds(requests, depth, k, growth, min_probability, history_tokens, asked):
+def test_drafter_proposes_what_brute_force_finds(implementation, requests, depth, k, growth, min_probability,
+                                                 history_tokens, asked):
     """Also when asked for drafts at some steps (`asked`, by output position) and not at others, so that
     the tree counts the tokens emitted since the last proposal in one go."""
     max_match = depth - 1
-    drafter = SuffixDrafter(depth, max_match, growth, min_probability, history_tokens)
+    with implemented_in(implementation):
+        drafter = SuffixDrafter(depth, max_match, growth, min_probability, history_tokens)
     sequences, clocks, clock = [], [], 0
     for prompt, output in requests:
         drafter.begin(torch.tensor(prompt), SamplingParams())

@@ -113,6 +113,30 @@ def _compile(compiler: str, flags: list[str], sources: dict[str, str], target: P
         os.replace(library, target)
 
 
+def compiled(name: str, sources: dict[str, str], flags: list[str], fallback: str) -> ctypes.CDLL | None:
+    """The shared library of `sources` (file name -> text) compiled with `flags`, built into the cache
+    on first use and loaded; None off Linux, without a C++ compiler, or where the build fails (with a
+    warning naming `fallback`, what runs instead). Libraries of different sources, flags, compilers
+    and CPUs have different cache keys, so they live side by side in the cache and in one process."""
+    if platform.system() != "Linux":
+        return None
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True).stdout
+        key = hashlib.sha256("\0".join([*sources.values(), *flags, compiler, version, _cpu_id()]).encode()).hexdigest()[:16]
+        target = _cache_dir() / f"{name}-{key}.so"
+        if not target.is_file():
+            _compile(compiler, flags, sources, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", b"") or str(error)
+        detail = detail.decode() if isinstance(detail, bytes) else detail
+        warnings.warn(f"specsample: C++ {name} unavailable, {fallback}: {detail[-500:]}", stacklevel=4)
+        return None
+
+
 @cache
 def _load(isa: str) -> ctypes.CDLL | None:
     """The kernels of `kernels.cpp` compiled with `ISA_FLAGS[isa]`, built on first use."""
@@ -120,29 +144,9 @@ def _load(isa: str) -> ctypes.CDLL | None:
 
 
 def _build(source: str, isa: str) -> ctypes.CDLL | None:
-    """`source` compiled with `ISA_FLAGS[isa]` (or found in the cache) and loaded; None where that is impossible.
-
-    Libraries of different sources, flags (so instruction sets), compilers and CPUs have
-    different cache keys, so they live side by side in the cache and in one process.
-    """
-    if platform.system() != "Linux":
-        return None
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        return None
-    flags = FLAGS + ISA_FLAGS[isa]
-    try:
-        version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True).stdout
-        sources = _sources(source)
-        key = hashlib.sha256("\0".join([*sources.values(), *flags, compiler, version, _cpu_id()]).encode()).hexdigest()[:16]
-        target = _cache_dir() / f"kernels-{key}.so"
-        if not target.is_file():
-            _compile(compiler, flags, sources, target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", b"") or str(error)
-        detail = detail.decode() if isinstance(detail, bytes) else detail
-        warnings.warn(f"specsample: C++ kernels unavailable, using torch ops: {detail[-500:]}", stacklevel=4)
+    """`source` compiled with `ISA_FLAGS[isa]` (`compiled`) and its functions declared; None where that is impossible."""
+    lib = compiled("kernels", _sources(source), FLAGS + ISA_FLAGS[isa], "using torch ops")
+    if lib is None:
         return None
     fn = lib.specsample_gemm
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
