@@ -259,7 +259,7 @@ def test_cost_model_at_k_zero_reevaluates_once_in_idle_recheck_steps_and_forgets
     from specsample.policy import IDLE_RECHECK
 
     policy = CostModelK(k_max=8)
-    run_cost_model(policy, 40, acceptance=lambda i: 0.0, cost=lambda n: 0.010 + 0.002 * n)
+    run_cost_model(policy, 100, acceptance=lambda i: 0.0, cost=lambda n: 0.010 + 0.002 * n)
     assert policy.k == 0
     calls, predict = [], policy.predict
     policy.predict = lambda: calls.append(1) or predict()
