@@ -8,12 +8,14 @@ first; then, for each client count in turn, each server gets the same run, so co
 interleaved in time on a shared machine. A run is C clients, each streaming `--requests` greedy
 requests one after another through the official `openai` client: never-tuned Spec-Bench prompts
 (odd question_ids past the first TUNED_PER_CATEGORY of each category, first turn), `--max-tokens`
-each; each run starts on prompts no earlier run used (the suffix drafter learns the answers it served). It prints per configuration and client count: aggregate generated tokens per wall second, the
-median per-request tokens per second (its tokens over its time from arrival to last token), time to
-first token (median, p95), the mean requests per batch step and rows per step from the server's
+each; each run starts on prompts no earlier run used (the suffix drafter learns the answers it
+served). It prints per configuration and client count: aggregate generated tokens per wall second,
+the median per-request tokens per second (its tokens over its time from arrival to last token), time
+to first token (median, p95), the mean requests per batch step and rows per step from the server's
 /metrics, the seconds its prompts' prefills took (/metrics; the same work one at a time and batched,
-so at C clients a batch delivers at most the one-at-a-time server's wall time over them), and how many responses differ from the same prompt served to one client by the
-one-at-a-time server with speculation (greedy: must be 0). `--out` writes the rows as JSON.
+so at C clients a batch delivers at most the one-at-a-time server's wall time over them), and how
+many responses differ from the same prompt served to one client by the one-at-a-time server with
+speculation (greedy: must be 0). `--out` writes the rows as JSON.
 
 One client is measured otherwise: the four servers take turns request by request (the order rotating),
 each serving the same `--single-requests` prompts in the same order, so that the drift of a shared VM

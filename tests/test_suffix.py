@@ -72,7 +72,7 @@ def test_the_native_tree_walks_as_the_python_tree(sequences, depth, evicted, lim
     trees = [make_tree(implementation, depth) for implementation in IMPLEMENTATIONS]
     for tree in trees:
         for seq in sequences:
-            active = tree.extend([], seq)
+            tree.extend([], seq)
         for seq in sequences[: min(evicted, len(sequences) - 1)]:
             tree.remove(seq)
     python, native = trees

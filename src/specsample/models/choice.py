@@ -61,8 +61,9 @@ def choice_path(gguf: Path, threads: int | None) -> Path:
     from specsample.models.kernels import _cpu_id
     from specsample.models.loading import conversion_dir
 
-    key = hashlib.sha256(f"{conversion_dir(gguf).name}|{_cpu_id()}|{threads}|{CANDIDATES}|{KERNELS_VERSION}".encode()).hexdigest()[:16]
-    return conversion_dir(gguf).parent / "backend-choice" / f"{key}.json"
+    directory = conversion_dir(gguf)  # reads the file's sampled bytes: once
+    key = hashlib.sha256(f"{directory.name}|{_cpu_id()}|{threads}|{CANDIDATES}|{KERNELS_VERSION}".encode()).hexdigest()[:16]
+    return directory.parent / "backend-choice" / f"{key}.json"
 
 
 def backend_for(gguf: Path, threads: int | None, measure) -> BackendChoice:

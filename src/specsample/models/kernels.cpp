@@ -418,10 +418,11 @@ static void attend(const float* q, long T, long G, const KV* kt, const KV* v, lo
       for (long h = 0; h < G; h++) {
         float* o = out + (u * G + h) * d;
         const float* p = scores + (u * G + h) * ld;
+        const float* moved = paths ? path_values(u) : nullptr;
         for (long j = 0; j < d; j++) o[j] = 0;
         for (long i = 0; i < lens[u]; i++)
           for (long j = 0; j < d; j++)
-            o[j] += p[i] * (paths && i >= start ? path_values(u)[(i - start) * d + j] : (float)v[i * d + j]);
+            o[j] += p[i] * (paths && i >= start ? moved[(i - start) * d + j] : (float)v[i * d + j]);
       }
     return;
   }
