@@ -5,8 +5,9 @@ Each configuration is a `specsample serve` process on loopback (the bundled mode
 `--backend`, `--drafter`): `--max-batch 1` (one generation at a time, the server before batching) and
 `--max-batch M`, each with `--k auto` (speculation) and `--k 0` (none). Every server is started
 first; then, for each client count in turn, each server gets the same run, so configurations are
-interleaved in time on a shared machine. A run is C clients, each streaming `--requests` greedy
-requests one after another through the official `openai` client: never-tuned Spec-Bench prompts
+interleaved in time on a shared machine. A run is C clients streaming C x `--requests` greedy
+requests through the official `openai` client, each client taking the next prompt of the run's
+shared queue when its previous answer ends (a fixed concurrency of C): never-tuned Spec-Bench prompts
 (odd question_ids past the first TUNED_PER_CATEGORY of each category, first turn), `--max-tokens`
 each; each run starts on prompts no earlier run used (the suffix drafter learns the answers it
 served). It prints per configuration and client count: aggregate generated tokens per wall second,
@@ -38,6 +39,8 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from queue import Empty, SimpleQueue
 
 import httpx
 import openai
@@ -105,14 +108,27 @@ def client_of(url: str) -> openai.OpenAI:
 
 
 def run_clients(url: str, prompts: list[str], clients: int, requests: int, max_tokens: int) -> dict:
-    """`clients` threads, each streaming `requests` prompts in turn; the run's figures."""
+    """`clients` threads streaming `clients * requests` prompts: each takes the next prompt of a shared
+    queue as soon as its previous answer ended, so that all of them stay busy until the queue is empty
+    (with a fixed share each, the client holding the longest answers would run alone at the end: 4 of
+    8 requests a step on average where 8 were possible); the run's figures."""
     client = client_of(url)
-    work = [[prompts[(c * requests + r) % len(prompts)] for r in range(requests)] for c in range(clients)]
+    queue = SimpleQueue()
+    for i in range(clients * requests):
+        queue.put(prompts[i % len(prompts)])
+
+    def serve_queue() -> list[dict]:
+        mine = []
+        with suppress(Empty):
+            while True:
+                mine.append(one_request(client, queue.get_nowait(), max_tokens))
+        return mine
+
     before = batch_metrics(url)
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        done = pool.map(lambda mine: [one_request(client, p, max_tokens) for p in mine], work)
-        results = [r for per_client in done for r in per_client]
+        done = [pool.submit(serve_queue) for _ in range(clients)]
+        results = [r for per_client in done for r in per_client.result()]
     wall = time.perf_counter() - start
     return summary(results, clients, wall, before, batch_metrics(url))
 
