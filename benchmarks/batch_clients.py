@@ -3,7 +3,7 @@ speculation, for 1, 2, 4, 8 and 16 concurrent streaming clients.
 
 Each configuration is a `specsample serve` process on loopback (the bundled model unless `--model`,
 `--backend`, `--drafter`): `--max-batch 1` (one generation at a time, the server before batching) and
-`--max-batch M`, each with `--k auto` (speculation) and `--k 0` (none). Every server is started
+`--max-batch M`, each with `--k auto` (speculation) and `--k 0` (none), and batch servers at the fixed K of `--batch-k`. Every server is started
 first; then, for each client count in turn, each server gets the same run, so configurations are
 interleaved in time on a shared machine. A run is C clients streaming C x `--requests` greedy
 requests through the official `openai` client, each client taking the next prompt of the run's
@@ -183,12 +183,15 @@ def main() -> None:
     parser.add_argument("--model")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--drafter", default="suffix")
+    parser.add_argument("--batch-k", default="", help="more batch servers at these fixed K, comma-separated "
+                        "(against the one-at-a-time server with --k auto)")
     parser.add_argument("--out")
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
     prompts = [p.turns[0] for p in read_prompts(packaged_prompts(), split="odd", skip=TUNED_PER_CATEGORY)]
     configs = {"one-at-a-time k=auto": (1, "auto"), "one-at-a-time k=0": (1, "0"),
                f"batch {args.max_batch} k=auto": (args.max_batch, "auto"), f"batch {args.max_batch} k=0": (args.max_batch, "0")}
+    configs |= {f"batch {args.max_batch} k={k}": (args.max_batch, k) for k in filter(None, args.batch_k.split(","))}
     servers = {name: start_server(args, *config) for name, config in configs.items()}
     rows, reference = [], {}
     alone = "one-at-a-time k=auto"
@@ -209,6 +212,7 @@ def main() -> None:
                 row["differing"] = sum(text != reference[p] for p, text in row["texts"].items())
                 row["config"] = name
                 one_name = f"one-at-a-time k={name.rsplit('=', 1)[1]}"
+                one_name = one_name if one_name in run else alone
                 row["x_one_at_a_time"] = row["aggregate_tokens_per_second"] / run[one_name]["aggregate_tokens_per_second"]
                 row["x_interval"] = paired_interval(row["results"], run[one_name]["results"]) if clients == 1 else None
                 rows.append(row)
