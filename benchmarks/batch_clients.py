@@ -185,10 +185,13 @@ def main() -> None:
     parser.add_argument("--drafter", default="suffix")
     parser.add_argument("--batch-k", default="", help="more batch servers at these fixed K, comma-separated "
                         "(against the one-at-a-time server with --k auto)")
+    parser.add_argument("--tuned", action="store_true", help="the prompts the drafters and K policies are developed "
+                        "on (the first TUNED_PER_CATEGORY of each category) instead of the never-tuned ones")
     parser.add_argument("--out")
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
-    prompts = [p.turns[0] for p in read_prompts(packaged_prompts(), split="odd", skip=TUNED_PER_CATEGORY)]
+    chosen = dict(limit=TUNED_PER_CATEGORY) if args.tuned else dict(split="odd", skip=TUNED_PER_CATEGORY)
+    prompts = [p.turns[0] for p in read_prompts(packaged_prompts(), **chosen)]
     configs = {"one-at-a-time k=auto": (1, "auto"), "one-at-a-time k=0": (1, "0"),
                f"batch {args.max_batch} k=auto": (args.max_batch, "auto"), f"batch {args.max_batch} k=0": (args.max_batch, "0")}
     configs |= {f"batch {args.max_batch} k={k}": (args.max_batch, k) for k in filter(None, args.batch_k.split(","))}
