@@ -3,21 +3,21 @@ speculation, for 1, 2, 4, 8 and 16 concurrent streaming clients.
 
 Each configuration is a `specsample serve` process on loopback (the bundled model unless `--model`,
 `--backend`, `--drafter`): `--max-batch 1` (one generation at a time, the server before batching) and
-`--max-batch M`, each with `--k auto` (speculation) and `--k 0` (none), and batch servers at the
-fixed K of `--batch-k`. Every server is started first; then, for each client count in turn, each server gets the same run, so configurations are
-interleaved in time on a shared machine. A run is C clients streaming C x `--requests` greedy
-requests through the official `openai` client, each client taking the next prompt of the run's
-shared queue when its previous answer ends (a fixed concurrency of C): never-tuned Spec-Bench prompts
-(odd question_ids past the first TUNED_PER_CATEGORY of each category; with `--tuned` those first
-ones, which the policies are developed on; first turn), `--max-tokens`
-each; each run starts on prompts no earlier run used (the suffix drafter learns the answers it
-served). It prints per configuration and client count: aggregate generated tokens per wall second,
-the median per-request tokens per second (its tokens over its time from arrival to last token), time
-to first token (median, p95), the mean requests per batch step and rows per step from the server's
-/metrics, the seconds its prompts' prefills took (/metrics; the same work one at a time and batched,
-so at C clients a batch delivers at most the one-at-a-time server's wall time over them), and how
-many responses differ from the same prompt served to one client by the one-at-a-time server with
-speculation (greedy: must be 0). `--out` writes the rows as JSON.
+`--max-batch M`, each with `--k auto` (speculation) and `--k 0` (none), and batch servers at the fixed K
+of `--batch-k`. Every server is started first; then, for each client count in turn, each server gets the
+same run, so configurations are interleaved in time on a shared machine. A run is C clients streaming C x
+`--requests` greedy requests through the official `openai` client, each client taking the next prompt of
+the run's shared queue when its previous answer ends (a fixed concurrency of C): never-tuned Spec-Bench
+prompts (odd question_ids past the first TUNED_PER_CATEGORY of each category; with `--tuned` those first
+ones, which the policies are developed on; first turn), `--max-tokens` each; each run starts on prompts
+no earlier run used (the suffix drafter learns the answers it served). It prints per configuration and
+client count: aggregate generated tokens per wall second, the median per-request tokens per second (its
+tokens over its time from arrival to last token), time to first token (median, p95), the mean requests
+per batch step and rows per step from the server's /metrics, the seconds its prompts' prefills took
+(/metrics; the same work one at a time and batched, so at C clients a batch delivers at most the
+one-at-a-time server's wall time over them), and how many responses differ from the same prompt served to
+one client by the one-at-a-time server with speculation (greedy: must be 0). `--out` writes the rows as
+JSON.
 
 One client is measured otherwise: the four servers take turns request by request (the order rotating),
 each serving the same `--single-requests` prompts in the same order, so that the drift of a shared VM
