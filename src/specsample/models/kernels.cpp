@@ -659,10 +659,12 @@ extern "C" void specsample_layers(const Layer* const* Ls, long count, float* x, 
 // whose cache of this layer is keys[s] and values[s] (laid out as L->keys and L->values, which are
 // not read). The four products run once over the M stacked rows; each segment's attention is
 // `attention` over its own cache, so a row's result is the same whatever the other rows of the pass.
-// Segments run in parallel where there are several with enough work between them; otherwise one
-// after another, each `attention` parallel over its own tokens and heads where it has enough work
-// (inside an inactive outer region, libgomp would run that inner region on a fresh team each call:
-// a one-segment prefill through slots took 2.3x the target's own layer).
+// Segments run in parallel where there are several with enough work between them (the same bound as
+// one `attention`'s: 8 one-row segments over 50 cached positions took 0.83x the time they took one
+// after another, each alone too small to split; bitwise the same); otherwise one after another, each
+// `attention` parallel over its own tokens and heads where it has enough work (inside an inactive outer
+// region, libgomp would run that inner region on a fresh team each call: a one-segment prefill through
+// slots took 2.3x the target's own layer).
 static void layer_slots(const Layer* L, float* x, long M, long segments, const long* rows, const long* starts,
                         void* const* keys, void* const* values, float* scratch) {
   Scratch sc(L, M, scratch);
@@ -678,7 +680,7 @@ static void layer_slots(const Layer* L, float* x, long M, long segments, const l
     layer_attention(L, sc.qkv + first[s] * sc.qkv_width, rows[s], starts[s], keys[s], values[s],
                     sc.att + first[s] * sc.att_width, nullptr);
   };
-  if (segments > 1 && work >= 500000) {  // not an `if` clause: a region of one thread would still start a team
+  if (segments > 1 && work >= 50000) {  // not an `if` clause: a region of one thread would still start a team
 #pragma omp parallel for schedule(dynamic)
     for (long s = 0; s < segments; s++) segment(s);
   } else {
