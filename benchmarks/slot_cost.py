@@ -13,12 +13,12 @@ alternate the configurations; the medians over `--rounds` rounds of `--reps` pas
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
 
+from kernel_isa_curve import cpu_name
 from specsample.models import load_target
 
 
@@ -50,7 +50,7 @@ def main() -> None:
     _, target = load_target(args.model, args.backend)
     slots = target.slots(max(slot_counts))
     generator = torch.Generator().manual_seed(0)
-    print(f"{platform.processor() or platform.machine()}, backend {args.backend}, torch threads {torch.get_num_threads()}")
+    print(f"{cpu_name()}, backend {args.backend}, torch threads {torch.get_num_threads()}")
     for context in (int(c) for c in args.context.split(",")):
         for s in range(max(slot_counts)):
             slots.prefill(s, torch.randint(100, 40_000, (context,), generator=generator))

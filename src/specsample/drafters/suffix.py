@@ -10,12 +10,13 @@ down the most frequent child (ties: the most recent), while the walk's
 empirical probability stays above `min_probability` and its length below
 `growth` times the match length, so longer matches earn longer drafts.
 
-Appending a token updates the nodes of the last `depth` suffixes: O(depth)
-per token, independent of the amount of text; the tree is C++ (suffix_tree.cpp,
-`NativeSuffixTree`) where it builds, 2.6 times as fast as the Python `SuffixTree`
-it falls back to (1.8 against 4.7 us a token of Spec-Bench prompts). The emitted
-tokens are counted when the drafter is next asked for a draft (or its request ends), several at a
-time: while the K policy leaves it unasked (K = 0), a step costs what plain
+Appending a token updates the nodes of the last `depth` suffixes: O(depth) per
+token, independent of the amount of text; the tree is C++ (suffix_tree.cpp,
+`NativeSuffixTree`) where it builds, 2.7 times as fast as the Python
+`SuffixTree` it falls back to (1.8 against 5.0 us a token of Spec-Bench
+prompts, benchmarks/suffix_tree.py). The emitted tokens are counted when the
+drafter is next asked for a draft (or its request ends), several at a time:
+while the K policy leaves it unasked (K = 0), a step costs what plain
 decoding's does, where counting each token just after a target pass, with the
 CPU's caches cold, cost about 20 us a step. Memory is bounded by keeping at
 most `history_tokens` tokens of earlier requests; the oldest requests are
