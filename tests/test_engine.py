@@ -115,3 +115,52 @@ def test_statistics_count_drafts(target_model, draft_model):
 def test_context_window_is_enforced(target_model):
     with pytest.raises(ValueError, match="context window"):
         run(make_target_of(target_model), NoDrafter(), max_new_tokens=200)
+
+
+class RecordingCostModel:
+    """A cost model that records what the engine's looks at the drafter told it (`policy.Peeks`)."""
+
+    def __new__(cls):
+        from specsample.policy import CostModelK
+
+        class Recording(CostModelK):
+            def observe_peek(self, drafted: bool, accepted: bool) -> None:
+                self.peeks.append((drafted, accepted))
+                super().observe_peek(drafted, accepted)
+
+        policy = Recording(k_max=4)
+        policy.peeks = []
+        return policy
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_plain_steps_of_a_greedy_request_look_at_a_lookup_drafter_without_changing_the_text(
+    target_model, temperature, monkeypatch
+):
+    """At K = 0 a greedy request shows the cost model the lookup drafter's next token for the text so far
+    and whether the step emitted it; the text is plain decoding's. A sampled request does not look."""
+    import specsample.engine as engine
+    from specsample.drafters import NgramDrafter
+
+    target = TransformersTarget(target_model)
+    params = SamplingParams(temperature=temperature)
+    prompt = torch.tensor([5, 17, 33, 5, 17, 33, 5, 17])
+    policy, steps, looks = RecordingCostModel(), [], []
+    tell_peek = engine.tell_peek
+    monkeypatch.setattr(engine, "tell_peek", lambda p, peeked, emitted: (
+        peeked is not None and looks.append((len(steps), peeked.tolist())), tell_peek(p, peeked, emitted)))
+    steps += decode(target, NgramDrafter(), policy, prompt, params, max_new_tokens=40, eos_token_ids=frozenset(),
+                    random=GeneratorSource(torch.Generator().manual_seed(0)), stats=Stats())
+    if temperature:
+        assert looks == [] and policy.peeks == []
+        return
+    plain = decode(target, NoDrafter(), FixedK(0), prompt, params, max_new_tokens=40, eos_token_ids=frozenset(),
+                   random=GeneratorSource(torch.Generator()), stats=Stats())
+    assert [t for s in steps for t in s] == [t for s in plain for t in s]
+    assert len(looks) >= 3 and len(policy.peeks) == len(looks)
+    for (j, peeked), told in zip(looks, policy.peeks):
+        replay = NgramDrafter()
+        replay.begin(torch.cat([prompt, torch.tensor([t for s in steps[:j] for t in s], dtype=torch.long)]), params)
+        assert len(steps[j]) == 1 and peeked == replay.lookup(1)  # a plain step, the drafter's next token
+        assert told == (bool(peeked), bool(peeked) and peeked[0] == steps[j][0])
+    assert {accepted for _, accepted in policy.peeks} == {True, False}  # hits and misses both checked

@@ -317,3 +317,45 @@ def test_the_cost_model_keeps_k_without_reevaluating_while_the_drafter_has_nothi
     policy.observe(Step(2, 2, 3, 0.0, 0.0102))
     policy.choose()
     assert len(calls) == 2
+
+
+def idle_cost_model() -> CostModelK:
+    """A cost model at K = 0: every draft it tried was rejected."""
+    policy = CostModelK(k_max=8)
+    run_cost_model(policy, 60, acceptance=lambda i: 0.0, cost=lambda n: 0.010 + 0.0005 * n)
+    assert policy.k == 0
+    return policy
+
+
+@pytest.mark.parametrize("hits", [True, False])
+def test_peeks_that_hit_bring_the_cost_model_back_to_drafting_at_once(hits):
+    """At K = 0 a look at the drafter's next token that the step then emits (`observe_peek`) is evidence
+    for the first draft position: a few hits and the model drafts again, where without them (or with
+    misses) it stays plain for the same steps."""
+    policy = idle_cost_model()
+    ks = []
+    for _ in range(6):
+        ks.append(policy.choose())
+        policy.observe(Step(0, 0, 1, 0.0, 0.0105))
+        if hits:
+            policy.observe_peek(True, True)
+    assert (max(ks) > 0) == hits
+
+
+def test_peeks_back_off_after_misses_and_return_after_a_hit():
+    """A look every plain step after a hit, then half as often after each miss, down to once in
+    `peek_most` steps."""
+    policy = CostModelK(peek_most=8)
+
+    def looks(steps: int, hit: bool) -> list[int]:
+        seen = []
+        for i in range(steps):
+            if policy.wants_peek():
+                seen.append(i)
+                policy.observe_peek(True, hit)
+        return seen
+
+    assert looks(20, hit=False) == [0, 2, 6, 14]  # gaps 2, 4, 8
+    assert looks(16, hit=False) == [2, 10]  # at most once in 8 (5 steps since the last look)
+    policy.observe_peek(True, True)
+    assert looks(3, hit=True) == [0, 1, 2]

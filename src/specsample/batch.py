@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from specsample.drafters.base import Draft, Drafter, forked
-from specsample.engine import check_lengths, cut_at_eos
+from specsample.engine import check_lengths, cut_at_eos, peek, tell_peek
 from specsample.models.target import Slots
 from specsample.policy import KPolicy, PassCost, SeesBatch
 from specsample.sampling import RandomSource, SamplingParams
@@ -75,6 +75,7 @@ class Planned:
     numbers: RandomSource
     start: int  # the slot's length before the pass
     draft_seconds: float
+    peeked: Tensor | None = None  # at a plain step, the lookup drafter's next token (`engine.peek`)
 
 
 class Batch:
@@ -168,11 +169,12 @@ class Batch:
         k = min(policy.choose(), request.max_new_tokens - request.produced - 1)
         numbers = request.random.at(request.produced)  # offset i: output position produced + i
         draft = drafter.propose(k, numbers).trunk() if k > 0 else Draft.empty()  # slots score chains
+        peeked = peek(drafter, policy, k, request.params, numbers)
         if draft.confidence is not None:
             draft = draft.prefix(policy.keep(draft.confidence))
         self.rows += len(draft) + 1 - request.rows
         request.rows = len(draft) + 1
-        return Planned(request, draft, numbers, self.slots.length(request.slot), perf_counter() - start)
+        return Planned(request, draft, numbers, self.slots.length(request.slot), perf_counter() - start, peeked)
 
     @staticmethod
     def _rows(planned: Planned) -> Tensor:
@@ -192,6 +194,7 @@ class Batch:
         step = Step(len(draft), verdict.accepted, len(new), planned.draft_seconds, verify_seconds)
         request.stats.record(step)
         self.policies[request.slot].observe(step)
+        tell_peek(self.policies[request.slot], planned.peeked, emitted)
         request.produced += len(new)
         request.emitted = len(new)
         request.pending = verdict.next_token
