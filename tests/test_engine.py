@@ -117,18 +117,22 @@ def test_context_window_is_enforced(target_model):
         run(make_target_of(target_model), NoDrafter(), max_new_tokens=200)
 
 
-class RecordingCostModel:
-    """A cost model that records what the engine's looks at the drafter told it (`policy.Peeks`)."""
+class PlainRecordingCostModel:
+    """The cost model's looks at the drafter (`policy.Peeks`), recorded, at steps it always leaves plain
+    (K = 0, whatever the timings), one at each."""
 
     def __new__(cls):
         from specsample.policy import CostModelK
 
         class Recording(CostModelK):
+            def choose(self) -> int:
+                return 0
+
             def observe_peek(self, drafted: bool, accepted: bool) -> None:
                 self.peeks.append((drafted, accepted))
                 super().observe_peek(drafted, accepted)
 
-        policy = Recording(k_max=4)
+        policy = Recording(k_max=4, peek_most=1)  # a look at every plain step
         policy.peeks = []
         return policy
 
@@ -145,7 +149,7 @@ def test_plain_steps_of_a_greedy_request_look_at_a_lookup_drafter_without_changi
     target = TransformersTarget(target_model)
     params = SamplingParams(temperature=temperature)
     prompt = torch.tensor([5, 17, 33, 5, 17, 33, 5, 17])
-    policy, steps, looks = RecordingCostModel(), [], []
+    policy, steps, looks = PlainRecordingCostModel(), [], []
     tell_peek = engine.tell_peek
     monkeypatch.setattr(engine, "tell_peek", lambda p, peeked, emitted: (
         peeked is not None and looks.append((len(steps), peeked.tolist())), tell_peek(p, peeked, emitted)))

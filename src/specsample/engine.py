@@ -17,7 +17,9 @@ A draft may be a tree (`Draft.parents`, drafted only for targets that declare
 `ScoresTrees`): the step scores [pending, nodes...] in one pass with tree
 attention, verifies with `verify.tree`, and keeps the accepted path's keys and
 values as the cache's next positions (`keep_path`). A draft that carries an
-`observe_logits` hook is shown the pass's logits.
+`observe_logits` hook is shown the pass's logits. At a plain step of a greedy
+request, a K policy that learns from it is shown a lookup drafter's next token
+and whether the step emitted it (`peek`, `policy.Peeks`).
 """
 
 from __future__ import annotations

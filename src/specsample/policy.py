@@ -191,6 +191,12 @@ class CostModelK:
     (K + 1) / (f(K + 1)/f(1) + K c) <= 1 times plain decoding's speed, f nondecreasing),
     is never asked to draft: the prior acceptance is below 1.
 
+    At K = 0 the first position is also measured without a verification row where the engine
+    shows the policy a lookup drafter's next token (`observe_peek`, greedy requests): a step that
+    emits it is a draft of one token that would have been accepted. The looks back off after misses
+    (`wants_peek`), and a hit has the model evaluated at once, so K follows the runs of text an
+    answer copies instead of waiting up to IDLE_RECHECK steps for its next probe.
+
     A drafter that reports its confidence in each draft token gets its draft
     verified token by token while each adds to the expected tokens per second of
     the verification pass (`keep`). Confidences are calibrated online: the
