@@ -100,6 +100,8 @@ def test_cost_model_estimates_are_reported():
 def test_cost_model_refuses_k_max_zero():
     with pytest.raises(ValueError, match="k_max"):
         CostModelK(k_max=0)
+    with pytest.raises(ValueError, match="peek_most"):
+        CostModelK(peek_most=0)
 
 
 def test_cost_model_carries_what_it_learned_into_the_next_request():

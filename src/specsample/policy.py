@@ -228,6 +228,8 @@ class CostModelK:
     ) -> None:
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
+        if peek_most < 1:
+            raise ValueError(f"peek_most must be >= 1, got {peek_most}")
         self.k_max, self.decay, self.idle_decay, self.smoothing = k_max, decay, idle_decay, smoothing
         self.prior_acceptance, self.prior_weight, self.carry = prior_acceptance, prior_weight, carry
         # [position i - 1] decayed counts of the steps that asked for >= i tokens and
