@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from specsample.drafters.base import Draft, Drafter, forked
-from specsample.engine import check_lengths, cut_at_eos, peek, tell_peek
+from specsample.engine import check_lengths, cut_at_eos, looks, peek, tell_peek
 from specsample.models.target import Slots
 from specsample.policy import KPolicy, PassCost, SeesBatch
 from specsample.sampling import RandomSource, SamplingParams
@@ -53,6 +53,7 @@ class Request:
     done: bool = False  # ended by an EOS token or max_new_tokens
     rows: int = 1  # rows it scored at its last step (1 before its first)
     emitted: int = 1  # tokens it emitted at its last step
+    looks: bool = False  # whether its plain steps look at its drafter (`engine.looks`)
 
 
 @dataclass
@@ -120,6 +121,7 @@ class Batch:
             self.free.append(slot)
             raise
         request.slot, request.pending = slot, int(request.prompt_ids[-1])
+        request.looks = looks(self.drafters[slot], self.policies[slot], request.params)
         request.stats.prompt_tokens = request.prompt_ids.shape[0]
         request.stats.prefill_seconds = perf_counter() - start
         self.totals.prefill_seconds += request.stats.prefill_seconds
@@ -169,7 +171,7 @@ class Batch:
         k = min(policy.choose(), request.max_new_tokens - request.produced - 1)
         numbers = request.random.at(request.produced)  # offset i: output position produced + i
         draft = drafter.propose(k, numbers).trunk() if k > 0 else Draft.empty()  # slots score chains
-        peeked = peek(drafter, policy, k, request.params, numbers)
+        peeked = peek(drafter, policy, k, numbers) if request.looks else None
         if draft.confidence is not None:
             draft = draft.prefix(policy.keep(draft.confidence))
         self.rows += len(draft) + 1 - request.rows

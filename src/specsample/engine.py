@@ -60,13 +60,14 @@ def decode(
     stats.prompt_tokens = prompt_ids.shape[0]
     stats.prefill_seconds = perf_counter() - start
     pending, produced = int(prompt_ids[-1]), 0
+    looking = looks(drafter, policy, params)
     try:
         while produced < max_new_tokens:
             t_draft = perf_counter()
             k = min(policy.choose(), max_new_tokens - produced - 1)
             numbers = random.at(produced)  # offset i: output position produced + i
             draft = drafter.propose(k, numbers) if k > 0 else Draft.empty()
-            peeked = peek(drafter, policy, k, params, numbers)
+            peeked = peek(drafter, policy, k, numbers) if looking else None
             if draft.confidence is not None:
                 draft = draft.prefix(policy.keep(draft.confidence))
             elif draft.is_tree and draft.probs is None:  # a sampled tree's shape depends on its draws: kept whole
@@ -135,10 +136,10 @@ def verify_tree(
     return verdict
 
 
-def peek(drafter: Drafter, policy: KPolicy, k: int, params: SamplingParams, random: RandomSource) -> Tensor | None:
-    """At a plain step (k = 0) of a greedy request, a lookup drafter's next token ([0] or [1]) for a K
-    policy that learns from it (`policy.Peeks`); else None. A lookup's draft is a function of the
-    context, not of a draw, so the look changes nothing the step emits.
+def looks(drafter: Drafter, policy: KPolicy, params: SamplingParams) -> bool:
+    """Whether a request's plain steps look at its drafter (`peek`): a greedy request, a lookup drafter
+    and a K policy that learns from the looks (`policy.Peeks`). Decided once a request (a protocol's
+    isinstance check costs about 10 us).
 
     Greedy requests only: at temperature 0 a lookup drafter's token is either what the answer copies
     or wrong, in runs, and the looks let the cost model follow them (tuned Spec-Bench prompts, in one
@@ -146,12 +147,19 @@ def peek(drafter: Drafter, policy: KPolicy, k: int, params: SamplingParams, rand
     AVX-512); when sampling its token is emitted at a low, steady rate that the policy's probes
     measure already, and the looks, about 80 us each with the CPU's caches cold after a pass, cost
     1 to 3% of decoding (BENCHMARKS.md)."""
-    if k == 0 and params.greedy and drafter.is_lookup and isinstance(policy, Peeks) and policy.wants_peek():
+    return params.greedy and drafter.is_lookup and isinstance(policy, Peeks)
+
+
+def peek(drafter: Drafter, policy: Peeks, k: int, random: RandomSource) -> Tensor | None:
+    """At a plain step (k = 0) of a request that `looks`, the lookup drafter's next token ([0] or [1])
+    when the policy wants a look; else None. A lookup's draft is a function of the context, not of a
+    draw, so the look changes nothing the step emits."""
+    if k == 0 and policy.wants_peek():
         return drafter.propose(1, random).trunk().tokens[:1]
     return None
 
 
-def tell_peek(policy: KPolicy, peeked: Tensor | None, emitted: list[int]) -> None:
+def tell_peek(policy: Peeks, peeked: Tensor | None, emitted: list[int]) -> None:
     """Tell the policy what a `peek` of this step showed: whether the drafter had a token, and whether
     the step emitted it."""
     if peeked is not None:
