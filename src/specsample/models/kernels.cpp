@@ -255,6 +255,9 @@ enum { REGS = 16 };
 // `dot_keys` prefetches each of its d rows of keys (d streams, more than the hardware's prefetchers
 // follow: without, a token's attention over 2,000 positions read its keys at about 15 GB/s).
 enum { HEADS = 4, IC = 64, PF_ROWS = 8, PF_KEYS = 8 };
+// Attention runs on every thread from this many multiply-adds a head dimension (tokens x heads x positions),
+// within one request (`attention`) or over a batch's requests (`layer_slots`); below, one thread does it.
+static constexpr long PARALLEL_ATTENTION = 50000;
 
 // Vectors of keys or values a register block of G heads covers: G x that accumulators, that many
 // key or value vectors and one broadcast fit in the registers.
@@ -481,7 +484,7 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
   for (long t = 0; parents && t < n; t++) longest = depth[t] + 1 > longest ? depth[t] + 1 : longest;
   long w = (start + longest + VL - 1) / VL * VL - start / VL * VL;  // gathered positions of a path, at most
   long stride = 2 * d * w;  // floats of a token's copies of its path: keys [d, w], values [<= w, d]
-  bool parallel = n * heads * end * d >= 50000;
+  bool parallel = n * heads * end * d >= PARALLEL_ATTENTION;
 #if defined(_OPENMP)
   long threads = parallel ? omp_get_max_threads() : 1;
 #else
@@ -659,8 +662,8 @@ extern "C" void specsample_layers(const Layer* const* Ls, long count, float* x, 
 // whose cache of this layer is keys[s] and values[s] (laid out as L->keys and L->values, which are
 // not read). The four products run once over the M stacked rows; each segment's attention is
 // `attention` over its own cache, so a row's result is the same whatever the other rows of the pass.
-// Segments run in parallel where there are several with enough work between them (the same bound as
-// one `attention`'s: 8 one-row segments over 50 cached positions took 0.83x the time they took one
+// Segments run in parallel where there are several with enough work between them (PARALLEL_ATTENTION,
+// as for one `attention`: 8 one-row segments over 50 cached positions took 0.83x the time they took one
 // after another, each alone too small to split; bitwise the same); otherwise one after another, each
 // `attention` parallel over its own tokens and heads where it has enough work (inside an inactive outer
 // region, libgomp would run that inner region on a fresh team each call: a one-segment prefill through
@@ -680,7 +683,7 @@ static void layer_slots(const Layer* L, float* x, long M, long segments, const l
     layer_attention(L, sc.qkv + first[s] * sc.qkv_width, rows[s], starts[s], keys[s], values[s],
                     sc.att + first[s] * sc.att_width, nullptr);
   };
-  if (segments > 1 && work >= 50000) {  // not an `if` clause: a region of one thread would still start a team
+  if (segments > 1 && work >= PARALLEL_ATTENTION) {  // not an `if` clause: a region of one thread would still start a team
 #pragma omp parallel for schedule(dynamic)
     for (long s = 0; s < segments; s++) segment(s);
   } else {
