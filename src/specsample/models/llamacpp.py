@@ -22,6 +22,14 @@ activation row, computed the same way whatever the batch, and a position's logit
 bitwise the same scored alone or in a batch of any size (tests/test_llamacpp.py checks
 it; docs/llamacpp-backend.md has the figures and what it costs).
 
+Slots (`LlamaCppTarget.slots`, for batched decoding) are llama.cpp's sequence ids in a context of
+their own whose KV cache keeps a stream per sequence (`kv_unified` off): a row attends over its
+own sequence's stream only, laid out as if it were alone, so its logits are bitwise those of the
+same tokens scored by the target (tests/test_llamacpp_slots.py). llama.cpp puts a run of
+consecutive sequence ids with equal numbers of new tokens in one pass and splits other batches
+into several (`split_equal`), so `score` orders segments by slot, and `batch.Batch` fills the
+lowest free slot first.
+
 The build dispatches on the CPU at run time: ggml's CPU backend is built once per x86
 feature level (GGML_BACKEND_DL, GGML_CPU_ALL_VARIANTS) into the package's lib
 directory, and `init_backend` loads the best one this CPU runs.
@@ -34,6 +42,7 @@ import os
 import re
 import tempfile
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +58,8 @@ CACHE_TYPES = {"f16": 1, "f32": 0}  # KV cache element types: ggml_type ids
 # 1.3 x the file + the KV cache, 302 MB), and this build's kernels gain nothing from longer batches
 # (docs/llamacpp-backend.md "Memory"). A verification pass (K + 1 <= 17 positions) fits one chunk.
 N_BATCH = 32
+# Most new tokens a slot scores in one pass (`LlamaCppSlots.score`; a verification pass of K + 1 <= 17).
+SLOT_ROWS = 32
 
 _errors: deque[tuple[int, str]] = deque(maxlen=32)  # llama.cpp's latest (level, message), for one-line errors
 LOG_WARN, LOG_ERROR = 3, 4  # ggml_log_level
@@ -297,31 +308,31 @@ class LlamaCppTarget:
         self.vocab_size = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model)))
         self.max_length = int(max_length or min(lib.llama_model_n_ctx_train(self.model) or DEFAULT_MAX_LENGTH, DEFAULT_MAX_LENGTH))
 
-        ctx_params = lib.llama_context_default_params()
-        ctx_params.n_ctx = self.max_length
-        ctx_params.n_batch = ctx_params.n_ubatch = N_BATCH
-        ctx_params.n_seq_max = 1
-        ctx_params.n_threads = ctx_params.n_threads_batch = self.n_threads
-        ctx_params.no_perf = True
-        ctx_params.type_k = ctx_params.type_v = CACHE_TYPES[cache_type]
-        if batch_invariant:
-            ctx_params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        _errors.clear()
-        self.ctx = lib.llama_init_from_model(self.model, ctx_params)
-        if not self.ctx:
-            raise ValueError(f"llama.cpp cannot make a context for {path}: {cause()}")
+        self.ctx = self.context(self.max_length, sequences=1, batch=N_BATCH)
         self.memory = lib.llama_get_memory(self.ctx)
-
-        # One batch for every call: sequence 0 everywhere, set once; tokens, positions and
-        # logit flags written through numpy views of its arrays.
-        self.batch = lib.llama_batch_init(N_BATCH, 0, 1)
-        for i in range(N_BATCH):
-            self.batch.n_seq_id[i] = 1
-            self.batch.seq_id[i][0] = 0
-        self.tokens = np.ctypeslib.as_array(self.batch.token, shape=(N_BATCH,))  # [N_BATCH] int32
-        self.positions = np.ctypeslib.as_array(self.batch.pos, shape=(N_BATCH,))  # [N_BATCH] int32
-        self.wants_logits = np.ctypeslib.as_array(self.batch.logits, shape=(N_BATCH,))  # [N_BATCH] int8
+        self.batch = DecodeBatch(lib, N_BATCH)
         self._length = 0
+
+    def context(self, positions: int, sequences: int, batch: int) -> ctypes.c_void_p:
+        """A llama.cpp context over this target's model with its settings (threads, KV cache type,
+        batch invariance): `positions` KV cache cells in all, `sequences` sequence ids, each in a
+        stream of its own where more than one, at most `batch` tokens a `llama_decode`."""
+        lib = self.lib
+        params = lib.llama_context_default_params()
+        params.n_ctx = positions
+        params.n_batch = params.n_ubatch = batch
+        params.n_seq_max = sequences
+        params.kv_unified = False  # a stream per sequence: a row attends over its own sequence alone
+        params.n_threads = params.n_threads_batch = self.n_threads
+        params.no_perf = True
+        params.type_k = params.type_v = CACHE_TYPES[self.cache_type]
+        if self.batch_invariant:
+            params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        _errors.clear()
+        ctx = lib.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise ValueError(f"llama.cpp cannot make a context for {self.path}: {cause()}")
+        return ctx
 
     @property
     def length(self) -> int:
@@ -379,6 +390,10 @@ class LlamaCppTarget:
         size = self.lib.llama_model_meta_val_str(self.model, f"{buffer.value.decode()}.{key}".encode(), buffer, len(buffer))
         return int(buffer.value) if size > 0 else None
 
+    def slots(self, count: int) -> LlamaCppSlots:
+        """`count` empty slots of this target's context window over its model (`target.SlottedTarget`)."""
+        return LlamaCppSlots(self, count)
+
     def quantized_copy(self) -> LlamaCppTarget:
         """A lower-bit copy of this target's file (type by COPY_TYPES), made once by llama.cpp's
         quantizer and cached (`copy_path`), in a context of its own with this target's settings."""
@@ -398,24 +413,8 @@ class LlamaCppTarget:
         n = ids.shape[0]
         if self._length + n > self.max_length:
             raise ValueError(f"{self._length} + {n} positions exceed the context window of {self.max_length}")
-        if logits:
-            out = torch.empty(n, self.vocab_size, dtype=torch.float32)  # [n, vocab]
-        for start in range(0, n, N_BATCH):
-            chunk = ids[start : start + N_BATCH]  # [m]
-            m = chunk.shape[0]
-            self.tokens[:m] = chunk
-            self.positions[:m] = np.arange(self._length, self._length + m, dtype=np.int32)
-            self.wants_logits[:m] = logits
-            self.batch.n_tokens = m
-            status = self.lib.llama_decode(self.ctx, self.batch)
-            if status != 0:
-                # on a fatal error some ubatches may stay in the cache: drop them too
-                self.lib.llama_memory_seq_rm(self.memory, 0, self._length, -1)
-                raise RuntimeError(f"llama_decode failed with status {status}: {last_error()}")
-            if logits:
-                rows = np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx), shape=(m, self.vocab_size))
-                out[start : start + m] = torch.from_numpy(rows)  # copied: the next decode overwrites them
-            self._length += m
+        out = self.batch.chunks(self.ctx, self.memory, 0, ids, self._length, self.vocab_size if logits else None)
+        self._length += n
         return out if logits else torch.empty(0, self.vocab_size)
 
     def close(self) -> None:
@@ -424,7 +423,7 @@ class LlamaCppTarget:
         if lib is None:
             return
         if getattr(self, "batch", None) is not None:
-            lib.llama_batch_free(self.batch)
+            self.batch.free()
             self.batch = None
         if getattr(self, "ctx", None):
             lib.llama_free(self.ctx)
@@ -432,6 +431,154 @@ class LlamaCppTarget:
         if getattr(self, "model", None):
             lib.llama_model_free(self.model)
             self.model = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class DecodeBatch:
+    """A llama_batch of up to `capacity` tokens, one sequence id each, refilled for every `llama_decode`:
+    tokens, positions and logit flags written through numpy views of its arrays."""
+
+    def __init__(self, lib, capacity: int) -> None:
+        self.lib, self.capacity, self.n = lib, capacity, 0
+        self.batch = lib.llama_batch_init(capacity, 0, 1)
+        self.tokens = np.ctypeslib.as_array(self.batch.token, shape=(capacity,))  # [capacity] int32
+        self.positions = np.ctypeslib.as_array(self.batch.pos, shape=(capacity,))  # [capacity] int32
+        self.wants_logits = np.ctypeslib.as_array(self.batch.logits, shape=(capacity,))  # [capacity] int8
+        self._seqs = [0] * capacity  # each token's sequence id, as written into the batch
+        for i in range(capacity):
+            self.batch.n_seq_id[i] = 1
+            self.batch.seq_id[i][0] = 0
+
+    def put(self, seq: int, token_ids: np.ndarray, start: int, logits: bool) -> None:
+        """Append `token_ids` [m] of sequence `seq` at positions start.. (the first put after a run starts
+        the batch afresh)."""
+        m, at = token_ids.shape[0], self.n
+        if at + m > self.capacity:
+            raise ValueError(f"{at + m} tokens exceed a pass of {self.capacity}")
+        self.tokens[at : at + m] = token_ids
+        self.positions[at : at + m] = np.arange(start, start + m, dtype=np.int32)
+        self.wants_logits[at : at + m] = logits
+        for i in range(at, at + m):
+            if self._seqs[i] != seq:
+                self.batch.seq_id[i][0] = self._seqs[i] = seq
+        self.n = at + m
+
+    def run(self, ctx, memory, starts: dict[int, int], vocab_size: int | None = None) -> Tensor | None:
+        """`llama_decode` of the tokens put since the last run; their logits [n, vocab] float32 when
+        `vocab_size` is given: llama.cpp's buffer, which the next decode overwrites (copy what is kept). On failure every sequence in
+        `starts` (sequence id: its length before the batch) is rolled back, and a RuntimeError says why."""
+        n, self.n = self.n, 0
+        self.batch.n_tokens = n
+        status = self.lib.llama_decode(ctx, self.batch)
+        if status != 0:
+            for seq, start in starts.items():  # on a fatal error some ubatches may stay in the cache
+                self.lib.llama_memory_seq_rm(memory, seq, start, -1)
+            raise RuntimeError(f"llama_decode failed with status {status}: {last_error()}")
+        if vocab_size is None:
+            return None
+        return torch.from_numpy(np.ctypeslib.as_array(self.lib.llama_get_logits(ctx), shape=(n, vocab_size)))
+
+    def chunks(self, ctx, memory, seq: int, token_ids: np.ndarray, start: int, vocab_size: int | None) -> Tensor | None:
+        """Append `token_ids` [n] to sequence `seq` (holding `start` positions), N_BATCH a `llama_decode`;
+        their logits [n, vocab] float32 (a copy) when `vocab_size` is given."""
+        n = token_ids.shape[0]
+        out = torch.empty(n, vocab_size, dtype=torch.float32) if vocab_size is not None else None  # [n, vocab]
+        for at in range(0, n, N_BATCH):
+            chunk = token_ids[at : at + N_BATCH]  # [m]
+            self.put(seq, chunk, start + at, logits=out is not None)
+            logits = self.run(ctx, memory, {seq: start}, vocab_size)  # a failure drops the earlier chunks too
+            if out is not None:
+                out[at : at + chunk.shape[0]] = logits
+        return out
+
+    def free(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+
+
+class LlamaCppSlots:
+    """`count` KV caches over one LlamaCppTarget's model, one per request (`target.Slots`): sequence ids
+    0..count-1 of a context of their own, each in a KV cache stream of its own (see the module docstring).
+
+    A pass puts the new tokens of several slots in one `llama_decode`, ordered by slot: llama.cpp
+    scores a run of consecutive slots with the same number of new tokens in one pass over the
+    weights, and splits other batches into several passes (what each costs, the batch's K policy
+    measures). Each row is computed as the target computes it alone, so its logits are bitwise the
+    target's `score` of the same tokens after the same prefill. The slots hold the target, whose
+    model they run: close them before it.
+    """
+
+    def __init__(self, target: LlamaCppTarget, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"need at least one slot, got {count}")
+        self.target, self.count, self.lib = target, count, target.lib
+        self.vocab_size, self.max_length = target.vocab_size, target.max_length
+        self.ctx = target.context(count * self.max_length, sequences=count, batch=max(N_BATCH, count * SLOT_ROWS))
+        self.memory = self.lib.llama_get_memory(self.ctx)
+        self.batch = DecodeBatch(self.lib, max(N_BATCH, count * SLOT_ROWS))
+        self._lengths = [0] * count
+
+    def length(self, slot: int) -> int:
+        return self._lengths[slot]
+
+    def prefill(self, slot: int, token_ids: Tensor) -> None:
+        """Reset `slot`'s cache and fill it with `token_ids` [n], N_BATCH tokens a pass."""
+        self._check([slot])
+        self.rollback(slot, 0)
+        ids = token_ids.reshape(-1).numpy().astype(np.int32)
+        self._check_room(slot, ids.shape[0])
+        self.batch.chunks(self.ctx, self.memory, slot, ids, 0, None)
+        self._lengths[slot] = ids.shape[0]
+
+    def score(self, segments: Sequence[tuple[int, Tensor]]) -> list[Tensor]:
+        """Append each segment's tokens [n_s] to its slot in one `llama_decode`; logits [n_s, vocab]
+        float32 each, in the order of `segments`."""
+        slots = [slot for slot, _ in segments]
+        self._check(slots)
+        ids = [token_ids.reshape(-1).numpy().astype(np.int32) for _, token_ids in segments]
+        for slot, segment in zip(slots, ids):
+            if segment.shape[0] > SLOT_ROWS:
+                raise ValueError(f"slot {slot} scores {segment.shape[0]} tokens in one pass, more than {SLOT_ROWS}")
+            self._check_room(slot, segment.shape[0])
+        if not any(segment.shape[0] for segment in ids):
+            return [torch.empty(0, self.vocab_size) for _ in segments]
+        order = sorted(range(len(segments)), key=slots.__getitem__)  # consecutive slots share a pass
+        for j in order:
+            self.batch.put(slots[j], ids[j], self._lengths[slots[j]], logits=True)
+        logits = self.batch.run(self.ctx, self.memory, {slot: self._lengths[slot] for slot in slots}, self.vocab_size).clone()
+        out: list[Tensor] = [torch.empty(0)] * len(segments)
+        row = 0
+        for j in order:
+            n = ids[j].shape[0]
+            out[j] = logits[row : row + n]  # [n_j, vocab]
+            self._lengths[slots[j]] += n
+            row += n
+        return out
+
+    def rollback(self, slot: int, length: int) -> None:
+        if not 0 <= length <= self._lengths[slot]:
+            raise ValueError(f"cannot roll slot {slot} back to {length}: it holds {self._lengths[slot]}")
+        if length < self._lengths[slot] and not self.lib.llama_memory_seq_rm(self.memory, slot, length, -1):
+            raise RuntimeError(f"llama.cpp cannot roll slot {slot}'s cache back to {length} positions")
+        self._lengths[slot] = length
+
+    def _check(self, slots: list[int]) -> None:
+        if len(set(slots)) != len(slots) or not all(0 <= slot < self.count for slot in slots):
+            raise ValueError(f"slots {slots} are not distinct slots of 0..{self.count - 1}")
+
+    def _check_room(self, slot: int, n: int) -> None:
+        if self._lengths[slot] + n > self.max_length:
+            raise ValueError(f"{self._lengths[slot] + n} positions exceed max_length {self.max_length}")
+
+    def close(self) -> None:
+        """Free the batch and the context (also done when garbage collected)."""
+        if getattr(self, "batch", None) is not None:
+            self.batch.free()
+            self.batch = None
+        if getattr(self, "ctx", None):
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
 
     def __del__(self) -> None:
         self.close()

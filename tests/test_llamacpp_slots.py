@@ -1,0 +1,129 @@
+"""Slots on the llamacpp backend (`LlamaCppSlots`): llama.cpp's sequence ids, a KV cache stream each.
+
+A row's logits in a pass with other slots' rows must be bitwise the target's own `score` of the
+same tokens after the same prefill, whatever the other rows, their number and order (slots
+consecutive or not, segments of unequal lengths, which llama.cpp splits into several passes);
+then each request's tokens in a batch (`batch.Batch`) equal those it gets decoded alone, greedy
+and seeded, on a tiny GGUF written here and on the bundled Q4_1 file.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsample.batch import Batch, Request
+from specsample.drafters import NgramDrafter, SuffixDrafter
+from specsample.models.llamacpp import SLOT_ROWS, LlamaCppSlots, LlamaCppTarget
+from specsample.models.loading import bundled_gguf
+from specsample.models.target import Slots, SlottedTarget
+from specsample.policy import FixedK
+from specsample.sampling import CoupledSource, SamplingParams
+
+from test_batch import DRAFTERS, GREEDY, alone, prompts, run
+from test_llamacpp import VOCAB, tiny_gguf, tiny_model  # noqa: F401 (fixtures)
+from test_slots import check_invariance, tokens
+
+
+@pytest.fixture(scope="module")
+def target(tiny_gguf) -> LlamaCppTarget:  # noqa: F811
+    return LlamaCppTarget(tiny_gguf, n_threads=1)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tiny_rows_are_batch_invariant(target, seed):
+    assert isinstance(target, SlottedTarget)
+    check_invariance(target, contexts=[5, 40, 1, 17, 90], news=[1, 4, 9, 0, 3], seed=seed)
+
+
+def test_rows_of_slots_that_are_not_consecutive_nor_equal_are_invariant(target):
+    """Slots 0, 2 and 5 of 6, 1, 6 and 2 new tokens: llama.cpp runs them as several passes, and each
+    row is still the target's alone."""
+    slots = target.slots(6)
+    segments, expected = [], []
+    for slot, (length, n) in zip((5, 0, 2), ((30, 2), (12, 6), (50, 1))):
+        context, new = tokens(length, VOCAB, slot), tokens(n, VOCAB, 10 + slot)
+        slots.prefill(slot, context)
+        segments.append((slot, new))
+        expected.append(alone_scores(target, context, new))
+    for logits, want in zip(slots.score(segments), expected):
+        assert torch.equal(logits, want)
+
+
+def alone_scores(target: LlamaCppTarget, context: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    target.prefill(context)
+    return target.score(new)
+
+
+@pytest.mark.parametrize("name", ["none", "ngram", "suffix"])
+def test_greedy_batch_equals_alone(target, name):
+    make, k = DRAFTERS[name]
+    ps = prompts(7)
+    max_new = [5 + 6 * i for i in range(len(ps))]
+    batch = Batch(target.slots(3), make(), lambda: FixedK(k), eos_token_ids=frozenset())
+    requests = [Request(p, GREEDY, m, CoupledSource(0)) for p, m in zip(ps, max_new)]
+    got = run(batch, requests)
+    for i, (p, m) in enumerate(zip(ps, max_new)):
+        assert got[i] == alone(target, make(), k, p, GREEDY, m, CoupledSource(0)), f"request {i}"
+    assert sorted(batch.free) == [0, 1, 2] and not batch.running
+
+
+def test_seeded_sampling_batch_equals_alone(target):
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    ps = prompts(6)
+    batch = Batch(target.slots(4), SuffixDrafter(), lambda: FixedK(3), eos_token_ids=frozenset({5}))
+    requests = [Request(p, params, 40, CoupledSource(100 + i)) for i, p in enumerate(ps)]
+    got = run(batch, requests)
+    for i, p in enumerate(ps):
+        assert got[i] == alone(target, SuffixDrafter(), 3, p, params, 40, CoupledSource(100 + i), frozenset({5}))
+
+
+def test_cancelled_request_frees_its_slot(target):
+    ps = prompts(5)
+    batch = Batch(target.slots(2), NgramDrafter(), lambda: FixedK(3), eos_token_ids=frozenset())
+    requests = [Request(p, GREEDY, 30, CoupledSource(0)) for p in ps]
+    got = run(batch, requests, cancel={3: requests[1]})
+    assert requests[1].slot is None and 0 < len(got[1]) < 30
+    for i in (0, 2, 3, 4):  # request 2 took the cancelled one's slot
+        assert got[i] == alone(target, NgramDrafter(), 3, ps[i], GREEDY, 30, CoupledSource(0)), f"request {i}"
+
+
+def test_rollback_per_slot_and_bounds(target):
+    slots = target.slots(2)
+    assert isinstance(slots, Slots) and isinstance(slots, LlamaCppSlots)
+    slots.prefill(0, tokens(10, VOCAB, 0))
+    slots.prefill(1, tokens(3, VOCAB, 1))
+    slots.rollback(0, 4)
+    assert (slots.length(0), slots.length(1)) == (4, 3)
+    with pytest.raises(ValueError, match="cannot roll slot 1 back to 5"):
+        slots.rollback(1, 5)
+    with pytest.raises(ValueError, match="not distinct"):
+        slots.score([(0, tokens(1, VOCAB, 2)), (0, tokens(1, VOCAB, 3))])
+    with pytest.raises(ValueError, match="not distinct"):
+        slots.score([(2, tokens(1, VOCAB, 2))])
+    with pytest.raises(ValueError, match=f"more than {SLOT_ROWS}"):
+        slots.score([(1, tokens(SLOT_ROWS + 1, VOCAB, 2))])
+    with pytest.raises(ValueError, match="exceed max_length"):
+        slots.prefill(1, tokens(target.max_length + 1, VOCAB, 2))
+    assert slots.length(1) == 0  # the refused prefill reset the slot, as a prefill does
+    assert [t.shape for t in slots.score([(0, tokens(0, VOCAB, 0)), (1, tokens(2, VOCAB, 0))])] == [(0, VOCAB), (2, VOCAB)]
+    assert [t.shape for t in slots.score([(0, tokens(0, VOCAB, 0))])] == [(0, VOCAB)]
+    with pytest.raises(ValueError, match="at least one slot"):
+        target.slots(0)
+
+
+def test_bundled_rows_are_batch_invariant():
+    """The bundled Q4_1 file, with caches past 512 positions (where flash attention, off here, would
+    split one token's pass)."""
+    check_invariance(LlamaCppTarget(bundled_gguf(), n_threads=1), contexts=[600, 7, 130, 60], news=[5, 1, 8, 3], seed=3)
+
+
+def test_generate_batch_equals_generate_on_llamacpp():
+    """The Python API on the llamacpp backend: each completion of a batch is `generate`'s alone."""
+    from specsample.api import SpecSampler
+
+    sampler = SpecSampler.load(drafter="suffix", backend="llamacpp", threads=1)
+    texts = ["Name three rivers.", "Count from one to twenty.", "Say hello."]
+    greedy = dict(max_new_tokens=16, temperature=0, k=3)
+    for text, completion in zip(texts, sampler.generate_batch(texts, max_batch=2, **greedy)):
+        assert completion.token_ids == sampler.generate(text, **greedy).token_ids
