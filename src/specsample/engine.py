@@ -108,7 +108,8 @@ def verify(
     """Score [pending, draft_tokens] in one pass, verify with `random` (offset 0: the first draft
     position), and roll the cache back."""
     start = target.length
-    logits = target.score(torch.cat([torch.tensor([pending]), draft.tokens]))  # [k + 1, vocab]
+    rows = torch.cat([torch.tensor([pending]), draft.tokens]) if len(draft) else torch.tensor([pending])  # [k + 1]
+    logits = target.score(rows)  # [k + 1, vocab]
     if draft.observe_logits is not None:
         draft.observe_logits(logits)
     verdict = verifier(draft.tokens, draft.probs, logits, params, random)
