@@ -201,10 +201,10 @@ def run_policy(cost, other_rows: int, steps: int = 60) -> list[int]:
 
     policy, rng, chosen = BatchCostModelK(), torch.Generator().manual_seed(0), []
     for _ in range(steps):
-        policy.see_batch(cost, other_rows, other_rows)
+        policy.see_batch(cost, other_rows, other_rows, other_rows)
         k = policy.choose()
         accepted = int(torch.cumprod(torch.rand(k, generator=rng) < 0.8, 0).sum()) if k else 0
-        policy.observe(Step(k, accepted, accepted + 1, 1e-6 * k, float(cost([other_rows + 1 + k])[0])))
+        policy.observe(Step(k, accepted, accepted + 1, 1e-6 * k, float(cost.step(other_rows, other_rows, [1 + k])[0])))
         chosen.append(k)
     return chosen
 
@@ -216,8 +216,8 @@ def test_batch_cost_model_turns_speculation_down_where_rows_cost():
 
     flat, linear = PassCost(), PassCost()
     for rows in range(1, 100):
-        flat.observe(rows, 0.010)
-        linear.observe(rows, 0.001 * rows)
+        flat.observe(rows, 0.010, rows)
+        linear.observe(rows, 0.001 * rows, rows)
     assert linear([4.5])[0] == pytest.approx(0.0045) and flat([500])[0] == pytest.approx(0.010)
     assert min(run_policy(flat, other_rows=15)[-20:]) >= 4
     assert max(run_policy(linear, other_rows=15)[-20:]) == 0
@@ -258,13 +258,33 @@ def test_pass_cost_follows_the_machine_curve_beyond_the_rows_measured():
 
     prior = {1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0}
     cost = PassCost(prior=prior)
-    cost.observe(1, 0.004)
+    cost.observe(1, 0.004, 1)
     assert cost([1])[0] == pytest.approx(0.004)
     assert cost([2, 8])[0] == pytest.approx(0.0044) and cost([8])[0] == pytest.approx(0.008)
-    cost.observe(4, 0.006)
+    cost.observe(4, 0.006, 4)
     assert cost([8])[0] == pytest.approx(0.006 * 2.0 / 1.3)  # from the largest measured, in the curve's proportion
     assert cost([2])[0] == pytest.approx(0.004 + 0.002 / 3)  # between measurements: interpolated
     assert PassCost()([8]) == pytest.approx([1.0]) and PassCost(prior=prior)([8]) == pytest.approx([1.0])
+
+
+def test_where_drafts_pass_alone_a_draft_costs_a_pass_of_its_own():
+    """llama.cpp's slots (`drafts_pass_alone`): a pass that carried drafts is not taken as f(R); beside the
+    pass over one row of every request, a request's draft of d rows costs f(1) x the prior's f(d)/f(1),
+    f(1) from the measured pass. Where each extra row costs half a pass, a draft accepted 80% of the time
+    does not pay in a batch of 8: K goes to 0."""
+    from specsample.policy import PassCost
+
+    prior = {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5, 16: 8.5}  # each extra row half a pass
+    cost = PassCost(prior=prior, drafts_alone=True)
+    cost.observe(8, 0.045, 8)  # 8 requests, a row each: 4.5 f(1), so f(1) = 10 ms
+    cost.observe(12, 0.080, 8)  # the same with drafts: their own passes inside, not f(12)
+    assert cost.seconds == {8: 0.045}
+    assert cost.step(7, 7, [1, 4]) == pytest.approx([0.045, 0.045 + 0.010 * 2.0])  # 3 draft rows: f(3)/f(1) = 2.0
+    assert max(run_policy(cost, other_rows=7)[-20:]) == 0
+    rows = PassCost(prior=prior)  # counted by rows, the pass with drafts is f(12)
+    rows.observe(8, 0.045, 8)
+    rows.observe(12, 0.080, 8)
+    assert rows.step(7, 7, [1, 5]) == pytest.approx([0.045, 0.080])
 
 
 def test_a_request_alone_in_a_batch_chooses_as_one_request_does():
@@ -276,11 +296,11 @@ def test_a_request_alone_in_a_batch_chooses_as_one_request_does():
 
     dear = PassCost()
     for rows in range(1, 100):
-        dear.observe(rows, 0.003 * rows)  # every row as dear as a whole pass
+        dear.observe(rows, 0.003 * rows, rows)  # every row as dear as a whole pass
     alone, plain, rng = BatchCostModelK(), CostModelK(), torch.Generator().manual_seed(0)
     chosen = []
     for _ in range(60):
-        alone.see_batch(dear, 0, 0)
+        alone.see_batch(dear, 0, 0, 0)
         k = alone.choose()
         assert plain.choose() == k
         accepted = int(torch.cumprod(torch.rand(k, generator=rng) < 0.8, 0).sum()) if k else 0

@@ -98,7 +98,8 @@ class Batch:
         self.free = list(range(slots.count - 1, -1, -1))  # slots without a request, next last
         self.running: list[Request] = []
         self.rows = 0  # rows scored by the last step
-        self.cost = PassCost(prior=cost_prior)  # f(rows) of this batch's passes, for the policies that see the batch
+        # f(rows) of this batch's passes, for the policies that see the batch
+        self.cost = PassCost(prior=cost_prior, drafts_alone=slots.drafts_pass_alone)
         self.totals = Totals()
 
     @property
@@ -145,7 +146,7 @@ class Batch:
         scoring = perf_counter()
         logits = self.slots.score([(p.request.slot, self._rows(p)) for p in planned])  # [k_i + 1, vocab] each
         pass_seconds = perf_counter() - scoring
-        self.cost.observe(self.rows, pass_seconds)
+        self.cost.observe(self.rows, pass_seconds, len(planned))
         out = [(p.request, self._verify(p, rows, pass_seconds)) for p, rows in zip(planned, logits)]
         seconds = perf_counter() - start
         for request, _ in out:
@@ -167,7 +168,7 @@ class Batch:
         policy, drafter = self.policies[request.slot], self.drafters[request.slot]
         if isinstance(policy, SeesBatch):
             other_tokens = sum(r.emitted for r in self.running) - request.emitted
-            policy.see_batch(self.cost, self.rows - request.rows, other_tokens)
+            policy.see_batch(self.cost, self.rows - request.rows, other_tokens, len(self.running) - 1)
         k = min(policy.choose(), request.max_new_tokens - request.produced - 1)
         numbers = request.random.at(request.produced)  # offset i: output position produced + i
         draft = drafter.propose(k, numbers).trunk() if k > 0 else Draft.empty()  # slots score chains

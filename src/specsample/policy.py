@@ -54,9 +54,9 @@ class KPolicy(Protocol):
 class SeesBatch(Protocol):
     """A K policy that chooses K knowing the batch its request runs in (batch.py)."""
 
-    def see_batch(self, cost: PassCost, other_rows: float, other_tokens: float) -> None:
-        """Before `choose`: the batch's pass cost f(rows), and the rows and expected tokens of the other
-        requests of the step."""
+    def see_batch(self, cost: PassCost, other_rows: float, other_tokens: float, others: int) -> None:
+        """Before `choose`: the batch's pass cost f(rows), and the rows, expected tokens and number of the
+        other requests of the step."""
         ...
 
 
@@ -521,16 +521,24 @@ class PassCost:
     the largest R measured it follows `prior`, the target's f(n)/f(1) measured on this machine for one
     sequence (`cost_curve.machine_ratios`), from there, as a lone request's own policy sees it
     (`CostModelK.see_cost_curve`); without one it is flat, so more rows look free until measured and
-    get tried."""
+    get tried.
 
-    def __init__(self, smoothing: float = 0.2, prior: Mapping[int, float] | None = None) -> None:
-        self.smoothing = smoothing
+    Where the target's slots pass a draft on its own (`Slots.drafts_pass_alone`, llama.cpp: one pass
+    takes one row of every request, a request's further rows a pass of their own), R counts requests:
+    only passes of one row each are measured, and a request's draft of d rows adds f(1) x the prior's
+    f(d)/f(1), f(1) taken from the measured pass over the prior's ratio at its R (`step`)."""
+
+    def __init__(self, smoothing: float = 0.2, prior: Mapping[int, float] | None = None, drafts_alone: bool = False) -> None:
+        self.smoothing, self.drafts_alone = smoothing, drafts_alone
         self.seconds: dict[int, float] = {}  # rows -> moving average of a pass's seconds
         self.count: dict[int, int] = {}  # rows -> passes measured
         self.curve: tuple[list[int], list[float]] | None = None  # the fit, refitted when a pass is measured
         self.prior = (sorted(prior), [prior[n] for n in sorted(prior)]) if prior else None  # (n, f(n)/f(1))
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float, requests: int) -> None:
+        """A pass of `rows` rows of `requests` requests took `seconds`."""
+        if self.drafts_alone and rows != requests:  # its drafts' own passes are priced by the prior
+            return
         self.seconds[rows] = smoothed(self.seconds.get(rows, seconds), seconds, self.smoothing)
         self.count[rows] = self.count.get(rows, 0) + 1
         self.curve = None
@@ -554,6 +562,20 @@ class PassCost:
         return out
 
 
+    def step(self, other_rows: float, others: int, rows: Sequence[float]) -> np.ndarray:
+        """Seconds of the batch's pass with one request's `rows` (1 + a draft length, each) beside
+        `others` other requests scoring `other_rows` rows."""
+        if not self.drafts_alone:
+            return self([other_rows + x for x in rows])
+        common = float(self([others + 1])[0])  # one row of every request
+        f1 = common / self.ratio(others + 1)
+        return np.array([common + (f1 * self.ratio(x - 1) if x > 1 else 0.0) for x in rows])
+
+    def ratio(self, n: float) -> float:
+        """The prior's f(n)/f(1) (1 without a prior)."""
+        return float(np.interp(n, *self.prior)) if self.prior is not None else 1.0
+
+
 class BatchCostModelK(CostModelK):
     """The cost model for a request in a batch: the K that maximises the batch's expected tokens per
     second, the other requests' rows and tokens taken as they were at their last step.
@@ -575,12 +597,13 @@ class BatchCostModelK(CostModelK):
 
     def __init__(self, **options) -> None:
         self.cost: PassCost | None = None
-        self.other_rows, self.other_tokens = 0.0, 0.0
+        self.other_rows, self.other_tokens, self.others = 0.0, 0.0, 0
         super().__init__(**options)
 
-    def see_batch(self, cost: PassCost, other_rows: float, other_tokens: float) -> None:
-        """Before `choose`: the batch's cost curve, and the rows and expected tokens of the other requests."""
-        self.cost, self.other_rows, self.other_tokens = cost, other_rows, other_tokens
+    def see_batch(self, cost: PassCost, other_rows: float, other_tokens: float, others: int) -> None:
+        """Before `choose`: the batch's cost curve, and the rows, expected tokens and number of the other
+        requests."""
+        self.cost, self.other_rows, self.other_tokens, self.others = cost, other_rows, other_tokens, others
 
     @property
     def batched(self) -> bool:
@@ -600,7 +623,7 @@ class BatchCostModelK(CostModelK):
         """f(other rows + n) of the batch, once measured; before, or alone in it, as for one request."""
         if not self.batched:
             return super().target_seconds(n)
-        return self.cost([self.other_rows + x for x in n])
+        return self.cost.step(self.other_rows, self.others, n)
 
     def estimates(self) -> dict:
         return {**super().estimates(), "policy": "cost-model-batch", "other_rows": self.other_rows}

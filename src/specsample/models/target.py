@@ -143,6 +143,10 @@ class Slots(Protocol):
     vocab_size: int
     max_length: int  # positions each slot can hold
     count: int  # slots: 0..count-1
+    # False: every row of a `score` goes in one pass over the weights. True: one pass takes one row of
+    # every segment, and a segment's further rows (a draft) pass on their own (llama.cpp), so a draft
+    # costs what it costs alone: the batch's K policy prices it so (`policy.PassCost`).
+    drafts_pass_alone: bool
 
     def length(self, slot: int) -> int:
         """Number of positions in `slot`'s cache."""
