@@ -127,3 +127,34 @@ def test_generate_batch_equals_generate_on_llamacpp():
     greedy = dict(max_new_tokens=16, temperature=0, k=3)
     for text, completion in zip(texts, sampler.generate_batch(texts, max_batch=2, **greedy)):
         assert completion.token_ids == sampler.generate(text, **greedy).token_ids
+
+
+def test_the_batching_server_on_llamacpp_answers_each_request_as_alone():
+    """`serve --backend llamacpp --max-batch 3`: six concurrent streaming requests through the official
+    `openai` client, each answer the one `generate` gives its prompt alone (greedy, and seeded)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from specsample.api import SpecSampler
+    from specsample.server import create_app
+    from test_server import metrics, serving
+
+    sampler = SpecSampler.load(drafter="suffix", backend="llamacpp", threads=1)
+    asks = [dict(prompt=f"List {n} fruits, one a line.", temperature=0 if n % 2 else 1.0, seed=n, max_tokens=12 + n)
+            for n in range(2, 8)]
+
+    def ask(client: openai.OpenAI, request: dict) -> str:
+        chunks = client.completions.create(model="specsample", stream=True, **request)
+        return "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+
+    with serving(create_app(sampler, k="auto", max_queue=16, max_batch=3)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(len(asks)) as pool:
+            answers = list(pool.map(lambda request: ask(client, request), asks))
+        samples = metrics(url)
+    assert samples[("specsample_batch_size_sum", ())] / samples[("specsample_batch_size_count", ())] > 1  # batched
+    for request, answer in zip(asks, answers):
+        expected = sampler.generate(request["prompt"], max_new_tokens=request["max_tokens"], temperature=request["temperature"],
+                                    seed=request["seed"], chat=False).text
+        assert answer == expected, request
