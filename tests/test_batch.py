@@ -67,6 +67,12 @@ def run(batch: Batch, requests: list[Request], cancel: dict[int, Request] | None
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
 def test_greedy_batch_equals_alone(target, name):
+    check_greedy_batch_equals_alone(target, name)
+
+
+def check_greedy_batch_equals_alone(target, name: str) -> None:
+    """Seven greedy requests of several lengths through 3 slots with drafter `name`: each one's tokens
+    are engine.decode's alone, and every slot is free at the end."""
     make, k = DRAFTERS[name]
     ps = prompts(7)
     max_new = [5 + 6 * i for i in range(len(ps))]
@@ -90,6 +96,13 @@ def test_a_tree_of_point_masses_reduces_to_its_trunk():
 
 def test_seeded_sampling_batch_equals_alone(target):
     """At temperature 1 with a seed, a request's tokens depend on its seed alone, not on its batch."""
+    got = check_seeded_sampling_batch_equals_alone(target)
+    assert any(5 in tokens for tokens in got.values())  # some request ended at its EOS token
+
+
+def check_seeded_sampling_batch_equals_alone(target) -> dict[int, list[int]]:
+    """Six requests at temperature 1 with seeds through 4 slots, EOS token 5: each one's tokens are
+    engine.decode's alone; the tokens by request."""
     params = SamplingParams(temperature=1.0, top_p=0.95)
     ps = prompts(6)
     batch = Batch(target.slots(4), SuffixDrafter(), lambda: FixedK(3), eos_token_ids=frozenset({5}))
@@ -97,10 +110,16 @@ def test_seeded_sampling_batch_equals_alone(target):
     got = run(batch, requests)
     for i, p in enumerate(ps):
         assert got[i] == alone(target, SuffixDrafter(), 3, p, params, 40, CoupledSource(100 + i), frozenset({5}))
-    assert any(5 in tokens for tokens in got.values())  # some request ended at its EOS token
+    return got
 
 
 def test_cancelled_request_frees_its_slot(target):
+    check_cancelled_request_frees_its_slot(target)
+
+
+def check_cancelled_request_frees_its_slot(target) -> None:
+    """A request removed after 3 steps leaves a prefix of its tokens alone; the next request takes its
+    slot, and every other request's tokens are its tokens alone."""
     ps = prompts(5)
     batch = Batch(target.slots(2), NgramDrafter(), lambda: FixedK(3), eos_token_ids=frozenset())
     requests = [Request(p, GREEDY, 30, CoupledSource(0)) for p in ps]

@@ -12,16 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsample.batch import Batch, Request
-from specsample.drafters import NgramDrafter, SuffixDrafter
 from specsample.models.llamacpp import SLOT_ROWS, LlamaCppSlots, LlamaCppTarget
 from specsample.models.loading import bundled_gguf
 from specsample.models.target import Slots, SlottedTarget
-from specsample.policy import FixedK
-from specsample.sampling import CoupledSource, SamplingParams
 
-from test_batch import DRAFTERS, GREEDY, alone, prompts, run
-from test_llamacpp import VOCAB, tiny_gguf, tiny_model  # noqa: F401 (fixtures)
+from test_batch import check_cancelled_request_frees_its_slot, check_greedy_batch_equals_alone, check_seeded_sampling_batch_equals_alone
+from test_llamacpp import VOCAB, tiny_gguf, tiny_model  # noqa: F401  (fixtures this module uses)
 from test_slots import check_invariance, tokens
 
 
@@ -57,35 +53,15 @@ def alone_scores(target: LlamaCppTarget, context: torch.Tensor, new: torch.Tenso
 
 @pytest.mark.parametrize("name", ["none", "ngram", "suffix"])
 def test_greedy_batch_equals_alone(target, name):
-    make, k = DRAFTERS[name]
-    ps = prompts(7)
-    max_new = [5 + 6 * i for i in range(len(ps))]
-    batch = Batch(target.slots(3), make(), lambda: FixedK(k), eos_token_ids=frozenset())
-    requests = [Request(p, GREEDY, m, CoupledSource(0)) for p, m in zip(ps, max_new)]
-    got = run(batch, requests)
-    for i, (p, m) in enumerate(zip(ps, max_new)):
-        assert got[i] == alone(target, make(), k, p, GREEDY, m, CoupledSource(0)), f"request {i}"
-    assert sorted(batch.free) == [0, 1, 2] and not batch.running
+    check_greedy_batch_equals_alone(target, name)
 
 
 def test_seeded_sampling_batch_equals_alone(target):
-    params = SamplingParams(temperature=1.0, top_p=0.95)
-    ps = prompts(6)
-    batch = Batch(target.slots(4), SuffixDrafter(), lambda: FixedK(3), eos_token_ids=frozenset({5}))
-    requests = [Request(p, params, 40, CoupledSource(100 + i)) for i, p in enumerate(ps)]
-    got = run(batch, requests)
-    for i, p in enumerate(ps):
-        assert got[i] == alone(target, SuffixDrafter(), 3, p, params, 40, CoupledSource(100 + i), frozenset({5}))
+    check_seeded_sampling_batch_equals_alone(target)
 
 
 def test_cancelled_request_frees_its_slot(target):
-    ps = prompts(5)
-    batch = Batch(target.slots(2), NgramDrafter(), lambda: FixedK(3), eos_token_ids=frozenset())
-    requests = [Request(p, GREEDY, 30, CoupledSource(0)) for p in ps]
-    got = run(batch, requests, cancel={3: requests[1]})
-    assert requests[1].slot is None and 0 < len(got[1]) < 30
-    for i in (0, 2, 3, 4):  # request 2 took the cancelled one's slot
-        assert got[i] == alone(target, NgramDrafter(), 3, ps[i], GREEDY, 30, CoupledSource(0)), f"request {i}"
+    check_cancelled_request_frees_its_slot(target)
 
 
 def test_rollback_per_slot_and_bounds(target):
