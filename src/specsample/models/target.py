@@ -137,7 +137,8 @@ class Slots(Protocol):
     Each slot is a `Target`'s cache of its own: its own length, prefill and rollback (a length,
     never a copy). `score` runs one forward pass over the new tokens of several slots, each its own
     number of positions after its own context; the linear maps stream the weights once for all the
-    rows, and a row's logits are bitwise what they would be without the other rows in the pass.
+    rows (or, where `drafts_pass_alone`, once for one row of every slot and once more for each slot's
+    further rows), and a row's logits are bitwise what they would be without the other rows.
     """
 
     vocab_size: int
