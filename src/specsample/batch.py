@@ -26,11 +26,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from time import perf_counter
 
-import torch
 from torch import Tensor
 
 from specsample.drafters.base import Draft, Drafter, forked
-from specsample.engine import check_lengths, cut_at_eos, looks, peek, tell_peek
+from specsample.engine import check_lengths, cut_at_eos, looks, peek, scored_rows, tell_peek
 from specsample.models.target import Slots
 from specsample.policy import KPolicy, PassCost, SeesBatch
 from specsample.sampling import RandomSource, SamplingParams
@@ -144,7 +143,7 @@ class Batch:
         self.rows = sum(request.rows for request in self.running)  # as planned so far
         planned = [self._plan(request) for request in self.running]
         scoring = perf_counter()
-        logits = self.slots.score([(p.request.slot, self._rows(p)) for p in planned])  # [k_i + 1, vocab] each
+        logits = self.slots.score([(p.request.slot, scored_rows(p.request.pending, p.draft)) for p in planned])  # [k_i + 1, vocab] each
         pass_seconds = perf_counter() - scoring
         self.cost.observe(self.rows, pass_seconds, len(planned))
         out = [(p.request, self._verify(p, rows, pass_seconds)) for p, rows in zip(planned, logits)]
@@ -178,11 +177,6 @@ class Batch:
         self.rows += len(draft) + 1 - request.rows
         request.rows = len(draft) + 1
         return Planned(request, draft, numbers, self.slots.length(request.slot), perf_counter() - start, peeked)
-
-    @staticmethod
-    def _rows(planned: Planned) -> Tensor:
-        """The tokens a request scores: [pending, draft_tokens] [k + 1]."""
-        return torch.cat([torch.tensor([planned.request.pending]), planned.draft.tokens])
 
     def _verify(self, planned: Planned, logits: Tensor, pass_seconds: float) -> list[int]:
         """Verify one request's draft on its logits [k + 1, vocab], roll its slot back and record the step."""

@@ -108,8 +108,7 @@ def verify(
     """Score [pending, draft_tokens] in one pass, verify with `random` (offset 0: the first draft
     position), and roll the cache back."""
     start = target.length
-    rows = torch.cat([torch.tensor([pending]), draft.tokens]) if len(draft) else torch.tensor([pending])  # [k + 1]
-    logits = target.score(rows)  # [k + 1, vocab]
+    logits = target.score(scored_rows(pending, draft))  # [k + 1, vocab]
     if draft.observe_logits is not None:
         draft.observe_logits(logits)
     verdict = verifier(draft.tokens, draft.probs, logits, params, random)
@@ -135,6 +134,11 @@ def verify_tree(
     verdict = verifier(draft.tokens, draft.parents, draft.probs, logits, params, random)
     target.keep_path(start, [0] + [node + 1 for node in verdict.path])
     return verdict
+
+
+def scored_rows(pending: int, draft: Draft) -> Tensor:
+    """The tokens a step scores: [pending, draft_tokens] [k + 1] (no concatenation at a plain step)."""
+    return torch.cat([torch.tensor([pending]), draft.tokens]) if len(draft) else torch.tensor([pending])
 
 
 def looks(drafter: Drafter, policy: KPolicy, params: SamplingParams) -> bool:

@@ -561,7 +561,6 @@ class PassCost:
             out[beyond] = fit[-1] * np.interp(rows[beyond], *self.prior) / np.interp(measured[-1], *self.prior)
         return out
 
-
     def step(self, other_rows: float, others: int, rows: Sequence[float]) -> np.ndarray:
         """Seconds of the batch's pass with one request's `rows` (1 + a draft length, each) beside
         `others` other requests scoring `other_rows` rows."""
