@@ -100,9 +100,13 @@ def test_readme_first_command_speculates_and_matches_plain_decoding(capsys):
     result = json.loads(out)
     # the bundled GGUF runs where it measured faster (models/choice.py), with that backend's default
     assert result["backend"] in ("llamacpp", "gguf", "auto") and result["backend_reason"].startswith("auto: ")
-    plain_only = result["backend"] == "auto" and kernels.instruction_set() != "avx512"  # AVX2 kernels: plain
-    assert (result["drafter"] == "none") == plain_only
-    assert plain_only or result["stats"]["drafted_tokens"] > 0
+    assert result["drafter"] != "none" and result["k"] == "auto"
+    # With the AVX-512 kernels the cost model drafts on this prompt; with the AVX2 kernels (AMD EPYC, AVX2
+    # only: f(2)/f(1) 1.2, and this prompt's lookups find almost nothing) it may keep K = 0 throughout.
+    if kernels.instruction_set() == "avx512":
+        assert result["stats"]["drafted_tokens"] > 0
+    else:
+        assert result["stats"]["drafted_tokens"] > 0 or result["stats"]["policy"]["k"] == 0
     code, plain, err = cli(capsys, *args, "--drafter", "none", "--backend", result["backend"])
     assert code == 0, err
     assert json.loads(plain)["token_ids"] == result["token_ids"]
