@@ -121,22 +121,23 @@ def sample(probs: Tensor, generator: torch.Generator) -> int:
     numpy, on one thread: torch splits an op over 49k elements across its threads, and on a core
     another process keeps busy that one op was measured to wait about 6 ms. The sum is two-level:
     the cumulative sum of blocks of SAMPLE_BLOCK tokens finds the block, then the one within that
-    block the token (a cumulative sum over all 49k took 145 us, sequential; this about 20)."""
+    block the token (a cumulative sum over all 49k took 145 us, sequential; this about 20). The block
+    sums are one `reduceat`, which takes a last block shorter than the others as it is: padding the
+    vocabulary to a multiple of SAMPLE_BLOCK copied it at every draw (120 us for Qwen's 152k
+    tokens, 75 this way; 20 us for a 16-token vocabulary, 2 this way)."""
     weights = probs.numpy()  # [vocab]
-    vocab = weights.shape[0]
-    if vocab % SAMPLE_BLOCK:
-        weights = np.pad(weights, (0, -vocab % SAMPLE_BLOCK))
-    blocks = weights.reshape(-1, SAMPLE_BLOCK)  # [blocks, SAMPLE_BLOCK]
-    cdf = np.cumsum(blocks.sum(1, dtype=np.float64))  # [blocks]
+    starts = np.arange(0, weights.shape[0], SAMPLE_BLOCK)  # [blocks]
+    cdf = np.cumsum(np.add.reduceat(weights, starts, dtype=np.float64))  # [blocks]
     u = float(torch.rand(1, generator=generator, dtype=torch.float64)) * cdf[-1]
     b = int(np.searchsorted(cdf, u, side="right"))
     if b == len(cdf):  # u rounded up to the total: the last block with mass
         b = int(np.flatnonzero(cdf < cdf[-1])[-1]) + 1 if cdf[0] < cdf[-1] else 0
-    inner = np.cumsum(blocks[b], dtype=np.float64)  # [SAMPLE_BLOCK]
+    block = weights[starts[b] : starts[b] + SAMPLE_BLOCK]  # [SAMPLE_BLOCK], or fewer at the end
+    inner = np.cumsum(block, dtype=np.float64)
     i = int(np.searchsorted(inner, u - (cdf[b - 1] if b else 0.0), side="right"))
-    if i == SAMPLE_BLOCK:  # the two sums of the block rounded apart: its last token with mass
-        i = int(np.flatnonzero(blocks[b])[-1])
-    return b * SAMPLE_BLOCK + i
+    if i == len(block):  # the two sums of the block rounded apart: its last token with mass
+        i = int(np.flatnonzero(block)[-1])
+    return int(starts[b]) + i
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -539,6 +539,12 @@ static void rms_norm(const float* x, const float* w, long M, long n, float eps, 
   }
 }
 
+// RMSNorm of x [M, n] with weight w [n] into y, for the final norm after the layers: the layers' own
+// arithmetic, and about 1 us where torch.rms_norm, a composite of several ops on CPU, took 15 to 50.
+extern "C" void specsample_rms_norm(const float* x, const float* w, long M, long n, float eps, float* y) {
+  rms_norm(x, w, M, n, eps, y);
+}
+
 // act[m, j] = silu(gate[m, j]) * up[m, j] for gu [M, 2 I] (gate, then up): silu(g) = g sigmoid(g),
 // with sigmoid(g) from e = exp(-|g|) <= 1, VL lanes at a time (the tail of a row zero-padded).
 static void silu_mul(const float* gu, long M, long I, float* act) {

@@ -465,7 +465,7 @@ class LlamaTarget:
                     if i + 1 in recording:
                         outputs[i + 1] = normalized(x)
         self._length = start + n
-        self.last_hidden = rms_norm(x, self.norm, self.eps)  # [n, hidden]
+        self.last_hidden = self.final_norm(x)  # [n, hidden]
         if layers is not None:  # a pass through some of the layers leaves these positions' features stale
             self._features.truncate(start)
         elif self._features.recording:
@@ -473,6 +473,11 @@ class LlamaTarget:
         if not logits:
             return None
         return self.lm_head(self.last_hidden).float()  # [n, vocab]
+
+    def final_norm(self, x: Tensor) -> Tensor:
+        """The norm after the last layer, of x [n, hidden]: on the kernels, theirs (one call; torch's
+        rms_norm is several ops there), else torch's (bitwise transformers')."""
+        return kernels.rms_norm(x, self.norm, self.eps) if self.kernels else rms_norm(x, self.norm, self.eps)
 
     def _kernel_args(self, i: int) -> kernels.LayerArgs:
         """Pointers to layer i's packed weights and cache, for `kernels.layers`."""
@@ -659,5 +664,5 @@ class LlamaSlots:
             self._tokens[slot] += ids.tolist()
         if not logits:
             return []
-        hidden = rms_norm(x, target.norm, target.eps)  # [n, hidden]
+        hidden = target.final_norm(x)  # [n, hidden]
         return list(target.lm_head(hidden).float().split(rows.tolist()))  # [n_s, vocab] each
