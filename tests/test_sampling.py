@@ -30,6 +30,46 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert probs[0].item() == pytest.approx(0.5 / 0.8)
 
 
+def full_sort_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`_top_p` by its definition, over the whole vocabulary: canonical order (a stable sort), float64
+    sums of the tokens before each, one after another."""
+    top, index = probs.sort(dim=-1, descending=True, stable=True)
+    mass_before = torch.nn.functional.pad(top.double().cumsum(-1)[..., :-1], (1, 0))
+    kept = torch.zeros_like(probs).scatter_(-1, index, top.masked_fill(mass_before >= top_p, 0.0))
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("scale", [8.0, 3.0, 0.3])  # the kept set within 256 candidates, within 4,096, neither
+def test_top_p_among_candidates_is_top_p_over_the_whole_vocabulary(scale):
+    from specsample.sampling import TOP_P_CANDIDATES, _top_p
+
+    logits = torch.randn(5, 49152, generator=torch.Generator().manual_seed(3)) * scale
+    probs = logits.softmax(-1)
+    kept = _top_p(probs, 0.9)
+    assert torch.equal(kept, full_sort_top_p(probs, 0.9))
+    assert ((kept > 0).sum(-1) > TOP_P_CANDIDATES).any() == (scale < 8)  # past the first candidates
+    assert ((kept > 0).sum(-1) > 16 * TOP_P_CANDIDATES).any() == (scale < 1)  # past the second
+    for row in range(5):  # a row's set does not depend on the others, which may need more candidates
+        assert torch.equal(_top_p(probs[row : row + 1], 0.9), kept[row : row + 1])
+
+
+def test_top_p_breaks_ties_by_token_id_wherever_the_candidates_end():
+    """1,000 tokens of equal probability, more than the first candidates hold (topk takes any of them),
+    with the edge of the kept set among them: the lowest ids are kept, as a stable sort of the whole
+    vocabulary keeps them."""
+    from specsample.sampling import _top_p
+
+    weights = torch.rand(1, 65536, generator=torch.Generator().manual_seed(0)) * 0.5
+    weights[0, 30000:31000] = 1.0
+    weights[0, 65000] = 200.0
+    total = float(weights.sum())
+    probs = weights / total
+    top_p = (200.0 + 490.5) / total  # the big token and 491 of the tied ones
+    kept = _top_p(probs, top_p)
+    assert torch.equal(kept, full_sort_top_p(probs, top_p))
+    assert (kept > 0).sum() == 492 and kept[0, 65000] > 0 and kept[0, 30000:30491].gt(0).all()
+
+
 def test_min_p_drops_tokens_below_a_fraction_of_the_top():
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
     probs = probs_from_logits(logits, SamplingParams(min_p=0.25))

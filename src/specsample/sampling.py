@@ -102,13 +102,47 @@ def draft_confidence(logits: Tensor, probs: Tensor, params: SamplingParams) -> f
     return float((logits.float().softmax(-1) if params.greedy else probs).max())
 
 
+TOP_P_CANDIDATES = 256  # the most likely tokens `_top_p` looks among first; then 16x as many, then all
+
+
 def _top_p(probs: Tensor, top_p: float) -> Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p."""
-    sorted_probs, order = probs.sort(-1, descending=True)
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
-    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    """Keep the smallest set of most likely tokens whose mass reaches top_p.
+
+    In canonical order (most likely first, equal probabilities by token id), a token is kept when
+    the mass of the tokens before it, summed in float64 one after another, is below top_p (the sums
+    never decrease, so the kept tokens are a prefix). The set is found among the
+    TOP_P_CANDIDATES most likely tokens of each row (`topk`), and among 16x as many where the mass
+    of some row's candidates above their smallest probability falls short of top_p, then among all
+    (sorted): sorting a 49k vocabulary took 4.2 ms a row on AMD EPYC (AVX2), as long as the
+    bundled model's forward pass, and its top 256 take 0.2. The set does not depend on how many candidates found it, nor on the
+    other rows: every token more likely than the smallest candidate is a candidate, and ties are
+    broken by token id.
+    """
+    vocab = probs.shape[-1]
+    k = TOP_P_CANDIDATES if TOP_P_CANDIDATES < vocab // 4 else vocab
+    while True:
+        top, index = canonical_top(probs, k)  # [..., k] each
+        mass_before = torch.nn.functional.pad(top.double().cumsum(-1)[..., :-1], (1, 0))  # [..., k]
+        if k == vocab:
+            break
+        first_smallest = (top == top[..., -1:]).int().argmax(-1, keepdim=True)  # [..., 1]
+        if bool((mass_before.gather(-1, first_smallest) >= top_p).all()):
+            break
+        k = 16 * k if 16 * k < vocab // 4 else vocab
+    kept = torch.zeros_like(probs).scatter_(-1, index, top.masked_fill(mass_before >= top_p, 0.0))
     return kept / kept.sum(-1, keepdim=True)
+
+
+def canonical_top(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k most likely tokens of each row [..., vocab]: their probabilities and ids [..., k], most
+    likely first and equal probabilities by id (topk leaves the order of ties to its algorithm; a
+    stable sort keeps ids in order)."""
+    if k == probs.shape[-1]:
+        return probs.sort(dim=-1, descending=True, stable=True)
+    top, index = probs.topk(k, dim=-1)
+    index, order = index.sort(-1)
+    top, order = top.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+    return top, index.gather(-1, order)
 
 
 SAMPLE_BLOCK = 256  # tokens per block of `sample`'s two-level cumulative sum
