@@ -144,7 +144,7 @@ def test_sample_draws_each_token_with_its_probability():
 
 def test_sample_finds_tokens_across_blocks_of_its_two_level_sum():
     """Weights in several blocks of `SAMPLE_BLOCK` tokens, a partial last block and empty blocks between:
-    chi-square at 1e-3 over 50,000 draws, zeros (and nothing past the vocabulary) drawn."""
+    chi-square at 1e-3 over 50,000 draws, zeros never drawn, nor anything past the vocabulary."""
     from specsample.sampling import SAMPLE_BLOCK
 
     vocab = 3 * SAMPLE_BLOCK + 17
