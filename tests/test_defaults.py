@@ -3,10 +3,12 @@ is used, falls back where it cannot run, and is reported (--json, stats, /v1/mod
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -91,22 +93,28 @@ def test_the_choice_reads_capabilities_not_types(tiny_dir):
     assert default_configuration(PrefixCache(sampler.target)) == default_configuration(sampler.target)
 
 
+def readme_arguments() -> list[str]:
+    """README's first command's arguments, as `benchmarks/readme_example.py` reads them."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "readme_example.py"
+    spec = importlib.util.spec_from_file_location("readme_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.readme_arguments()
+
+
 @pytest.mark.slow
 def test_readme_first_command_speculates_and_matches_plain_decoding(capsys):
-    args = ("generate", "Explain speculative decoding in two sentences.", "--temperature", "0",
-            "--max-new-tokens", "64", "--json")
+    """README's example asks for a sentence back with its spelling fixed: text a lookup drafter finds in
+    the prompt, so the default drafts on either instruction set, and gives plain decoding's tokens."""
+    args = readme_arguments()
+    assert args[0] == "generate" and "--json" in args and "--drafter" not in args
     code, out, err = cli(capsys, *args)
     assert code == 0, err
     result = json.loads(out)
     # the bundled GGUF runs where it measured faster (models/choice.py), with that backend's default
     assert result["backend"] in ("llamacpp", "gguf", "auto") and result["backend_reason"].startswith("auto: ")
     assert result["drafter"] != "none" and result["k"] == "auto"
-    # With the AVX-512 kernels the cost model drafts on this prompt; with the AVX2 kernels (AMD EPYC, AVX2
-    # only: f(2)/f(1) 1.2, and this prompt's lookups find almost nothing) it may keep K = 0 throughout.
-    if kernels.instruction_set() == "avx512":
-        assert result["stats"]["drafted_tokens"] > 0
-    else:
-        assert result["stats"]["drafted_tokens"] > 0 or result["stats"]["policy"]["k"] == 0
+    assert result["stats"]["drafted_tokens"] > 0 and result["stats"]["accepted_tokens"] > 0
     code, plain, err = cli(capsys, *args, "--drafter", "none", "--backend", result["backend"])
     assert code == 0, err
     assert json.loads(plain)["token_ids"] == result["token_ids"]
