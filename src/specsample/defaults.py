@@ -1,15 +1,14 @@
 """The configuration used when the user names no drafter: the best lossless one measured for the
 target's backend on this machine (BENCHMARKS.md), under the cost-model K policy.
 
-- The fast backend on its AVX-512 kernels: `suffix+quantized` with `--k auto`, the fastest
-  configuration measured on the bundled model at temperature 0 (BENCHMARKS.md); the cost model
-  drops to plain decoding (K = 0) wherever drafting does not pay.
-- The fast backend on kernels built without AVX-512: plain decoding. On an AVX2-only machine
-  (AMD EPYC) the earlier kernels made a pass over n tokens cost about n single passes
-  (f(8)/f(1) = 7.6) and every drafter slowed decoding (plain 8.0 tokens/s, `suffix` 5.5,
-  `quantized` 4.8). The AVX2 kernels are rebuilt since (f(8)/f(1) about 1.5 on an AVX-512 machine
-  forced to build them, docs/kernels-avx2.md), but speculation on them is not yet measured on an
-  AVX2 machine: until it is, the default does not speculate there.
+- The fast backend on its AVX-512 or AVX2 kernels: `suffix+quantized` with `--k auto`, the fastest
+  configuration measured on the bundled model's float32 weights at temperature 0 (BENCHMARKS.md: with
+  AVX-512, and on an AMD EPYC with AVX2 only, where the earlier kernels made a pass over n tokens cost
+  about n single passes and every drafter slowed decoding; with the AVX2 kernels of now it measured
+  1.53x plain decoding there, `suffix` 1.39x); the cost model drops to plain decoding (K = 0)
+  wherever drafting does not pay.
+- The fast backend on its portable kernels (no AVX2): plain decoding. Their products are scalar C++,
+  and no speculation is measured to pay on them.
 - A backend whose quantized copy is not declared cheap (`CopyCost`): `suffix`. The fast backend
   on a GGUF file's own 4- to 8-bit blocks (`--backend gguf`) has only its int8 copy, which streams
   more bytes than the target. The llamacpp
@@ -33,6 +32,9 @@ from specsample.models.target import CopyCost, QuantizedCopies, Target
 # backend's int8 copy costs 3.6 ms against a 12.5 ms pass (0.29, BENCHMARKS.md), and that is
 # the copy with which `suffix+quantized` measured best.
 CHEAP_COPY = 0.3
+# Kernel instruction sets on which the fast backend's passes over several tokens cost little more than
+# over one, and `suffix+quantized` measured fastest (BENCHMARKS.md).
+VECTOR_KERNELS = ("avx512", "avx2")
 
 
 @dataclass(frozen=True)
@@ -53,12 +55,11 @@ def default_configuration(target: Target) -> Configuration:
         )
     if isinstance(target, CopyCost) and not cheap(target.copy_cost):
         return Configuration("suffix", "auto", f"default: {costly_copy(target.copy_cost)}; a lookup drafter under the cost model")
-    if isa == "avx512":
-        return Configuration("suffix+quantized", "auto", "default: the best measured on the fast backend with AVX-512")
+    if isa in VECTOR_KERNELS:
+        return Configuration("suffix+quantized", "auto", f"default: the best measured on the fast backend with {isa} kernels")
     return Configuration(
         "none", "auto",
-        f"default: speculation on {isa} kernels is not yet measured to pay on such a machine "
-        "(it slowed decoding with earlier kernels): plain decoding",
+        f"default: speculation on {isa} kernels (no vector instructions) is not measured to pay: plain decoding",
     )
 
 
