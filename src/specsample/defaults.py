@@ -5,8 +5,8 @@ target's backend on this machine (BENCHMARKS.md), under the cost-model K policy.
   configuration measured on the bundled model's float32 weights at temperature 0 (BENCHMARKS.md: with
   AVX-512, and on an AMD EPYC with AVX2 only, where the earlier kernels made a pass over n tokens cost
   about n single passes and every drafter slowed decoding; with the AVX2 kernels of now it measured
-  1.53x plain decoding there on tuned prompts, `suffix` 1.39x, and 1.42x on never-tuned ones); the cost model drops to plain decoding (K = 0)
-  wherever drafting does not pay.
+  1.53x plain decoding there on tuned prompts, `suffix` 1.39x, and 1.42x on never-tuned ones); the
+  cost model drops to plain decoding (K = 0) wherever drafting does not pay.
 - The fast backend on its portable kernels (no AVX2): plain decoding. Their products are scalar C++,
   and no speculation is measured to pay on them.
 - A backend whose quantized copy is not declared cheap (`CopyCost`): `suffix`. The fast backend
