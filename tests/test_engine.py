@@ -112,6 +112,32 @@ def test_statistics_count_drafts(target_model, draft_model):
     assert stats.decode_seconds >= stats.draft_seconds + stats.verify_seconds
 
 
+def test_steps_count_the_draft_tokens_the_policy_left_unverified(target_model, draft_model):
+    class KeepTwo(FixedK):
+        def __init__(self) -> None:
+            super().__init__(5)
+            self.steps = []
+
+        def keep(self, confidence: torch.Tensor) -> int:
+            return min(2, len(confidence))
+
+        def observe(self, step) -> None:
+            self.steps.append(step)
+
+    policy, stats = KeepTwo(), Stats()
+    steps = decode(
+        make_target_of(target_model), DraftModelDrafter(make_target_of(draft_model)), policy, PROMPT, GREEDY,
+        max_new_tokens=20, eos_token_ids=frozenset(), random=GeneratorSource(torch.Generator()), stats=stats,
+    )
+    assert len([t for step in steps for t in step]) == 20
+    produced = 0
+    for step in policy.steps:
+        asked = min(5, 20 - produced - 1)
+        assert (step.drafted, step.cut) == (min(2, asked), asked - min(2, asked))
+        produced += step.emitted
+    assert stats.drafted_tokens == sum(step.drafted for step in policy.steps)  # the verified ones
+
+
 def test_context_window_is_enforced(target_model):
     with pytest.raises(ValueError, match="context window"):
         run(make_target_of(target_model), NoDrafter(), max_new_tokens=200)

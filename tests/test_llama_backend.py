@@ -152,6 +152,19 @@ def test_adopted_cache_scores_as_a_prefilled_one(packed):
     assert adopter.length == len(ids)
 
 
+def test_a_cache_catches_up_from_another(packed):
+    model = MODELS["qwen2-bias"]()
+    ids = prompt()
+    source, adopter = LlamaTarget.from_hf(model, max_length=64), LlamaTarget.from_hf(model, max_length=64)
+    source.prefill(ids[:10])
+    adopter.prefill(ids[:4])
+    assert not adopter.adopt_cache(source, 8, start=5)  # more positions kept than it holds
+    assert adopter.length == 4
+    assert adopter.adopt_cache(source, 8, start=4)
+    assert adopter.length == 8
+    torch.testing.assert_close(adopter.score(ids[8:]), reference_logits(model, ids)[8:], rtol=0, atol=ATOL)
+
+
 def test_prefill_in_chunks_and_features(monkeypatch):
     """Features are kept per position, whatever passes wrote them: a chunked prefill, a score, a
     pass through some of the layers (which leaves them stale until the full pass rewrites them)."""

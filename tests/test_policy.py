@@ -242,6 +242,41 @@ def test_cost_model_calibrates_a_drafter_that_is_more_right_than_it_says():
     assert policy.estimates()["calibrated_confidence"][3] > 0.9
 
 
+def test_cost_model_calibrates_tenths_it_has_seen_little_of():
+    """Confidences spread over the whole range, every token accepted (an int8 copy at temperature 1):
+    a draft whose confidences fall in a tenth seen once or never is verified whole all the same, as
+    acceptance measured across the range says; a drafter accepted as often as it says is cut as before."""
+    cost = lambda n: 0.010 + 0.002 * n  # noqa: E731
+    rng = np.random.default_rng(0)
+    for accept_as_it_says, kept_after in ((False, 4), (True, 0)):
+        policy = measured_cost_model(cost)
+        for _ in range(30):
+            confidence = torch.tensor(rng.uniform(0.25, 1.0, 4))
+            kept = policy.keep(confidence)
+            draws = rng.random(kept) < (confidence[:kept].numpy() if accept_as_it_says else 1.0)
+            accepted = int(np.argmin(draws)) if not draws.all() else kept
+            policy.observe(step(kept, accepted, verify_seconds=cost(kept + 1)))
+        assert policy.keep(torch.full((4,), 0.05)) == kept_after
+
+
+def test_cost_model_charges_drafting_per_token_drafted_and_verification_per_token_verified():
+    """A drafter asked for 8 tokens drafts all 8, at 1 ms each, and `keep` cuts the draft to 2: a draft
+    token costs 1 ms, not the 4 ms of the 8 tokens' time over the 2 verified, and K = 8 costs the
+    drafting of 8 tokens and the verification of 2."""
+    policy = CostModelK(k_max=8)
+    policy.observe(step(0, 0))  # f(1)
+    policy.k = 8
+    for _ in range(40):
+        policy.observe(Step(2, 2, 3, 0.008, 0.011, cut=6))
+    policy.predict()
+    assert policy.seconds_per_draft_token == pytest.approx(0.001, rel=0.01)
+    assert policy.draft_length[8] == pytest.approx(8, abs=0.1)
+    assert policy.verified_length[8] == pytest.approx(2, abs=0.1)
+    # Both verified tokens accepted: K = 8 is expected to emit what its two verified tokens give.
+    assert policy.tokens_per_step[8] == pytest.approx(3, abs=0.05)
+    assert policy.estimates()["p_accepted_if_verified"][:2] == pytest.approx([1, 1], abs=0.01)
+
+
 def test_fixed_and_heuristic_k_verify_every_drafted_token():
     for policy in (FixedK(4), HeuristicK()):
         assert policy.keep(torch.tensor([0.01, 0.01, 0.01])) == 3

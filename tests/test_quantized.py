@@ -112,6 +112,30 @@ def test_the_quantizedstarts_from_the_target_cache(packed):
     assert torch.equal(drafter.model.v_cache[:, :, :cached], target.v_cache[:, :, :cached].to(drafter.model.dtype))
 
 
+def test_the_quantized_copy_catches_up_from_the_target_cache(packed):
+    model = tiny_llama(GREEDY_VOCAB, seed=3)
+    target = lossless.as_target(model)
+    drafter = quantized_drafter(LoadedModel(model, None, "tiny", frozenset(), 0.0), target)
+    source = GeneratorSource(torch.Generator().manual_seed(0))
+    target.prefill(GREEDY_PROMPT[:-1])
+    drafter.begin(GREEDY_PROMPT, SamplingParams(temperature=0))
+    drafter.propose(2, source)
+    text = GREEDY_PROMPT.tolist()
+    for token in (1, 2, 3):  # a step that accepted nothing, then two plain steps: tokens the copy did not draft
+        target.score(torch.tensor(text[-1:]))
+        drafter.observe([token])
+        text.append(token)
+    own = drafter.model.length
+    assert own == len(GREEDY_PROMPT)  # the prompt and its first draft token's pending
+    drafter.propose(1, source)
+    cached = len(text) - 1
+    assert drafter.model.length == cached + 1
+    # Their own pass would give the int8 copy's values; the positions the copy held are its own.
+    adopted = target.v_cache[:, :, own:cached].to(drafter.model.dtype)
+    assert torch.equal(drafter.model.v_cache[:, :, own:cached], adopted)
+    assert not torch.equal(drafter.model.v_cache[:, :, own - 1], target.v_cache[:, :, own - 1])
+
+
 @pytest.mark.parametrize("policy", [lambda: FixedK(3), drafting_cost_model])
 def test_greedy_output_is_transformers_generate(policy, packed):
     model = tiny_llama(GREEDY_VOCAB, seed=3)

@@ -76,6 +76,7 @@ class Planned:
     start: int  # the slot's length before the pass
     draft_seconds: float
     peeked: Tensor | None = None  # at a plain step, the lookup drafter's next token (`engine.peek`)
+    cut: int = 0  # draft tokens the policy left unverified (`KPolicy.keep`)
 
 
 class Batch:
@@ -172,11 +173,13 @@ class Batch:
         numbers = request.random.at(request.produced)  # offset i: output position produced + i
         draft = drafter.propose(k, numbers).trunk() if k > 0 else Draft.empty()  # slots score chains
         peeked = peek(drafter, policy, k, numbers) if request.looks else None
+        proposed = len(draft)
         if draft.confidence is not None:
             draft = draft.prefix(policy.keep(draft.confidence))
         self.rows += len(draft) + 1 - request.rows
         request.rows = len(draft) + 1
-        return Planned(request, draft, numbers, self.slots.length(request.slot), perf_counter() - start, peeked)
+        seconds = perf_counter() - start
+        return Planned(request, draft, numbers, self.slots.length(request.slot), seconds, peeked, proposed - len(draft))
 
     def _verify(self, planned: Planned, logits: Tensor, pass_seconds: float) -> list[int]:
         """Verify one request's draft on its logits [k + 1, vocab], roll its slot back and record the step."""
@@ -188,7 +191,7 @@ class Batch:
         self.drafters[request.slot].observe(emitted)
         new = cut_at_eos(emitted, self.eos_token_ids)
         verify_seconds = pass_seconds + perf_counter() - start  # the shared pass, then its own verification
-        step = Step(len(draft), verdict.accepted, len(new), planned.draft_seconds, verify_seconds)
+        step = Step(len(draft), verdict.accepted, len(new), planned.draft_seconds, verify_seconds, cut=planned.cut)
         request.stats.record(step)
         self.policies[request.slot].observe(step)
         tell_peek(self.policies[request.slot], planned.peeked, emitted)

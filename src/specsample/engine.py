@@ -68,6 +68,7 @@ def decode(
             numbers = random.at(produced)  # offset i: output position produced + i
             draft = drafter.propose(k, numbers) if k > 0 else Draft.empty()
             peeked = peek(drafter, policy, k, numbers) if looking else None
+            proposed = len(draft)
             if draft.confidence is not None:
                 draft = draft.prefix(policy.keep(draft.confidence))
             elif draft.is_tree and draft.probs is None:  # a sampled tree's shape depends on its draws: kept whole
@@ -82,7 +83,14 @@ def decode(
             drafter.observe(emitted)
             new = cut_at_eos(emitted, eos_token_ids)
             step = Step(
-                len(draft), verdict.accepted, len(new), t_verify - t_draft, t_other - t_verify, draft.parents, verdict.path
+                len(draft),
+                verdict.accepted,
+                len(new),
+                t_verify - t_draft,
+                t_other - t_verify,
+                draft.parents,
+                verdict.path,
+                proposed - len(draft),
             )
             stats.record(step)
             policy.observe(step)

@@ -15,7 +15,7 @@ from specsample.tree import depths, reached
 
 
 CONFIDENCE_BINS = 10  # a drafter's confidence is calibrated per tenth of its range
-CALIBRATION_PRIOR = 4.0  # the drafter's own figure counts as this many observations
+CALIBRATION_PRIOR = 4.0  # pseudo-observations behind each calibration: of a bin, on the line; of the line, on identity
 COST_EVIDENCE_STEPS = 2  # drafting steps before the drafter's cheapest one bounds the optimism about its cost
 RANK_DECAY = 0.5  # a tree node's prior acceptance: prior_acceptance * RANK_DECAY ** (its sibling rank)
 PRIOR_COST_WEIGHT = 3  # the machine's measured f(n)/f(1) (`see_cost_curve`) counts as this many passes
@@ -158,8 +158,10 @@ class CostModelK:
 
     A step that asks for K draft tokens emits 1 + sum_{i<=K} P(accepted >= i)
     tokens on average and costs the drafting (seconds per drafted token times
-    the expected draft length d) plus f(1 + d), the target's time to score
-    1 + d positions. P(accepted >= i) and P(drafted >= i), given K >= i, are
+    the expected draft length d) plus f(1 + v), the target's time to score
+    1 + v positions, v the expected tokens of the draft verified (all that were
+    drafted, but where `keep` cuts a draft). P(accepted >= i), P(drafted >= i) and
+    P(verified >= i), given K >= i, are
     products of per-position rates P(>= i | >= i - 1), counted with exponential
     forgetting (`decay` per drafting step, `idle_decay` per plain one, `carry`
     at a new request) on top of a prior. The cost curve f(n) is f(1), a moving
@@ -199,11 +201,22 @@ class CostModelK:
 
     A drafter that reports its confidence in each draft token gets its draft
     verified token by token while each adds to the expected tokens per second of
-    the verification pass (`keep`). Confidences are calibrated online: the
-    acceptance measured per tenth of the confidence range, starting from the
-    drafter's own figure worth `CALIBRATION_PRIOR` observations, since a drafter
-    close to the target (its own int8 copy) is accepted far more often than its
-    own probabilities say.
+    the verification pass (`keep`). Confidences are calibrated online, since a
+    drafter close to the target (its own int8 copy) is accepted far more often
+    than its own probabilities say: the acceptance measured per tenth of the
+    confidence range, shrunk toward a line fitted to every verified token
+    (`calibration_line`), itself shrunk toward the drafter's own figure. Each
+    prior is worth `CALIBRATION_PRIOR` observations. Per tenth alone, a drafter
+    whose confidences spread over the range learns each tenth slowly, and in the
+    meantime its drafts are cut after they are drafted: the int8 copy, accepted
+    at 0.95 with confidences of 0.1 to 1, drafted 16 tokens to have 1 verified,
+    and the K policy, charged for the 16, settled on K = 1 (t = 1: 1.12x plain
+    decoding against 1.45x at K = 4, AMD EPYC, AVX2). A cut draft's tokens are
+    each paid for as drafted, but its verification costs f(1 + v) for the v
+    verified, and the first token cut after an accepted one counts neither as
+    accepted nor as rejected: it was never verified. So a step is expected to
+    emit 1 + sum_i P(accepted >= i | verified) P(not cut >= i), the second
+    measured over the drafted positions.
 
     Tree drafts (`Draft.parents`): K is the node budget, and the prefix of the
     tree that is verified (`keep_tree`) is the one with the most expected tokens
@@ -235,6 +248,10 @@ class CostModelK:
         # [position i - 1] decayed counts of the steps that asked for >= i tokens and
         self.drafted_reached = [0.0] * k_max  # drafted >= i - 1,
         self.drafted_ge = [0.0] * k_max  # of them, drafted >= i;
+        self.verified_reached = [0.0] * k_max  # verified >= i - 1,
+        self.verified_ge = [0.0] * k_max  # of them, verified >= i;
+        self.uncut_reached = [0.0] * k_max  # drafted >= i and verified >= i - 1,
+        self.uncut_ge = [0.0] * k_max  # of them, verified >= i (not cut by `keep`);
         self.accepted_reached = [0.0] * k_max  # accepted >= i - 1,
         self.accepted_ge = [0.0] * k_max  # of them, accepted >= i
         self.f1: float | None = None  # moving average of a plain step's seconds
@@ -250,6 +267,8 @@ class CostModelK:
         # [tenth of the confidence range] verified draft tokens there, and of them accepted
         self.confidence_reached = np.zeros(CONFIDENCE_BINS)
         self.confidence_accepted = np.zeros(CONFIDENCE_BINS)
+        # over every verified draft token: count, sums of confidence, its square, accepted, accepted x confidence
+        self.confidence_moments = np.zeros(5)
         self.kept_confidence: np.ndarray | None = None  # [n] of the draft prefix now being verified
         self.tree_reached: dict[tuple[int, int], float] = {}  # (depth, rank) -> decayed tree nodes reached there
         self.tree_accepted: dict[tuple[int, int], float] = {}  # of them accepted
@@ -344,7 +363,18 @@ class CostModelK:
         """The acceptance rate measured at these confidences [k], shrunk toward them."""
         bins = confidence_bins(confidence)
         reached, accepted = self.confidence_reached[bins], self.confidence_accepted[bins]
-        return (accepted + CALIBRATION_PRIOR * confidence) / (reached + CALIBRATION_PRIOR)
+        intercept, slope = self.calibration_line()
+        line = np.clip(intercept + slope * confidence, 0.0, 1.0)
+        return (accepted + CALIBRATION_PRIOR * line) / (reached + CALIBRATION_PRIOR)
+
+    def calibration_line(self) -> tuple[float, float]:
+        """(intercept, slope) of acceptance against confidence: least squares over the verified draft
+        tokens and `CALIBRATION_PRIOR` pseudo-tokens on the identity line (half at confidence 0, never
+        accepted, half at 1, always), so that with no evidence it is the drafter's own figure."""
+        half = CALIBRATION_PRIOR / 2
+        n, c, cc, a, ac = self.confidence_moments + np.array([2 * half, half, half, half, half])
+        slope = (n * ac - c * a) / (n * cc - c * c)  # the pseudo-tokens at 0 and 1 keep this finite
+        return (a - slope * c) / n, slope
 
     def observe(self, step: Step) -> None:
         self.observe_confidence(step)
@@ -358,15 +388,22 @@ class CostModelK:
         self.forget_idle()
         self.scale_counts(self.decay)
         self.largest_k = max(self.largest_k, self.k)
-        if step.drafted:
-            self.cheapest_draft_token = min(self.cheapest_draft_token, step.draft_seconds / step.drafted)
+        drafted = step.drafted + step.cut  # each paid for, verified or not
+        # Every verified token accepted and some cut: the first cut one was not verified, so not rejected either.
+        seen = step.accepted if step.cut and step.accepted == step.drafted else step.accepted + 1
+        if drafted:
+            self.cheapest_draft_token = min(self.cheapest_draft_token, step.draft_seconds / drafted)
             self.drafting_steps += 1
         self.draft_seconds = self.decay * self.draft_seconds + step.draft_seconds
-        self.drafted_tokens = self.decay * self.drafted_tokens + step.drafted
+        self.drafted_tokens = self.decay * self.drafted_tokens + drafted
         for i in range(self.k):  # position i + 1, asked for
-            self.drafted_reached[i] += i <= step.drafted
-            self.drafted_ge[i] += i < step.drafted
-            self.accepted_reached[i] += i <= step.accepted
+            self.drafted_reached[i] += i <= drafted
+            self.drafted_ge[i] += i < drafted
+            self.verified_reached[i] += i <= step.drafted
+            self.verified_ge[i] += i < step.drafted
+            self.uncut_reached[i] += i < drafted and i <= step.drafted
+            self.uncut_ge[i] += i < step.drafted
+            self.accepted_reached[i] += i < seen
             self.accepted_ge[i] += i < step.accepted
 
     def wants_peek(self) -> bool:
@@ -388,6 +425,8 @@ class CostModelK:
         up to IDLE_RECHECK steps."""
         self.drafted_reached[0] += 1
         self.drafted_ge[0] += drafted
+        self.verified_reached[0] += 1
+        self.verified_ge[0] += drafted
         self.accepted_reached[0] += 1
         self.accepted_ge[0] += accepted
         if accepted:
@@ -414,7 +453,10 @@ class CostModelK:
         verified = min(step.accepted + 1, step.drafted)
         bins = confidence_bins(kept[:verified])
         np.add.at(self.confidence_reached, bins, 1.0)
-        np.add.at(self.confidence_accepted, bins, np.arange(verified) < step.accepted)
+        accepted = (np.arange(verified) < step.accepted).astype(float)
+        np.add.at(self.confidence_accepted, bins, accepted)
+        confidence = kept[:verified]
+        self.confidence_moments += [verified, confidence.sum(), confidence @ confidence, accepted.sum(), confidence @ accepted]
 
     def forget_idle(self) -> None:
         """Apply the forgetting of the plain steps since the last call: the counts, and the drafter's cost,
@@ -430,7 +472,10 @@ class CostModelK:
 
     def scale_counts(self, factor: float) -> None:
         """Forget: every decayed count times `factor`."""
-        for counts in (self.drafted_reached, self.drafted_ge, self.accepted_reached, self.accepted_ge):
+        for counts in (
+            self.drafted_reached, self.drafted_ge, self.verified_reached, self.verified_ge,
+            self.uncut_reached, self.uncut_ge, self.accepted_reached, self.accepted_ge,
+        ):
             counts[:] = [c * factor for c in counts]
 
     def predict(self) -> None:
@@ -440,9 +485,11 @@ class CostModelK:
         evicted it from the CPU's caches, where numpy's per-call overhead would cost more than the sums."""
         self.forget_idle()
         self.idle_skips, self.predicted_f1 = 0, self.f1 is not None
-        accepted = self.cumulative(self.accepted_ge, self.accepted_reached, self.prior_acceptance)
-        self.tokens_per_step = [1 + a for a in accepted]  # [K]
+        self.accepted_if_verified = self.chain(self.accepted_ge, self.accepted_reached, self.prior_acceptance)
+        uncut = self.chain(self.uncut_ge, self.uncut_reached, 1.0)
+        self.tokens_per_step = [1 + a for a in running_sums([a * c for a, c in zip(self.accepted_if_verified, uncut)])]
         self.draft_length = self.cumulative(self.drafted_ge, self.drafted_reached, 1.0)  # [K]
+        self.verified_length = self.cumulative(self.verified_ge, self.verified_reached, 1.0)  # [K]
         # prior_weight pseudo-tokens stand for what has not been measured: at the declared cost where
         # the drafter declares one, else free until the drafter has drafted in COST_EVIDENCE_STEPS
         # steps; then never below the cheapest cost per token seen.
@@ -451,14 +498,17 @@ class CostModelK:
             floor = max(floor, self.declared_draft_cost * self.f1)
         prior_seconds = self.prior_weight * floor
         self.seconds_per_draft_token = (self.draft_seconds + prior_seconds) / (self.drafted_tokens + self.prior_weight)
-        verify = self.target_seconds([1 + d for d in self.draft_length])
+        verify = self.target_seconds([1 + v for v in self.verified_length])
         self.rates = [  # [K] expected tokens per second
             t / (self.seconds_per_draft_token * d + f) for t, d, f in zip(self.tokens_per_step, self.draft_length, verify)
         ]
 
     def cumulative(self, counts: list[float], reached: list[float], prior: float) -> list[float]:
-        """[sum_{i<=K} P(count >= i)] for K = 0..k_max, P(count >= i) as the product over
-        j <= i of P(count >= j | count >= j - 1).
+        """[sum_{i<=K} P(count >= i)] for K = 0..k_max (`chain`)."""
+        return running_sums(self.chain(counts, reached, prior))
+
+    def chain(self, counts: list[float], reached: list[float], prior: float) -> list[float]:
+        """[P(count >= i)] for i = 1..k_max, each the product over j <= i of P(count >= j | count >= j - 1).
 
         `prior_weight` pseudo-steps stand for what has not been seen: at the first position with
         P = prior, at each later one with the estimate of the position before it. A later position
@@ -468,13 +518,12 @@ class CostModelK:
         As the evidence decays (slowly while K = 0) the estimates return to the prior, so drafting is
         tried again now and then."""
         pseudo = self.prior_weight
-        total, through, sums = 0.0, 1.0, [0.0]
+        through, out = 1.0, []
         for c, r in zip(counts, reached):
             prior = (c + pseudo * prior) / (r + pseudo)
             through *= prior
-            total += through
-            sums.append(total)
-        return sums
+            out.append(through)
+        return out
 
     def target_seconds(self, n: Sequence[float]) -> list[float]:
         """f(n) at (fractional) n: the measured seconds, interpolated, flat beyond the measured n;
@@ -505,11 +554,13 @@ class CostModelK:
             "k": k,
             "expected_tokens_per_step": self.tokens_per_step[k],
             "expected_draft_length": self.draft_length[k],
+            "expected_verified_length": self.verified_length[k],  # less than the draft where `keep` cuts it
             "expected_tokens_per_second": self.rates[k],
             "target_ms": {n: 1e3 * float(f) for n, f in zip(*self.cost_curve())} if self.relative_cost else {},
             "draft_ms_per_token": 1e3 * self.seconds_per_draft_token,
             "declared_draft_cost": self.declared_draft_cost,  # a draft token over f(1), as the drafter declares it
             "p_accepted_through": np.diff(self.tokens_per_step).tolist(),  # [i - 1]: P(first i accepted | K >= i)
+            "p_accepted_if_verified": self.accepted_if_verified,  # [i - 1]: the same where none of them is cut
             # [tenth of the confidence range] acceptance rate measured there (drafters that report confidence)
             "calibrated_confidence": self.calibrated((np.arange(CONFIDENCE_BINS) + 0.5) / CONFIDENCE_BINS).tolist(),
         }
@@ -580,7 +631,7 @@ class BatchCostModelK(CostModelK):
     second, the other requests' rows and tokens taken as they were at their last step.
 
     A step of the batch costs f(R), R the rows of every request (`PassCost`, measured by the batch
-    at each R), and emits the tokens of every request; this request's K adds its draft length d to R
+    at each R), and emits the tokens of every request; this request's K adds the draft tokens it verifies to R
     and its expected accepted tokens to the tokens. Where extra rows are free (f flat: a few requests,
     weights streamed once whatever the rows) K is as for one request; where they cost as much as a
     request's row (f linear in R: many requests, compute-bound), a draft must be accepted more
@@ -612,7 +663,7 @@ class BatchCostModelK(CostModelK):
     def predict(self) -> None:
         super().predict()
         if self.batched:
-            verify = self.target_seconds([1 + d for d in self.draft_length])
+            verify = self.target_seconds([1 + v for v in self.verified_length])
             self.rates = [  # [K] expected tokens per second of the whole batch
                 (self.other_tokens + t) / (self.seconds_per_draft_token * d + f)
                 for t, d, f in zip(self.tokens_per_step, self.draft_length, verify)
@@ -626,6 +677,15 @@ class BatchCostModelK(CostModelK):
 
     def estimates(self) -> dict:
         return {**super().estimates(), "policy": "cost-model-batch", "other_rows": self.other_rows}
+
+
+def running_sums(values: Sequence[float]) -> list[float]:
+    """[0, v1, v1 + v2, ...]: the sums of the first K values for K = 0..len(values)."""
+    total, sums = 0.0, [0.0]
+    for value in values:
+        total += value
+        sums.append(total)
+    return sums
 
 
 def smoothed(average: float, value: float, smoothing: float) -> float:

@@ -29,6 +29,7 @@ class Step:
     verify_seconds: float
     parents: Tensor | None = None  # a tree draft's parent array, None for a chain
     path: tuple[int, ...] | None = None  # a tree draft's accepted nodes
+    cut: int = 0  # draft tokens drafted (and paid for) but not verified: cut by the K policy (`KPolicy.keep`)
 
 
 @dataclass

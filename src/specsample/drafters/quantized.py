@@ -17,7 +17,11 @@ K = 0 never pays for it. Where the copy can adopt the target's K and V of the
 context (`AdoptsCache`: same layout), a copy that costs next to nothing, it
 does so instead of a prefill of its own, which costs about as much
 as the target's (many rows are bound by arithmetic, not by the weights' bytes)
-and which a K policy would count as the cost of that first draft.
+and which a K policy would count as the cost of that first draft. So it does
+at every later draft for the tokens it did not draft (`catch_up`): after a run
+of plain steps, or of steps a lookup drafter drafted (`suffix+quantized`),
+feeding them would cost a pass over all of them, which the K policy would
+count against drafting too, and under-draft.
 Drafts then condition on the target's view of the context, which only brings
 them closer to the target's; they stay exact, since the drafter returns the
 distributions it sampled from.
@@ -46,21 +50,24 @@ class QuantizedDrafter(DraftModelDrafter):
         self.model.rollback(0)
 
     def propose(self, k: int, random: RandomSource) -> Draft:
-        if self.model.length == 0:
-            self.fill_cache()
+        self.catch_up()
         return super().propose(k, random)
 
-    def fill_cache(self) -> None:
-        """Cache the context but its last token: the target's K and V where it holds exactly those
-        positions in the copy's layout, else a prefill of the copy."""
+    def catch_up(self) -> None:
+        """Cache the context but its last token. The positions the copy lacks (all of them at a request's
+        first draft; after plain steps, or steps drafted by another drafter of `A+B`, the tokens they
+        emitted) are the target's K and V where the target holds exactly those positions in the copy's
+        layout; else the first draft prefills the copy, and a later one feeds them with its first pass."""
         cached = len(self.context) - 1
+        if self.model.length == cached:
+            return
         adopted = (
             isinstance(self.model, AdoptsCache)
             and self.target is not None
             and self.target.length == cached
-            and self.model.adopt_cache(self.target, cached)
+            and self.model.adopt_cache(self.target, cached, start=self.model.length)
         )
-        if not adopted:
+        if not adopted and self.model.length == 0:
             self.model.prefill(torch.tensor(self.context[:-1]))
 
 

@@ -353,15 +353,17 @@ class LlamaTarget:
         return self.kernels == other.kernels and same_shapes
 
     @torch.inference_mode()
-    def adopt_cache(self, source: Target, length: int) -> bool:
-        """Reset the cache to positions 0..length-1 of `source`'s (converted to this dtype), in place of a
-        prefill: a draft model of the target's architecture starts from the target's K and V. False,
-        changing nothing, where `source` keeps them in another layout or holds fewer positions."""
-        if not self.shares_cache_layout(source) or not 0 <= length <= source.length:
+    def adopt_cache(self, source: Target, length: int, start: int = 0) -> bool:
+        """Keep this cache's first `start` positions and take positions start..length-1 of `source`'s
+        (converted to this dtype), in place of scoring them: a draft model of the target's architecture
+        starts from the target's K and V, and later catches up on the tokens it did not draft. False,
+        changing nothing, where `source` keeps them in another layout or holds fewer positions, or this
+        cache holds fewer than `start`."""
+        if not self.shares_cache_layout(source) or not 0 <= start <= min(self._length, length) <= source.length:
             return False
-        for mine, theirs in zip(self._cache_positions(length), source._cache_positions(length)):
+        for mine, theirs in zip(self._cache_positions(length, start), source._cache_positions(length, start)):
             mine.copy_(theirs)
-        self.rollback(0)
+        self.rollback(start)
         self._length = length
         return True
 
@@ -404,11 +406,11 @@ class LlamaTarget:
             part.zero_()
         self.rollback(0)
 
-    def _cache_positions(self, length: int) -> tuple[Tensor, Tensor]:
-        """Views of keys and values at positions 0..length-1, in this cache's layout."""
+    def _cache_positions(self, length: int, start: int = 0) -> tuple[Tensor, Tensor]:
+        """Views of keys and values at positions start..length-1, in this cache's layout."""
         if self.kernels:  # keys [layers, kv_heads, dim, cap]
-            return self.k_cache[..., :length], self.v_cache[:, :, :length]
-        return self.k_cache[:, :, :length], self.v_cache[:, :, :length]
+            return self.k_cache[..., start:length], self.v_cache[:, :, start:length]
+        return self.k_cache[:, :, start:length], self.v_cache[:, :, start:length]
 
     def slots(self, count: int) -> LlamaSlots:
         """`count` empty KV caches over these weights, scored together (`target.SlottedTarget`)."""

@@ -93,8 +93,9 @@ class QuantizedCopies(Protocol):
 class AdoptsCache(Protocol):
     """Starts its cache from another target's K and V instead of a prefill of its own."""
 
-    def adopt_cache(self, source: Target, length: int) -> bool:
-        """Take `source`'s first `length` cached positions if it keeps them in this layout; False if not."""
+    def adopt_cache(self, source: Target, length: int, start: int = 0) -> bool:
+        """Keep this cache's first `start` positions and take `source`'s positions start..length-1 if it
+        keeps them in this layout; False, changing nothing, if not."""
         ...
 
 
