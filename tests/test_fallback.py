@@ -116,9 +116,10 @@ def test_a_short_lookup_draft_gives_way_to_the_second_drafter():
     drafter = FallbackDrafter(first, second, min_tokens=2)
     random = GeneratorSource(torch.Generator())
     assert drafter.propose(4, random).tokens.tolist() == [1, 2, 3]  # one token is short of 2
-    assert drafter.propose(1, random).tokens.tolist() == [7]  # but enough when K is 1
+    assert drafter.propose(1, random).tokens.tolist() == [1]  # at K = 1 too: the match decides, not K
     first.tokens = [7, 8]
     assert drafter.propose(4, random).tokens.tolist() == [7, 8]
+    assert drafter.propose(1, random).tokens.tolist() == [7]  # a match long enough, cut to K
     drafter.observe([7, 5])
     assert first.observed == second.observed == [[7, 5]]
 

@@ -427,6 +427,8 @@ class CostModelK:
         self.drafted_ge[0] += drafted
         self.verified_reached[0] += 1
         self.verified_ge[0] += drafted
+        self.uncut_reached[0] += drafted
+        self.uncut_ge[0] += drafted
         self.accepted_reached[0] += 1
         self.accepted_ge[0] += accepted
         if accepted:
