@@ -29,7 +29,7 @@ from time import perf_counter
 from torch import Tensor
 
 from specsample.drafters.base import Draft, Drafter, forked
-from specsample.engine import check_lengths, cut_at_eos, looks, peek, scored_rows, tell_peek
+from specsample.engine import check_lengths, cut_at_eos, kept, looks, peek, scored_rows, tell_peek
 from specsample.models.target import Slots
 from specsample.policy import KPolicy, PassCost, SeesBatch
 from specsample.sampling import RandomSource, SamplingParams
@@ -173,13 +173,11 @@ class Batch:
         numbers = request.random.at(request.produced)  # offset i: output position produced + i
         draft = drafter.propose(k, numbers).trunk() if k > 0 else Draft.empty()  # slots score chains
         peeked = peek(drafter, policy, k, numbers) if request.looks else None
-        proposed = len(draft)
-        if draft.confidence is not None:
-            draft = draft.prefix(policy.keep(draft.confidence))
+        draft, cut = kept(draft, policy)  # a chain: cut only on its confidences
         self.rows += len(draft) + 1 - request.rows
         request.rows = len(draft) + 1
         seconds = perf_counter() - start
-        return Planned(request, draft, numbers, self.slots.length(request.slot), seconds, peeked, proposed - len(draft))
+        return Planned(request, draft, numbers, self.slots.length(request.slot), seconds, peeked, cut)
 
     def _verify(self, planned: Planned, logits: Tensor, pass_seconds: float) -> list[int]:
         """Verify one request's draft on its logits [k + 1, vocab], roll its slot back and record the step."""

@@ -68,11 +68,7 @@ def decode(
             numbers = random.at(produced)  # offset i: output position produced + i
             draft = drafter.propose(k, numbers) if k > 0 else Draft.empty()
             peeked = peek(drafter, policy, k, numbers) if looking else None
-            proposed = len(draft)
-            if draft.confidence is not None:
-                draft = draft.prefix(policy.keep(draft.confidence))
-            elif draft.is_tree and draft.probs is None:  # a sampled tree's shape depends on its draws: kept whole
-                draft = draft.prefix(policy.keep_tree(draft.parents))
+            draft, cut = kept(draft, policy)
             t_verify = perf_counter()
             if draft.is_tree:
                 verdict = verify_tree(target, pending, draft, params, numbers, verifier.tree)
@@ -90,7 +86,7 @@ def decode(
                 t_other - t_verify,
                 draft.parents,
                 verdict.path,
-                proposed - len(draft),
+                cut,
             )
             stats.record(step)
             policy.observe(step)
@@ -103,6 +99,20 @@ def decode(
             pending = verdict.next_token
     finally:  # also when the consumer stops early: the policy's estimates, once per request
         stats.policy = policy.estimates()
+
+
+def kept(draft: Draft, policy: KPolicy) -> tuple[Draft, int]:
+    """The prefix of `draft` the policy verifies, and how many draft tokens it leaves out (drafted, so
+    paid for, but not verified): a prefix chosen on the drafter's confidences (`KPolicy.keep`), or for a
+    tree of point masses on its shape (`keep_tree`); a sampled tree's shape depends on its draws, so it
+    is kept whole."""
+    if draft.confidence is not None:
+        short = draft.prefix(policy.keep(draft.confidence))
+    elif draft.is_tree and draft.probs is None:
+        short = draft.prefix(policy.keep_tree(draft.parents))
+    else:
+        return draft, 0
+    return short, len(draft) - len(short)
 
 
 def verify(

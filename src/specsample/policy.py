@@ -453,11 +453,11 @@ class CostModelK:
         if kept is None or len(kept) != step.drafted:
             return
         verified = min(step.accepted + 1, step.drafted)
-        bins = confidence_bins(kept[:verified])
+        confidence = kept[:verified]
+        bins = confidence_bins(confidence)
         np.add.at(self.confidence_reached, bins, 1.0)
         accepted = (np.arange(verified) < step.accepted).astype(float)
         np.add.at(self.confidence_accepted, bins, accepted)
-        confidence = kept[:verified]
         self.confidence_moments += [verified, confidence.sum(), confidence @ confidence, accepted.sum(), confidence @ accepted]
 
     def forget_idle(self) -> None:
