@@ -1,0 +1,142 @@
+"""One configuration under two versions of the code, interleaved prompt by prompt: the working tree
+against a git revision (default HEAD), for a change whose effect is smaller than the spread between
+two `bench run`s minutes apart (the K policy, the drafters).
+
+Each version runs in a process of its own that loads the model once and keeps its sampler, so its K
+policy learns across prompts as a server's does: the revision from a `git worktree` of it, the working
+tree from `src/`. The driver sends each prompt to one, then the other (the order flips every prompt),
+with the same seed, and prints per prompt the ratio of wall times (the revision's over the working
+tree's: above 1, the working tree is faster), then tokens per second of each, the ratio of the totals
+with a 95% paired-bootstrap interval over the prompts, verification steps and how many answers
+differ (none should: a seeded request gives the same text whatever the drafter and K).
+
+    python benchmarks/ab_revision.py [--revision HEAD] [--drafter suffix+quantized] [--backend fast]
+        [--temperature 1] [--split all --limit 4] [--skip 0] [--max-new-tokens 128]
+
+Tune on `--split all` with `--limit` up to 6 (the first 6 of each category are the tuned prompts); the
+held-out prompts are `--split odd --skip 6`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import bootstrap
+
+ROOT = Path(__file__).resolve().parent.parent
+CATEGORIES = ("translation", "summarization", "qa", "math_reasoning", "rag")
+WORKER = """
+import json, sys, time
+from specsample import SpecSampler
+options = json.loads(sys.argv[1])
+sampler = SpecSampler.load(None, options["drafter"], backend=options["backend"])
+print("ready", flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    start = time.perf_counter()
+    out = sampler.generate(request["prompt"], max_new_tokens=options["max_new_tokens"],
+                           temperature=options["temperature"], k=options["k"], seed=request["seed"])
+    seconds = time.perf_counter() - start
+    print(json.dumps({"seconds": seconds, "tokens": out.token_ids, "steps": out.stats.steps}), flush=True)
+"""
+
+
+class Worker:
+    """A process running one version of specsample (its `src` first on the path), one request a line."""
+
+    def __init__(self, src: Path, options: dict) -> None:
+        env = {"PYTHONPATH": str(src)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", WORKER, json.dumps(options)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env={**__import__("os").environ, **env},
+        )
+        if self.process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the worker for {src} did not start")
+
+    def run(self, prompt: str, seed: int) -> dict:
+        self.process.stdin.write(json.dumps({"prompt": prompt, "seed": seed}) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self.process.stdout.readline())
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def prompts(split: str, limit: int, skip: int) -> list:
+    sys.path.insert(0, str(ROOT / "src"))
+    from specsample.prompts import packaged_prompts, read_prompts
+
+    return [p for p in read_prompts(packaged_prompts(), split=split, limit=limit, skip=skip) if p.category in CATEGORIES]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--revision", default="HEAD")
+    parser.add_argument("--drafter", default="suffix+quantized")
+    parser.add_argument("--backend", default="fast")
+    parser.add_argument("--k", default="auto")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--split", default="all")
+    parser.add_argument("--limit", type=int, default=4)
+    parser.add_argument("--skip", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    options = {name: getattr(args, name) for name in ("drafter", "backend", "k", "temperature", "max_new_tokens")}
+    selected = prompts(args.split, args.limit, args.skip)
+    with tempfile.TemporaryDirectory() as scratch:
+        tree = Path(scratch) / "revision"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.revision], check=True,
+                       capture_output=True)
+        try:
+            workers = {"revision": Worker(tree / "src", options), "working tree": Worker(ROOT / "src", options)}
+            results = compare(workers, selected)
+            for worker in workers.values():
+                worker.close()
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=True)
+    report(results, args)
+
+
+def compare(workers: dict[str, Worker], selected: list) -> list[dict[str, dict]]:
+    """Each prompt's result from each worker, the order flipping every prompt."""
+    results = []
+    for i, prompt in enumerate(selected):
+        names = list(workers) if i % 2 == 0 else list(reversed(workers))
+        result = {name: workers[name].run(prompt.turns[0], seed=i) for name in names}
+        results.append(result)
+        ratio = result["revision"]["seconds"] / result["working tree"]["seconds"]
+        print(f"{prompt.category:15s} {ratio:.3f}", flush=True)
+    return results
+
+
+def report(results: list[dict[str, dict]], args: argparse.Namespace) -> None:
+    seconds = {name: np.array([r[name]["seconds"] for r in results]) for name in results[0]}
+    tokens = {name: np.array([len(r[name]["tokens"]) for r in results]) for name in results[0]}
+    steps = {name: sum(r[name]["steps"] for r in results) for name in results[0]}
+    differ = sum(r["revision"]["tokens"] != r["working tree"]["tokens"] for r in results)
+
+    def speedup(old, new, n_old, n_new, axis=-1):  # tokens/s of the working tree over the revision's
+        return (n_new.sum(axis) / new.sum(axis)) / (n_old.sum(axis) / old.sum(axis))
+
+    old, new = seconds["revision"], seconds["working tree"]
+    interval = bootstrap((old, new, tokens["revision"], tokens["working tree"]), speedup, paired=True,
+                         vectorized=True, random_state=0).confidence_interval
+    rates = {name: tokens[name].sum() / seconds[name].sum() for name in seconds}
+    print(f"{args.drafter} --k {args.k}, t = {args.temperature}, {len(results)} prompts ({args.split}, limit {args.limit}, "
+          f"skip {args.skip}); revision {args.revision}")
+    print("tokens/s: " + ", ".join(f"{name} {rate:.2f}" for name, rate in rates.items()))
+    print(f"working tree over revision: {rates['working tree'] / rates['revision']:.3f} "
+          f"(95% {interval.low:.3f}-{interval.high:.3f}); verification steps: "
+          + ", ".join(f"{name} {n}" for name, n in steps.items()) + f"; answers that differ: {differ} of {len(results)}")
+
+
+if __name__ == "__main__":
+    main()
