@@ -8,6 +8,8 @@ reads the draft model's draw is rejected.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -132,5 +134,8 @@ def test_the_command_line_names_build_a_fallback():
     assert isinstance(drafter, FallbackDrafter)
     with pytest.raises(ValueError, match="unknown drafter 'nope'"):
         make_drafter("suffix+nope", loaded, target)
+    for half in ("suffix+", "+suffix"):
+        with pytest.raises(ValueError, match=f"names two drafters.*got {re.escape(repr(half))}"):
+            make_drafter(half, loaded, target)
     with pytest.raises(ValueError, match="must be a lookup drafter .* got 'DraftModelDrafter'"):
         FallbackDrafter(DraftModelDrafter(target), SuffixDrafter())  # the property, not the name, decides

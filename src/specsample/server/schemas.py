@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible API, and its error body.
 
 Fields follow the OpenAI API; unknown fields are ignored so that existing
-clients work unchanged. Types are strict (a string is not a number), and the
+clients work unchanged, but an OpenAI option that changes the answer and is not
+implemented here (`logprobs`, penalties, `logit_bias`, ...: UNSUPPORTED) is
+refused when turned on, rather than silently left out. Types are strict (a string is not a number), and the
 sampling options are checked by `SamplingParams` itself, so the server accepts
 exactly what the library and the command line accept.
 """
@@ -15,6 +17,25 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from specsample.engine import check_max_new_tokens
 from specsample.sampling import SamplingParams
 from specsample.text import Message
+
+
+# OpenAI options that change what is generated or returned and that this server does not implement,
+# each with the values that mean "off": a request that turns one on gets a 400 naming it, not an answer
+# made without it. Unknown fields, and known ones that change nothing generated (`user`), are ignored.
+UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 class GenerationRequest(BaseModel):
@@ -33,6 +54,16 @@ class GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def refuse_unsupported(cls, data: object) -> object:
+        """A one-line error for an option of UNSUPPORTED turned on."""
+        if isinstance(data, dict):
+            for name, off in UNSUPPORTED.items():
+                if name in data and data[name] not in off:
+                    raise ValueError(f"{name} is not supported by this server (got {data[name]!r})")
+        return data
 
     @model_validator(mode="after")
     def check_options(self) -> "GenerationRequest":
