@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -314,12 +315,23 @@ def test_api_key_is_checked(small_server):
 @pytest.mark.parametrize("args, message", [
     (["--k", "many"], "k must be"), (["--max-queue", "0"], "max_queue"),
     (["--drafter", "quantized+suffix"], "must be a lookup drafter"),  # refused before serving, not per request
+    (["--port", "70000"], "port must be in 0..65535"), (["--host", "no-such-host.invalid"], "cannot listen on"),
 ])
 def test_serve_bad_arguments_give_one_line_and_exit_2(capsys, tiny_dir, args, message):
     with pytest.raises(SystemExit) as done:
         main(["serve", "--model", str(tiny_dir), *args])
     err = capsys.readouterr().err
     assert done.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_serve_on_a_port_in_use_gives_one_line_and_exit_2(capsys, tiny_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(SystemExit) as done:
+            main(["serve", "--model", str(tiny_dir), "--port", str(taken.getsockname()[1])])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and len(err.strip().splitlines()) == 1 and "cannot listen on 127.0.0.1:" in err
 
 
 def test_serve_command_hands_uvicorn_an_app_on_loopback(monkeypatch, tiny_dir):

@@ -120,6 +120,7 @@ def serve(
     ray_address: Annotated[Optional[str], typer.Option(help="With replicas: the Ray cluster (host:port; 'auto': the one `ray start` made here; 'local': a new one here, no dashboard). Default: RAY_ADDRESS, else auto, else a new one.")] = None,
 ) -> None:
     """Serve an OpenAI-compatible API (chat and text completions, streaming, /metrics)."""
+    check_listen(host, port)
     if replicas is not None or min_replicas is not None or max_replicas is not None:
         return serve_replicas(locals())
     given = [name for name, value in (("--upscale-delay", upscale_delay), ("--downscale-delay", downscale_delay),
@@ -142,6 +143,26 @@ def serve(
     sampler = serving_sampler(model, drafter, backend=backend, trust_remote_code=trust_remote_code, threads=threads)
     app = create_app(sampler, k=policy if max_batch == 1 else k, max_queue=max_queue, api_key=api_key, max_batch=max_batch)
     uvicorn.run(app, host=host, port=port)
+
+
+def check_listen(host: str, port: int) -> None:
+    """A one-line error, before any model loads, for a port out of range or an address this process cannot
+    listen on (one another server holds, a host that does not resolve); uvicorn would find out only after
+    the load, and log it over several lines."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in 0..65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        raise ValueError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as error:
+            raise ValueError(f"cannot listen on {host}:{port}: {error.strerror}") from None
 
 
 def serve_replicas(args: dict) -> None:
