@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-from scipy.stats import bootstrap
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))  # the driver reads prompts and reports with the working tree's code
+
+from specsample.bench.report import speedup_interval  # noqa: E402
+from specsample.prompts import packaged_prompts, read_prompts  # noqa: E402
+
 CATEGORIES = ("translation", "summarization", "qa", "math_reasoning", "rag")
 WORKER = """
 import json, sys, time
@@ -52,10 +55,9 @@ class Worker:
     """A process running one version of specsample (its `src` first on the path), one request a line."""
 
     def __init__(self, src: Path, options: dict) -> None:
-        env = {"PYTHONPATH": str(src)}
         self.process = subprocess.Popen(
             [sys.executable, "-c", WORKER, json.dumps(options)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, env={**__import__("os").environ, **env},
+            text=True, env={**os.environ, "PYTHONPATH": str(src)},
         )
         if self.process.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the worker for {src} did not start")
@@ -71,9 +73,6 @@ class Worker:
 
 
 def prompts(split: str, limit: int, skip: int) -> list:
-    sys.path.insert(0, str(ROOT / "src"))
-    from specsample.prompts import packaged_prompts, read_prompts
-
     return [p for p in read_prompts(packaged_prompts(), split=split, limit=limit, skip=skip) if p.category in CATEGORIES]
 
 
@@ -118,25 +117,19 @@ def compare(workers: dict[str, Worker], selected: list) -> list[dict[str, dict]]
 
 
 def report(results: list[dict[str, dict]], args: argparse.Namespace) -> None:
-    seconds = {name: np.array([r[name]["seconds"] for r in results]) for name in results[0]}
-    tokens = {name: np.array([len(r[name]["tokens"]) for r in results]) for name in results[0]}
+    records = [{"question_id": i, "turn": 0, "config": name, "generated_tokens": len(out["tokens"]),
+                "wall_seconds": out["seconds"]} for i, result in enumerate(results) for name, out in result.items()]
+    low, high = speedup_interval(records, "working tree", reference="revision")
+    rates = {name: sum(len(r[name]["tokens"]) for r in results) / sum(r[name]["seconds"] for r in results)
+             for name in results[0]}
     steps = {name: sum(r[name]["steps"] for r in results) for name in results[0]}
     differ = sum(r["revision"]["tokens"] != r["working tree"]["tokens"] for r in results)
-
-    def speedup(old, new, n_old, n_new, axis=-1):  # tokens/s of the working tree over the revision's
-        return (n_new.sum(axis) / new.sum(axis)) / (n_old.sum(axis) / old.sum(axis))
-
-    old, new = seconds["revision"], seconds["working tree"]
-    interval = bootstrap((old, new, tokens["revision"], tokens["working tree"]), speedup, paired=True,
-                         vectorized=True, random_state=0).confidence_interval
-    rates = {name: tokens[name].sum() / seconds[name].sum() for name in seconds}
     print(f"{args.drafter} --k {args.k}, t = {args.temperature}, {len(results)} prompts ({args.split}, limit {args.limit}, "
           f"skip {args.skip}); revision {args.revision}")
     print("tokens/s: " + ", ".join(f"{name} {rate:.2f}" for name, rate in rates.items()))
     print(f"working tree over revision: {rates['working tree'] / rates['revision']:.3f} "
-          f"(95% {interval.low:.3f}-{interval.high:.3f}); verification steps: "
+          f"(95% {low:.3f}-{high:.3f}); verification steps: "
           + ", ".join(f"{name} {n}" for name, n in steps.items()) + f"; answers that differ: {differ} of {len(results)}")
-
 
 if __name__ == "__main__":
     main()

@@ -153,16 +153,13 @@ def check_listen(host: str, port: int) -> None:
 
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in 0..65535, got {port}")
-    try:
+    try:  # socket.gaierror (a host that does not resolve) is an OSError too
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as error:
-        raise ValueError(f"cannot listen on {host}:{port}: {error.strerror}") from None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             probe.bind(address)
-        except OSError as error:
-            raise ValueError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    except OSError as error:
+        raise ValueError(f"cannot listen on {host}:{port}: {error.strerror}") from None
 
 
 def serve_replicas(args: dict) -> None:

@@ -3,9 +3,10 @@
 Fields follow the OpenAI API; unknown fields are ignored so that existing
 clients work unchanged, but an OpenAI option that changes the answer and is not
 implemented here (`logprobs`, penalties, `logit_bias`, ...: UNSUPPORTED) is
-refused when turned on, rather than silently left out. Types are strict (a string is not a number), and the
-sampling options are checked by `SamplingParams` itself, so the server accepts
-exactly what the library and the command line accept.
+refused when turned on, rather than silently left out. Types are strict (a
+string is not a number), and the sampling options are checked by
+`SamplingParams` itself, so the server accepts exactly what the library and the
+command line accept.
 """
 
 from __future__ import annotations
