@@ -16,6 +16,7 @@ On a loaded machine two OpenMP threads wait for each other whenever one is desch
 `--cpu-time` with OMP_NUM_THREADS=1 times one thread's CPU time instead.
 
     nice -n 19 python benchmarks/kernel_gguf_curve.py --isa native,avx2 --target
+    python benchmarks/kernel_gguf_curve.py --isa native --extra before=/tmp/kernels_gguf.cpp --target
     OMP_NUM_THREADS=1 nice -n 19 python benchmarks/kernel_gguf_curve.py --cpu-time
 """
 
@@ -26,6 +27,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -129,6 +131,8 @@ CONTEXT = "Speculative decoding drafts a few tokens cheaply and verifies them in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--isa", default="native,avx2", help="builds: " + ", ".join(kernels.ISA_FLAGS))
+    parser.add_argument("--extra", action="append", default=[], metavar="LABEL=PATH[:ISA]",
+                        help="another kernels_gguf.cpp (an older one, say) built beside today's kernels.cpp (repeatable)")
     parser.add_argument("--ns", default="1,2,4,8,16")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--target", action="store_true", help="also whole forward passes of the bundled model")
@@ -142,6 +146,11 @@ def main() -> None:
     for isa in args.isa.split(","):
         lib = kernels._load(isa)
         libs[f"{lib.specsample_gguf_isa().decode()} ({isa})"] = lib
+    for extra in args.extra:
+        label, spec = extra.split("=", 1)
+        path, _, isa = spec.partition(":")
+        others = {"kernels_gguf.cpp": Path(path).read_text()}
+        libs[f"{label} ({isa or 'native'})"] = kernels._build(kernels._source(), isa or "native", others)
     ns = [int(n) for n in args.ns.split(",")]
     clock = time.process_time if args.cpu_time else time.perf_counter
     threads = os.environ.get("OMP_NUM_THREADS", "all")

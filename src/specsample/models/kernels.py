@@ -93,10 +93,10 @@ def _source(name: str = "kernels.cpp") -> str:
     return resources.files(__package__).joinpath(name).read_text()
 
 
-def _sources(source: str) -> dict[str, str]:
-    """The files of one library: `source` as kernels.cpp, and the GGUF block kernels (kernels_gguf.cpp,
-    always today's) that its decoder layer may call."""
-    return {"kernels.cpp": source, **{name: _source(name) for name in EXTRA_SOURCES}}
+def _sources(source: str, others: dict[str, str] | None = None) -> dict[str, str]:
+    """The files of one library: `source` as kernels.cpp, and the GGUF block kernels (kernels_gguf.cpp)
+    that its decoder layer may call: today's, or the text given in `others` (file name -> text)."""
+    return {"kernels.cpp": source, **{name: _source(name) for name in EXTRA_SOURCES}, **(others or {})}
 
 
 def _compile(compiler: str, flags: list[str], sources: dict[str, str], target: Path) -> None:
@@ -143,9 +143,10 @@ def _load(isa: str) -> ctypes.CDLL | None:
     return _build(_source(), isa)
 
 
-def _build(source: str, isa: str) -> ctypes.CDLL | None:
-    """`source` compiled with `ISA_FLAGS[isa]` (`compiled`) and its functions declared; None where that is impossible."""
-    lib = compiled("kernels", _sources(source), FLAGS + ISA_FLAGS[isa], "using torch ops")
+def _build(source: str, isa: str, others: dict[str, str] | None = None) -> ctypes.CDLL | None:
+    """`source` (and `others`, as `_sources`) compiled with `ISA_FLAGS[isa]` (`compiled`) and its functions
+    declared; None where that is impossible."""
+    lib = compiled("kernels", _sources(source, others), FLAGS + ISA_FLAGS[isa], "using torch ops")
     if lib is None:
         return None
     fn = lib.specsample_gemm
