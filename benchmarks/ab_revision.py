@@ -131,5 +131,6 @@ def report(results: list[dict[str, dict]], args: argparse.Namespace) -> None:
           f"(95% {low:.3f}-{high:.3f}); verification steps: "
           + ", ".join(f"{name} {n}" for name, n in steps.items()) + f"; answers that differ: {differ} of {len(results)}")
 
+
 if __name__ == "__main__":
     main()

@@ -27,7 +27,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -140,17 +139,15 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true", help="time this process's CPU seconds, not wall time")
     args = parser.parse_args()
 
-    from kernel_isa_curve import cpu_name
+    from kernel_isa_curve import cpu_name, extra_build
 
     libs = {}
     for isa in args.isa.split(","):
         lib = kernels._load(isa)
         libs[f"{lib.specsample_gguf_isa().decode()} ({isa})"] = lib
     for extra in args.extra:
-        label, spec = extra.split("=", 1)
-        path, _, isa = spec.partition(":")
-        others = {"kernels_gguf.cpp": Path(path).read_text()}
-        libs[f"{label} ({isa or 'native'})"] = kernels._build(kernels._source(), isa or "native", others)
+        label, source, isa = extra_build(extra)
+        libs[f"{label} ({isa})"] = kernels._build(kernels._source(), isa, {"kernels_gguf.cpp": source})
     ns = [int(n) for n in args.ns.split(",")]
     clock = time.process_time if args.cpu_time else time.perf_counter
     threads = os.environ.get("OMP_NUM_THREADS", "all")

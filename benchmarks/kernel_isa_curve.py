@@ -55,6 +55,13 @@ class WithKernels:
         self.target.rollback(length)
 
 
+def extra_build(spec: str) -> tuple[str, str, str]:
+    """An --extra option, LABEL=PATH[:ISA], as (label, the file's text, instruction set; default native)."""
+    label, rest = spec.split("=", 1)
+    path, _, isa = rest.partition(":")
+    return label, Path(path).read_text(), isa or "native"
+
+
 def cpu_name() -> str:
     """The CPU model and its widest vector instruction set, as /proc/cpuinfo names them."""
     text = Path("/proc/cpuinfo").read_text()
@@ -79,12 +86,10 @@ def main() -> None:
         lib = kernels._load(isa)
         libs[f"{lib.specsample_isa().decode()} ({isa})"] = lib
     for extra in args.extra:
-        label, spec = extra.split("=", 1)
-        path, _, isa = spec.partition(":")
-        source = Path(path).read_text()
+        label, source, isa = extra_build(extra)
         if "specsample_isa" not in source:
             source += ISA_QUERY % label
-        libs[f"{label} ({isa or 'native'})"] = kernels._build(source, isa or "native")
+        libs[f"{label} ({isa})"] = kernels._build(source, isa)
 
     loaded = load_model(None)
     with mock.patch.object(kernels, "_library", lambda: next(iter(libs.values()))):
