@@ -339,6 +339,58 @@ def test_bundled_target_on_blocks_speculates_token_identically(bundled_targets, 
     assert speculative == plain
 
 
+@pytest.mark.slow
+def test_float_weights_from_a_gguf_file_draft_on_its_own_blocks(bundled_targets):
+    """The float32 target made from the bundled Q4_1 file: its `quantized` copy is the file's own blocks
+    (not an int8 copy), declared at FILE_COPY_COST, and greedy speculation with it is token-identical to
+    plain decoding. Made without the file, the target keeps its int8 copy."""
+    from specsample.drafters import NoDrafter
+    from specsample.drafters.quantized import quantized_drafter
+    from specsample.models.llama import INT8_COPY_COST, LlamaTarget
+    from specsample.stats import Stats
+
+    loaded, _, without_file = bundled_targets
+    target = LlamaTarget.from_hf(loaded.model, gguf=loaded.gguf)
+    assert target.copy_file == loaded.gguf and target.copy_cost == gguf_blocks.FILE_COPY_COST
+    assert without_file.copy_file is None and without_file.copy_cost == INT8_COPY_COST
+    drafter = quantized_drafter(loaded, target)
+    copy = drafter.model
+    assert {layer.gate_up.qtype for layer in copy.layers} == {Q4_1} and copy.lm_head.qtype == Q8_0
+    prompt = torch.tensor(loaded.tokenizer(COUNTING).input_ids)
+    plain = greedy(target, NoDrafter(), 0, prompt, Stats())
+    stats = Stats()
+    assert greedy(target, drafter, 4, prompt, stats) == plain
+    assert stats.accepted_tokens > stats.drafted_tokens / 2  # the file's blocks compute the target's weights
+
+
+def test_only_files_of_at_most_8_bit_blocks_draft_on_their_blocks(tmp_path):
+    """`drafts_on_blocks`: a file of Q8_0 (or fewer bits) layer matrices, yes; one with an F16 or F32 layer
+    matrix (dequantized to float32 panels: no cheaper than int8), or of an architecture the blocks do not
+    build, no."""
+    def write(name: str, matrix_type: GGMLQuantizationType, arch: str = "llama"):
+        path = tmp_path / name
+        writer = GGUFWriter(str(path), arch)
+        writer.add_block_count(1)
+        writer.add_embedding_length(32)
+        writer.add_head_count(2)
+        writer.add_layer_norm_rms_eps(1e-5)
+        weights = np.random.default_rng(0).standard_normal((32, 32)).astype(np.float32)
+        data = weights if matrix_type == GGMLQuantizationType.F32 else quantize(weights, matrix_type)
+        writer.add_tensor("blk.0.attn_q.weight", data, raw_dtype=matrix_type)
+        writer.add_tensor("blk.0.attn_norm.weight", np.ones(32, np.float32))  # 1-D: not a matrix
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    assert gguf_blocks.drafts_on_blocks(write("q8.gguf", Q8_0))
+    assert gguf_blocks.drafts_on_blocks(write("q4.gguf", Q4_0))
+    assert not gguf_blocks.drafts_on_blocks(write("f32.gguf", GGMLQuantizationType.F32))
+    assert not gguf_blocks.drafts_on_blocks(write("f16.gguf", GGMLQuantizationType.F16))
+    assert not gguf_blocks.drafts_on_blocks(write("gemma.gguf", Q8_0, arch="gemma3"))
+
+
 @pytest.fixture(scope="module")
 def copies(tmp_path_factory):
     """The bundled model requantized by llama.cpp's own quantizer, made on first use: copies("Q4_K_M")

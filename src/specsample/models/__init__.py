@@ -39,7 +39,7 @@ def make_target(loaded: LoadedModel, backend: str = "auto", *, threads: int | No
         from specsample.models import llama
 
         if llama.supports(loaded.model.config):
-            return llama.LlamaTarget.from_hf(loaded.model)
+            return llama.LlamaTarget.from_hf(loaded.model, gguf=loaded.gguf)
         if backend == "fast":
             raise ValueError(f"the fast backend does not support model type {loaded.model.config.model_type!r}")
     return TransformersTarget(loaded.model)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -223,9 +224,11 @@ class LlamaTarget:
         eps: float,
         source=None,
         kv_dtype: torch.dtype | None = None,
+        copy_file: Path | None = None,
     ) -> None:
         self.layers = layers
         self.source = source  # the transformers model it was copied from, for `quantized_copy`
+        self.copy_file = copy_file  # the GGUF file whose own blocks are `quantized_copy`, if any
         self.embed = embed  # [vocab, hidden], or None when tied to lm_head
         self.tied_rows = None if embed is not None else EmbeddingRows(self._lm_head_rows)
         self.norm = norm  # [hidden]
@@ -259,14 +262,22 @@ class LlamaTarget:
 
     @classmethod
     def from_hf(
-        cls, model, max_length: int | None = None, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None
+        cls,
+        model,
+        max_length: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype | None = None,
+        gguf: Path | None = None,
     ) -> LlamaTarget:
         """Copy the weights of a transformers Llama/Qwen2/Mistral causal LM; keys and values in `kv_dtype` on the
-        kernels (None: `dtype`).
+        kernels (None: `dtype`). `gguf`, the file the model was converted from, if any: on the kernels its own
+        blocks become the quantized copy where they take it (`gguf_blocks.drafts_on_blocks`).
 
         Raises UnsupportedModel when the result would not match the model, so
         callers can fall back to the transformers backend.
         """
+        from specsample.models import gguf_blocks
+
         config = model.config
         reason = unsupported_reason(config)
         if reason is not None:
@@ -299,6 +310,7 @@ class LlamaTarget:
                 eps=config.rms_norm_eps,
                 source=model,
                 kv_dtype=kv_dtype,
+                copy_file=gguf if packed and gguf is not None and gguf_blocks.drafts_on_blocks(gguf) else None,
             )
 
     @property
@@ -374,16 +386,21 @@ class LlamaTarget:
 
     @property
     def copy_cost(self) -> float | None:
-        """The quantized copy's single-token pass per target pass (`target.CopyCost`): INT8_COPY_COST over
-        float32 weights; over GGUF blocks, the lower-bit copy's as measured for the target's block types
-        (`gguf_blocks.block_copy_cost`), None where not measured."""
+        """The quantized copy's single-token pass per target pass (`target.CopyCost`): over float32 weights
+        INT8_COPY_COST, or FILE_COPY_COST where the copy is the file's own blocks; over GGUF blocks, the
+        lower-bit copy's as measured for the target's block types (`gguf_blocks.block_copy_cost`), None
+        where not measured."""
         from specsample.models import gguf_blocks
 
-        return gguf_blocks.block_copy_cost(self) if gguf_blocks.on_blocks(self) else INT8_COPY_COST
+        if gguf_blocks.on_blocks(self):
+            return gguf_blocks.block_copy_cost(self)
+        return INT8_COPY_COST if self.copy_file is None else gguf_blocks.FILE_COPY_COST
 
     def quantized_copy(self) -> LlamaTarget:
-        """A quantized copy of this target with its own cache of the same length: an int8 copy
-        (models/quantize.py), or over GGUF blocks a lower-bit copy of the blocks (`gguf_blocks.lower_bit_copy`).
+        """A quantized copy of this target with its own cache of the same length: over float32 weights read
+        from a GGUF file of at most 8 bits, the file's own blocks (`copy_file`: half the bytes of an int8
+        copy or fewer, and the file's weights exactly where int8 would round them again), else an int8 copy
+        (models/quantize.py); over GGUF blocks a lower-bit copy of the blocks (`gguf_blocks.lower_bit_copy`).
         Its first cache slots are committed now: page faults at its first draft would make drafting look
         slower than it is to a K policy that times it (about 8 ms on SmolLM2, for what then costs 0.5 ms)."""
         from specsample.models import gguf_blocks
@@ -391,6 +408,8 @@ class LlamaTarget:
 
         if gguf_blocks.on_blocks(self):
             copy = gguf_blocks.lower_bit_copy(self)
+        elif self.copy_file is not None:
+            copy = gguf_blocks.gguf_target(self.source, self.copy_file, self.max_length)
         elif self.source is None:
             raise ValueError("an int8 copy needs the transformers model this target was made from (LlamaTarget.from_hf)")
         else:
