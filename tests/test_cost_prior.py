@@ -8,6 +8,7 @@ import pytest
 
 from specsample import SpecSampler
 from specsample.cost_curve import PRIOR_NS, machine_ratios, ratios_path
+from specsample.drafters import NoDrafter
 from specsample.models import LoadedModel, make_target
 from specsample.policy import CostModelK
 from specsample.stats import Step
@@ -72,6 +73,26 @@ def test_machine_ratios_are_measured_and_remembered(tmp_path, monkeypatch):
     assert machine_ratios(target, "tiny|fast|1") == {1: 1.0, 2: 7.0}
     assert machine_ratios(target, "tiny|fast|2") != {1: 1.0, 2: 7.0}  # another key measures anew
     assert machine_ratios(target, None) != {1: 1.0, 2: 7.0}  # no key: measured, not remembered
+
+
+def test_the_remembered_curve_is_keyed_by_the_named_backend(tmp_path, monkeypatch):
+    """The fast and gguf backends both run a LlamaTarget: a sampler given its target directly remembers no
+    curve (it once keyed both by the type, so `bench run --backend fast` priced its passes by the curve a
+    `--backend gguf` run had measured, and kept K at 4 where the float32 pass is flat to 9 positions), and
+    samplers of named backends keep one curve each."""
+    monkeypatch.setenv("SPECSAMPLE_CACHE", str(tmp_path / "cache"))
+    file = tmp_path / "model.gguf"
+    file.write_bytes(b"GGUF" + bytes(64))
+    loaded = LoadedModel(tiny_llama(vocab_size=64), None, "tiny", frozenset(), 0.0, file)
+    target = make_target(LoadedModel(loaded.model, None, "tiny", frozenset(), 0.0), "fast")
+    drafter = NoDrafter()
+    SpecSampler(loaded, target, drafter).cost_ratios()
+    assert not (tmp_path / "cache" / "cost-curve").exists()
+    for backend in ("fast", "gguf"):
+        sampler = SpecSampler(loaded, target, drafter, backend=backend)
+        assert sampler.backend == backend
+        sampler.cost_ratios()
+    assert len(list((tmp_path / "cache" / "cost-curve").iterdir())) == 2
 
 
 def test_a_target_with_a_short_context_measures_what_fits():

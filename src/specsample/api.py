@@ -145,21 +145,32 @@ class SpecSampler:
 
     `configuration` names the drafter, the K policy used when a call gives none, and why they
     were chosen; `backend` and `backend_reason` the target's backend as `load` resolved it
-    (`models.choice`); `verifier` verifies every draft (a check passes one broken on purpose).
+    (`models.choice`), or as the caller names it (`backend`; else the target's type, and its cost curve
+    is measured anew rather than remembered: the fast and gguf backends' targets are of one type);
+    `threads` as given to `load`; `verifier` verifies every draft (a check passes one broken on purpose).
     """
 
     verifier: ChainVerifier = ChainVerifier()
 
     def __init__(
-        self, model: LoadedModel, target: Target, drafter: Drafter, configuration: Configuration | None = None
+        self,
+        model: LoadedModel,
+        target: Target,
+        drafter: Drafter,
+        configuration: Configuration | None = None,
+        *,
+        backend: str | None = None,
+        threads: int | None = None,
     ) -> None:
         self.model = model
         self.target = target
         self.drafter = drafter
         self.configuration = configuration or given(type(drafter).__name__)
-        self.backend, self.backend_reason = type(target).__name__, "a target given directly"
+        self.named_backend = backend  # keys the remembered cost curve (`cost_ratios`)
+        self.backend = backend or type(target).__name__
+        self.backend_reason = "a target given directly"
         self.policies: dict[str, KPolicy] = {}
-        self.threads: int | None = None  # as given to `load`
+        self.threads = threads
         self._cost_ratios: dict[int, float] | None = None
 
     @classmethod
@@ -178,7 +189,7 @@ class SpecSampler:
         backend, reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
         loaded, target = load_target(model, backend, trust_remote_code=trust_remote_code, threads=threads)
         sampler = cls.build(loaded, target, drafter, backend=backend, trust_remote_code=trust_remote_code, threads=threads)
-        sampler.backend, sampler.backend_reason, sampler.threads = backend, reason, threads
+        sampler.backend_reason = reason
         return sampler
 
     @classmethod
@@ -197,7 +208,7 @@ class SpecSampler:
         configuration = default_configuration(target) if drafter is None else given(drafter)
         made = make_drafter(configuration.drafter, loaded, target, backend=backend, trust_remote_code=trust_remote_code,
                             threads=threads)
-        return cls(loaded, target, made, configuration)
+        return cls(loaded, target, made, configuration, backend=backend, threads=threads)
 
     def policy(self, k: int | str) -> KPolicy:
         """The K policy of a spec (`parse_k`), one per spec for the sampler's life, so that `auto`
@@ -209,11 +220,12 @@ class SpecSampler:
 
     def cost_ratios(self) -> dict[int, float]:
         """The target's f(n)/f(1) on this machine (`cost_curve.machine_ratios`), measured at the first
-        request under the cost model: remembered for a GGUF file, else measured once per sampler."""
+        request under the cost model: remembered for a GGUF file on a named backend, else measured once
+        per sampler."""
         if self._cost_ratios is None:
-            gguf = self.model.gguf
-            key = None if gguf is None else "|".join(
-                [conversion_dir(gguf).name, self.backend, type(self.target).__name__, str(self.threads), str(torch.get_num_threads())])
+            gguf, backend = self.model.gguf, self.named_backend
+            key = None if gguf is None or backend is None else "|".join(
+                [conversion_dir(gguf).name, backend, type(self.target).__name__, str(self.threads), str(torch.get_num_threads())])
             self._cost_ratios = machine_ratios(self.target, key)
         return self._cost_ratios
 

@@ -216,7 +216,9 @@ def engine_runner(config: Config, setup: Setup) -> Runner:
     else:
         drafter = make_drafter(config.drafter, setup.model, setup.target, backend=setup.backend,
                                trust_remote_code=setup.trust_remote_code, threads=setup.threads)
-    return EngineRunner(SpecSampler(setup.model, setup.target, drafter, given(config.drafter, config.k)), config)
+    sampler = SpecSampler(setup.model, setup.target, drafter, given(config.drafter, config.k), backend=setup.backend,
+                          threads=setup.threads)
+    return EngineRunner(sampler, config)
 
 
 class ChoiceCounter:
