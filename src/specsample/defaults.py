@@ -14,7 +14,8 @@ target's backend on this machine (BENCHMARKS.md), under the cost-model K policy.
   more bytes than the target. The llamacpp
   backend's copy (a lower-bit GGUF from llama.cpp's quantizer) runs on the same AVX-512 CPU
   but costs about a full target pass on the bundled model (docs/llamacpp-backend.md), where
-  the fast backend's int8 copy, with which `suffix+quantized` measured best, costs 0.29.
+  the fast backend's int8 copy, with which `suffix+quantized` measured best, costs 0.29, and its
+  copy of float32 weights read from a GGUF file (the file's own blocks) 0.14.
 - Any other backend (no quantized copy, or the fast backend on torch ops): the lookup drafter
   `suffix` with `--k auto`, which needs nothing from the backend and costs next to nothing.
 

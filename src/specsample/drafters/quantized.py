@@ -1,14 +1,15 @@
-"""The `quantized` drafter: the target's own weights in int8 as its draft model.
+"""The `quantized` drafter: the target's own weights, quantized, as its draft model.
 
-No second model and no training: a weight-only int8 copy of the target
-(models/quantize.py) drafts with its own KV cache, as a draft model does, so
+No second model and no training: a quantized copy of the target (an int8 copy,
+models/quantize.py; over float32 weights read from a GGUF file, the file's own
+blocks; `LlamaTarget.quantized_copy`) drafts with its own KV cache, as a draft model does, so
 drafts are sampled from the copy's distributions under the request's sampling
 transform and verification stays exact. `quantized-tree` adds alternative
 leaves at the copy's low-confidence positions (drafters/draft_model.py). The
 copy agrees with the target on almost every token; it pays off only where its forward pass is cheaper than
 the target's. On the C++ kernels it is: a draft step streams int8 weights, a
-quarter of the float32 target's bytes. On the torch fallback it is not (see
-BENCHMARKS.md).
+quarter of the float32 target's bytes, or a GGUF file's 4- to 8-bit blocks. On the
+torch fallback it is not (see BENCHMARKS.md).
 
 The copy is made by the target's backend (the `QuantizedCopies` capability;
 the fast backend's is an int8 copy on its own kernels). It fills its cache at
