@@ -146,7 +146,8 @@ def reject_without_residual(draft_tokens, draft_probs, target_probs, generator) 
     k = draft_tokens.shape[0]
     positions = torch.arange(k)
     draft_p = torch.ones(k) if draft_probs is None else draft_probs[positions, draft_tokens]
-    ok = torch.rand(k, generator=generator) * draft_p < target_probs[positions, draft_tokens]
+    target_p = torch.stack([target_probs[i][token] for i, token in enumerate(draft_tokens.tolist())]) if k else torch.ones(0)
+    ok = torch.rand(k, generator=generator) * draft_p < target_p
     accepted = int(leading_true(ok))
     return Verdict(accepted, sample(target_probs[accepted], generator))
 

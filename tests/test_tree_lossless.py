@@ -183,7 +183,7 @@ def no_residual_update(draft_tokens, parents, draft_probs, target_probs, generat
     """A broken verifier: siblings tried in turn as by recursive rejection sampling (a point mass as a
     one-hot row), but a rejected sibling leaves the residual unchanged, so its mass is drawn again."""
     if draft_probs is None:
-        draft_probs = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1]).float()
+        draft_probs = torch.nn.functional.one_hot(draft_tokens, target_probs[0].shape[-1]).float()
     children, tokens = children_of(parents), draft_tokens.tolist()
     path, row = [], 0
     while True:

@@ -63,3 +63,42 @@ def test_same_seed_same_verdicts():
         for gen in (torch.Generator().manual_seed(5), torch.Generator().manual_seed(5))
     ]
     assert runs[0] == runs[1]
+
+
+def counted_rows(table: torch.Tensor) -> tuple["Rows", list[int]]:
+    """`table` [n, width] as `sampling.Rows`, and the list of the rows it made, in order."""
+    from specsample.sampling import Rows
+
+    made: list[int] = []
+    return Rows(table.shape[0], lambda i: made.append(i) or table[i]), made
+
+
+def test_lazy_rows_give_the_tensors_verdicts_reading_rows_up_to_the_first_rejection():
+    """Over random chains, modified rejection sampling and coupled verification read target_probs (and
+    the noise) as `sampling.Rows` only up to the row of their verdict, and give the verdict they give
+    over whole tensors, the generator consumed alike: so a draft rejected at its first token costs one
+    row's sampling transform, not k + 1."""
+    from specsample.sampling import position_noise
+    from specsample.verify import coupled_tokens, coupled_verify
+
+    gen = torch.Generator().manual_seed(7)
+    reached = set()
+    for trial in range(300):
+        k, vocab = int(torch.randint(0, 6, (1,), generator=gen)), 8
+        target_probs = (torch.rand(k + 1, vocab, generator=gen) ** 4).softmax(-1)
+        draft_probs = None if trial % 2 else (torch.rand(k, vocab, generator=gen) ** 4).softmax(-1)
+        seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+        noise = torch.stack([position_noise(seed, i, vocab) for i in range(k + 1)])
+        # a third of the chains are the target's own coupled tokens, accepted whole by coupled verification
+        tokens = coupled_tokens(target_probs, noise)[:k] if trial % 3 == 0 else torch.randint(0, vocab, (k,), generator=gen)
+        whole = rejection_sample(tokens, draft_probs, target_probs, torch.Generator().manual_seed(seed))
+        rows, made = counted_rows(target_probs)
+        lazy = rejection_sample(tokens, draft_probs, rows, torch.Generator().manual_seed(seed))
+        assert lazy == whole and made == list(range(whole.accepted + 1))
+        whole = coupled_verify(tokens, target_probs, noise)
+        rows, made = counted_rows(target_probs)
+        noise_rows, noise_made = counted_rows(noise)
+        assert coupled_verify(tokens, rows, noise_rows) == whole
+        assert made == noise_made == list(range(whole.accepted + 1))
+        reached.add((k, whole.accepted))
+    assert {(k, 0) for k in range(1, 6)} <= reached and (5, 5) in reached  # early rejections and whole chains

@@ -37,7 +37,7 @@ variation distance, which is near the 1 - TV of the best coupling
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -89,6 +89,40 @@ def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
         probs = probs * keep
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+class Rows:
+    """The rows [width] of an [n, width] table, each made on first read and kept: a verification step's
+    target_probs (`target_rows`), or a coupled source's noise.
+
+    Verification reads rows only up to the first rejected draft token, so a step pays the sampling
+    transform (and at a coupled source the noise and the Gumbel-max) for the rows it reaches, not for
+    all k + 1. That work is about 0.2 ms a row over a 49k vocabulary with the CPU's caches cold after
+    a pass, on the bundled model's blocks as much as the pass's own cost of an extra row (Intel Xeon,
+    AVX-512), and a lookup drafter's draft at temperature 1 is mostly rejected at its first token.
+    Indexing is by one row, as a tensor's `table[i]`, so the verifiers take either.
+    """
+
+    def __init__(self, count: int, make: Callable[[int], Tensor]) -> None:
+        self.count, self.make = count, make
+        self.made: dict[int, Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> Tensor:
+        if not 0 <= i < self.count:
+            raise IndexError(f"row {i} of {self.count}")
+        row = self.made.get(i)
+        if row is None:
+            row = self.made[i] = self.make(i)
+        return row
+
+
+def target_rows(logits: Tensor, params: SamplingParams) -> Rows:
+    """The sampling distributions [vocab] of the rows of `logits` [n, vocab] (`probs_from_logits`), each
+    computed when first read. A row's distribution does not depend on the other rows."""
+    return Rows(logits.shape[0], lambda i: probs_from_logits(logits[i], params))
 
 
 def draft_confidence(logits: Tensor, probs: Tensor, params: SamplingParams) -> float:
@@ -260,15 +294,15 @@ class RandomSource(Protocol):
         ...
 
     def verify(
-        self, verifier: ChainVerifier, draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor
+        self, verifier: ChainVerifier, draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor | Rows
     ) -> Verdict:
         """Verify a chain draft (`draft_tokens` [k], `draft_probs` [k, vocab] or None, `target_probs`
-        [k + 1, vocab]) with the rule of `verifier` that fits these numbers."""
+        [k + 1, vocab], a tensor or `Rows`) with the rule of `verifier` that fits these numbers."""
         ...
 
     def verify_tree(
         self, verifier: TreeVerifier, draft_tokens: Tensor, parents: Tensor, draft_probs: Tensor | None,
-        target_probs: Tensor,
+        target_probs: Tensor | Rows,
     ) -> Verdict:
         """Verify a tree draft (`verify.tree`: `parents` [n], `target_probs` [n + 1, vocab]) with the rule
         of `verifier` that fits these numbers."""
@@ -290,13 +324,13 @@ class GeneratorSource:
         return sample(probs, self.generator)
 
     def verify(
-        self, verifier: ChainVerifier, draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor
+        self, verifier: ChainVerifier, draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor | Rows
     ) -> Verdict:
         return verifier.sample(draft_tokens, draft_probs, target_probs, self.generator)
 
     def verify_tree(
         self, verifier: TreeVerifier, draft_tokens: Tensor, parents: Tensor, draft_probs: Tensor | None,
-        target_probs: Tensor,
+        target_probs: Tensor | Rows,
     ) -> Verdict:
         return verifier.sample(draft_tokens, parents, draft_probs, target_probs, self.generator)
 
@@ -332,17 +366,16 @@ class CoupledSource:
         return int(gumbel_max(probs, self.noise(offset, probs.shape[-1])))
 
     def verify(
-        self, verifier: ChainVerifier, draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor
+        self, verifier: ChainVerifier, draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor | Rows
     ) -> Verdict:
-        vocab = target_probs.shape[-1]
-        noise = torch.stack([self.noise(i, vocab) for i in range(target_probs.shape[0])])  # [k + 1, vocab]
-        return verifier.coupled(draft_tokens, target_probs, noise)
+        vocab = target_probs[0].shape[-1]  # row 0 is read by every verification
+        return verifier.coupled(draft_tokens, target_probs, Rows(len(target_probs), lambda i: self.noise(i, vocab)))
 
     def verify_tree(
         self, verifier: TreeVerifier, draft_tokens: Tensor, parents: Tensor, draft_probs: Tensor | None,
-        target_probs: Tensor,
+        target_probs: Tensor | Rows,
     ) -> Verdict:
-        vocab = target_probs.shape[-1]
+        vocab = target_probs[0].shape[-1]
         return verifier.coupled(draft_tokens, parents, target_probs, lambda offset: self.noise(offset, vocab))
 
 

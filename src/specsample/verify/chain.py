@@ -26,31 +26,30 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specsample.sampling import RandomSource, SamplingParams, probs_from_logits, sample
+from specsample.sampling import RandomSource, Rows, SamplingParams, sample, target_rows
 from specsample.verify.coupled import coupled_verify
 from specsample.verify.tree import TreeVerifier
-from specsample.verify.verdict import Verdict, leading_true, match_tokens
+from specsample.verify.verdict import Verdict, match_tokens
 
 
 def rejection_sample(
     draft_tokens: Tensor,
     draft_probs: Tensor | None,
-    target_probs: Tensor,
+    target_probs: Tensor | Rows,
     generator: torch.Generator,
 ) -> Verdict:
-    """Modified rejection sampling over one chain of draft tokens."""
+    """Modified rejection sampling over one chain of draft tokens, reading target_probs only up to the
+    first rejection (`sampling.Rows`: the rows after it are never computed)."""
     k = draft_tokens.shape[0]
-    positions = torch.arange(k)
-    target_p = target_probs[positions, draft_tokens]  # [k]
-    draft_p = torch.ones(k) if draft_probs is None else draft_probs[positions, draft_tokens]  # [k]
     uniform = torch.rand(k, generator=generator)  # [k]
-    accepted = int(leading_true(uniform * draft_p < target_p))
-    if accepted == k:
-        return Verdict(k, sample(target_probs[k], generator))
-    return Verdict(accepted, sample(residual(draft_tokens, draft_probs, target_probs, accepted), generator))
+    for i, token in enumerate(draft_tokens.tolist()):
+        draft_p = 1.0 if draft_probs is None else draft_probs[i, token]
+        if not bool(uniform[i] * draft_p < target_probs[i][token]):
+            return Verdict(i, sample(residual(draft_tokens, draft_probs, target_probs, i), generator))
+    return Verdict(k, sample(target_probs[k], generator))
 
 
-def residual(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor, i: int) -> Tensor:
+def residual(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor | Rows, i: int) -> Tensor:
     """norm(max(0, target_probs[i] - draft_probs[i])) [vocab], the recovery distribution."""
     if draft_probs is None:
         diff = target_probs[i].clone()
@@ -71,14 +70,15 @@ def greedy_verify(draft_tokens: Tensor, target_logits: Tensor) -> Verdict:
 @dataclass(frozen=True)
 class ChainVerifier:
     """Verifies a chain draft against the target's logits [k + 1, vocab]: `greedy` at temperature 0;
-    else, over the target_probs of the request's sampling transform, the rule its `RandomSource`
-    picks: `sample` (modified rejection sampling) for independent draws from a generator,
-    `coupled` (token comparison, `verify.coupled`) for numbers keyed by output position. The engine
+    else, over the target_probs of the request's sampling transform (`sampling.target_rows`: each row
+    computed when the rule first reads it), the rule its `RandomSource` picks: `sample` (modified
+    rejection sampling) for independent draws from a generator, `coupled` (token comparison,
+    `verify.coupled`) for numbers keyed by output position. The engine
     takes one as an argument, so a check can pass a verifier broken on purpose (`verify.check.BROKEN`);
     `tree` verifies tree drafts under the same rules (`verify.tree`)."""
 
-    sample: Callable[[Tensor, Tensor | None, Tensor, torch.Generator], Verdict] = rejection_sample
-    coupled: Callable[[Tensor, Tensor, Tensor], Verdict] = coupled_verify
+    sample: Callable[[Tensor, Tensor | None, Tensor | Rows, torch.Generator], Verdict] = rejection_sample
+    coupled: Callable[[Tensor, Tensor | Rows, Tensor | Rows], Verdict] = coupled_verify
     greedy: Callable[[Tensor, Tensor], Verdict] = greedy_verify
     tree: TreeVerifier = TreeVerifier()
 
@@ -92,4 +92,4 @@ class ChainVerifier:
     ) -> Verdict:
         if params.greedy:
             return self.greedy(draft_tokens, target_logits)
-        return random.verify(self, draft_tokens, draft_probs, probs_from_logits(target_logits, params))
+        return random.verify(self, draft_tokens, draft_probs, target_rows(target_logits, params))

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from specsample.sampling import gumbel_max
-from specsample.verify.verdict import Verdict, match_tokens
+from specsample.sampling import Rows, gumbel_max
+from specsample.verify.verdict import Verdict
 
 
 def coupled_tokens(target_probs: Tensor, noise: Tensor) -> Tensor:
@@ -40,7 +40,13 @@ def coupled_tokens(target_probs: Tensor, noise: Tensor) -> Tensor:
     return gumbel_max(target_probs, noise)
 
 
-def coupled_verify(draft_tokens: Tensor, target_probs: Tensor, noise: Tensor) -> Verdict:
+def coupled_verify(draft_tokens: Tensor, target_probs: Tensor | Rows, noise: Tensor | Rows) -> Verdict:
     """Accept draft tokens [k] while each equals the target's coupled token (target_probs [k + 1, vocab],
-    noise [k + 1, vocab]), then emit the coupled token at the first mismatch or after the draft."""
-    return match_tokens(draft_tokens, coupled_tokens(target_probs, noise))
+    noise [k + 1, vocab]: tensors, or `sampling.Rows` read only up to the first mismatch), then emit
+    the coupled token at the first mismatch or after the draft."""
+    for i, token in enumerate(draft_tokens.tolist()):
+        coupled = int(gumbel_max(target_probs[i], noise[i]))
+        if coupled != token:
+            return Verdict(i, coupled)
+    k = draft_tokens.shape[0]
+    return Verdict(k, int(gumbel_max(target_probs[k], noise[k])))

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specsample.sampling import RandomSource, SamplingParams, gumbel_max, probs_from_logits, sample
+from specsample.sampling import RandomSource, Rows, SamplingParams, gumbel_max, sample, target_rows
 from specsample.tree import children_of
 from specsample.verify.verdict import Verdict
 
@@ -78,7 +78,7 @@ def greedy_verify_tree(draft_tokens: Tensor, parents: Tensor, target_logits: Ten
 
 
 def coupled_verify_tree(
-    draft_tokens: Tensor, parents: Tensor, target_probs: Tensor, noise: Callable[[int], Tensor]
+    draft_tokens: Tensor, parents: Tensor, target_probs: Tensor | Rows, noise: Callable[[int], Tensor]
 ) -> Verdict:
     """The path of the target's coupled tokens: at a node of depth d, gumbel_max(target_probs[row],
     noise(d)), `noise(d)` [vocab] the Gumbel noise of output offset d."""
@@ -89,7 +89,7 @@ def rejection_sample_tree(
     draft_tokens: Tensor,
     parents: Tensor,
     draft_probs: Tensor | None,
-    target_probs: Tensor,
+    target_probs: Tensor | Rows,
     generator: torch.Generator,
 ) -> Verdict:
     """Point-mass children: the walk of the target's own draws. Sampled children: recursive rejection
@@ -126,12 +126,13 @@ def subtract(residual: Tensor, draft: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class TreeVerifier:
     """Verifies a tree draft against the target's logits [n + 1, vocab]: `greedy` at temperature 0; else,
-    over the target_probs of the request's sampling transform, the rule its `RandomSource` picks
+    over the target_probs of the request's sampling transform (`sampling.target_rows`: a row is
+    computed when the walk reaches its node), the rule its `RandomSource` picks
     (`RandomSource.verify_tree`): `sample` for independent draws from a generator, `coupled` for
     numbers keyed by output position. A test passes one broken on purpose."""
 
-    sample: Callable[[Tensor, Tensor, Tensor | None, Tensor, torch.Generator], Verdict] = rejection_sample_tree
-    coupled: Callable[[Tensor, Tensor, Tensor, Callable[[int], Tensor]], Verdict] = coupled_verify_tree
+    sample: Callable[[Tensor, Tensor, Tensor | None, Tensor | Rows, torch.Generator], Verdict] = rejection_sample_tree
+    coupled: Callable[[Tensor, Tensor, Tensor | Rows, Callable[[int], Tensor]], Verdict] = coupled_verify_tree
     greedy: Callable[[Tensor, Tensor, Tensor], Verdict] = greedy_verify_tree
 
     def __call__(
@@ -141,5 +142,4 @@ class TreeVerifier:
         """The verdict on the tree `draft_tokens` [n] with `parents` [n] (`verify.tree`)."""
         if params.greedy:
             return self.greedy(draft_tokens, parents, target_logits)
-        target_probs = probs_from_logits(target_logits, params)
-        return random.verify_tree(self, draft_tokens, parents, draft_probs, target_probs)
+        return random.verify_tree(self, draft_tokens, parents, draft_probs, target_rows(target_logits, params))
