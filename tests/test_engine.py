@@ -194,3 +194,30 @@ def test_plain_steps_of_a_greedy_request_look_at_a_lookup_drafter_without_changi
         assert len(steps[j]) == 1 and peeked == replay.lookup(1)  # a plain step, the drafter's next token
         assert told == (bool(peeked), bool(peeked) and peeked[0] == steps[j][0])
     assert {accepted for _, accepted in policy.peeks} == {True, False}  # hits and misses both checked
+
+
+class ObservingDrafter(NoDrafter):
+    """Proposes nothing, but asks to be shown each pass's logits, and takes `seconds` to look at them."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.shown = seconds, 0
+
+    def propose(self, k, random):
+        from specsample.drafters.base import Draft
+
+        return Draft(torch.empty(0, dtype=torch.long), None, observe_logits=self.look)
+
+    def look(self, logits):
+        import time
+
+        self.shown += 1
+        time.sleep(self.seconds)
+
+
+def test_the_drafters_look_at_the_logits_counts_as_drafting_not_as_the_pass(target_model):
+    """A step's `observe_logits` time is the drafter's: charged to the pass, a drafter asked for a draft
+    it did not have would make f(1) look dearer and the K policy would never see what asking costs."""
+    drafter, stats = ObservingDrafter(0.02), Stats()
+    run(make_target_of(target_model), drafter, k=2, max_new_tokens=5, stats=stats)
+    assert drafter.shown == stats.steps - 1 == 4  # the last step, one token short of the limit, asks for none
+    assert stats.draft_seconds >= 4 * 0.02 > stats.verify_seconds
