@@ -191,3 +191,46 @@ def test_check_broken_verifier_breaks_trees_too():
         eos_token_ids=frozenset(), random=GeneratorSource(make_generator(0)), stats=stats, verifier=BROKEN,
     )
     assert [t for step in steps for t in step] != plain
+
+
+class PathDrafter(NoDrafter):
+    """Drafts the target's own greedy continuation as a tree whose nodes form one path, or as a tree of
+    two siblings, on alternate steps."""
+
+    is_lookup = True
+
+    def __init__(self, continuation: list[int]) -> None:
+        self.continuation, self.produced, self.steps = continuation, 0, 0
+
+    def begin(self, prompt_ids, params) -> None:
+        self.produced, self.steps = 0, 0
+
+    def propose(self, k, random) -> Draft:
+        self.steps += 1
+        ahead = self.continuation[self.produced : self.produced + k]
+        if self.steps % 2 or len(ahead) < 2:
+            return Draft.tree(ahead, list(range(-1, len(ahead) - 1)))
+        return Draft.tree(ahead[:2], [-1, -1])  # the right token, then a sibling
+
+    def observe(self, tokens: list[int]) -> None:
+        self.produced += len(tokens)
+
+
+def test_a_tree_whose_nodes_form_one_path_is_verified_as_a_chain():
+    """A path-shaped tree takes the chain's pass (`score`, not `score_tree`) and gives the same text; its
+    verdict still names the accepted nodes, so the tree statistics count them by depth and rank."""
+    model = tiny_llama(VOCAB, seed=3, init_scale=0.5)
+    target = make_target(loaded(model))
+    greedy = SamplingParams(temperature=0)
+    plain, _ = run(target, NoDrafter(), greedy, 0, new=24)
+    trees = []
+    score_tree = target.score_tree
+    target.score_tree = lambda tokens, parents: trees.append(len(tokens)) or score_tree(tokens, parents)
+    try:
+        out, stats = run(target, PathDrafter(plain), greedy, 3, new=24)
+    finally:
+        del target.score_tree
+    assert out == plain
+    assert trees and all(n == 3 for n in trees)  # only the two-sibling trees: the pending token and 2 nodes
+    assert stats.tree_steps == stats.steps and stats.accepted_tokens > len(trees)  # the paths' nodes counted
+    assert stats.accepted_in_tree.get((0, 0), 0) > 0 and stats.accepted_in_tree.get((2, 0), 0) > 0
