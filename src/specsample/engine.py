@@ -16,8 +16,9 @@ which drafter it holds.
 A draft may be a tree (`Draft.parents`, drafted only for targets that declare
 `ScoresTrees`): the step scores [pending, nodes...] in one pass with tree
 attention, verifies with `verify.tree`, and keeps the accepted path's keys and
-values as the cache's next positions (`keep_path`). A draft that carries an
-`observe_logits` hook is shown the pass's logits. At a plain step of a greedy
+values as the cache's next positions (`keep_path`); a tree whose nodes form one
+path is verified as the chain it is. A draft that carries an `observe_logits`
+hook is shown the pass's logits, and the time that takes is the drafter's. At a plain step of a greedy
 request, a K policy that learns from it is shown a lookup drafter's next token
 and whether the step emitted it (`peek`, `policy.Peeks`).
 """
@@ -72,7 +73,7 @@ def decode(
             peeked = peek(drafter, policy, k, numbers) if looking else None
             draft, cut = kept(draft, policy)
             t_verify = perf_counter()
-            verdict, observing = verify_step(target, pending, draft, params, numbers, verifier)
+            verdict, observing = verify(target, pending, draft, params, numbers, verifier)
             t_other = perf_counter()
             emitted = draft.tokens[verdict.nodes].tolist() + [verdict.next_token]
             drafter.observe(emitted)
@@ -114,29 +115,6 @@ def kept(draft: Draft, policy: KPolicy) -> tuple[Draft, int]:
     return short, len(draft) - len(short)
 
 
-def verify_step(
-    target: Target,
-    pending: int,
-    draft: Draft,
-    params: SamplingParams,
-    random: RandomSource,
-    verifier: ChainVerifier,
-) -> tuple[Verdict, float]:
-    """Verify a step's draft: a tree with tree attention (`verify_tree`), unless its nodes form one path
-    (each node's parent the node before it, or no node: a tree the K policy cut to its trunk, a drafter
-    with one continuation), which is scored and verified as a chain: `verify.tree`'s rule at one child a
-    node is the chain's, and the chain's way costs less (the verification of a `suffix-tree` draft cut
-    to one node took 4.52 ms as a tree, 3.68 as a chain, medians of `benchmarks/policy_trace.py`'s
-    steps: bundled model, blocks, t = 1, Intel Xeon).
-    The verdict then names its accepted nodes as a tree's does, for the statistics by depth and rank."""
-    if draft.is_tree and not torch.equal(draft.parents, chain_parents(len(draft))):
-        return verify_tree(target, pending, draft, params, random, verifier.tree)
-    verdict, observing = verify(target, pending, draft, params, random, verifier)
-    if draft.is_tree:
-        verdict = replace(verdict, path=tuple(range(verdict.accepted)))
-    return verdict, observing
-
-
 def verify(
     target: Target,
     pending: int,
@@ -146,12 +124,24 @@ def verify(
     verifier: ChainVerifier,
 ) -> tuple[Verdict, float]:
     """Score [pending, draft_tokens] in one pass, verify with `random` (offset 0: the first draft
-    position), and roll the cache back. Also the seconds the draft's `observe_logits` took."""
+    position), and roll the cache back; also the seconds the draft's `observe_logits` took.
+
+    A tree goes to `verify_tree` (tree attention), unless its nodes form one path (each node's parent
+    the node before it, or no node: a tree the K policy cut to its trunk, a drafter with one
+    continuation), which is verified here as a chain: `verify.tree`'s rule at one child a node is the
+    chain's, and the chain's way costs less (the verification of a `suffix-tree` draft cut to one node
+    took 4.52 ms as a tree, 3.68 as a chain, medians of `benchmarks/policy_trace.py`'s steps: bundled
+    model, blocks, t = 1, Intel Xeon). Its verdict then names the accepted nodes as a tree's does, for
+    the statistics by depth and rank."""
+    if draft.is_tree and not torch.equal(draft.parents, chain_parents(len(draft))):
+        return verify_tree(target, pending, draft, params, random, verifier.tree)
     start = target.length
     logits = target.score(scored_rows(pending, draft))  # [k + 1, vocab]
     observing = observe(draft, logits)
     verdict = verifier(draft.tokens, draft.probs, logits, params, random)
     target.rollback(start + 1 + verdict.accepted)
+    if draft.is_tree:
+        verdict = replace(verdict, path=tuple(range(verdict.accepted)))
     return verdict, observing
 
 
