@@ -18,9 +18,9 @@ A draft may be a tree (`Draft.parents`, drafted only for targets that declare
 attention, verifies with `verify.tree`, and keeps the accepted path's keys and
 values as the cache's next positions (`keep_path`); a tree whose nodes form one
 path is verified as the chain it is. A draft that carries an `observe_logits`
-hook is shown the pass's logits, and the time that takes is the drafter's. At a plain step of a greedy
-request, a K policy that learns from it is shown a lookup drafter's next token
-and whether the step emitted it (`peek`, `policy.Peeks`).
+hook is shown the pass's logits, and the time that takes is the drafter's. At a
+plain step of a greedy request, a K policy that learns from it is shown a lookup
+drafter's next token and whether the step emitted it (`peek`, `policy.Peeks`).
 """
 
 from __future__ import annotations
