@@ -207,7 +207,7 @@ class ObservingDrafter(NoDrafter):
 
         return Draft(torch.empty(0, dtype=torch.long), None, observe_logits=self.look)
 
-    def look(self, logits):
+    def look(self, scored, logits):
         import time
 
         self.shown += 1

@@ -168,12 +168,49 @@ def test_tree_size_policy_keeps_the_nodes_that_pay():
     policy.observe_cost(1, 1.0)
     policy.observe_cost(9, 2.0)
     parents = torch.full((8,), -1)
-    assert policy.keep_tree(parents) == 2
+    assert policy.keep_tree(parents).tolist() == [0, 1]
     for _ in range(20):
         policy.observe(Step(3, 1, 2, 0.0, 2.0, torch.tensor([-1, -1]), (1,)))  # rank 1 accepted, rank 0 not
     assert policy.tree_rate(0, 1) > 0.9 and policy.tree_rate(0, 0) < 0.1
-    assert policy.keep_tree(parents) == 2  # rank 1 now pays alone, rank 0 is kept to reach it
-    assert policy.keep_tree(torch.tensor([-1, -1, 1, 1])) == 4  # and rank 1's children (prior) too
+    assert policy.keep_tree(parents).tolist() == [0, 1]  # rank 1 now pays alone, rank 0 is kept to reach it
+    assert policy.keep_tree(torch.tensor([-1, -1, 1, 1])).tolist() == [0, 1, 2, 3]  # and rank 1's children (prior) too
+
+
+def test_tree_size_policy_leaves_out_alternatives_that_pay_less_than_going_deeper():
+    """The quantized copy's tree: a chain, each node followed by an alternative sibling. With the chain
+    measured almost always accepted and the alternatives almost never, the policy verifies the chain
+    and none of the alternatives listed between its nodes (a prefix in node order would have to take
+    them); the kept draft is a tree of the chain's tokens, parents renumbered."""
+    from specsample.stats import Step
+
+    policy = CostModelK()
+    policy.observe_cost(1, 1.0)
+    policy.observe_cost(9, 1.5)
+    parents = torch.tensor([-1, -1, 0, 0, 2, 2, 4, 4])  # chain nodes 0, 2, 4, 6; alternatives 1, 3, 5, 7
+    for _ in range(30):  # a chain of 4 accepted whole, its alternatives reached and rejected
+        policy.observe(Step(8, 4, 5, 0.0, 1.5, parents, (0, 2, 4, 6)))
+    kept = policy.keep_tree(parents)
+    assert kept.tolist() == [0, 2, 4, 6]
+    draft = Draft.tree([10, 11, 12, 13, 14, 15, 16, 17], parents.tolist()).select(kept)
+    assert draft.tokens.tolist() == [10, 12, 14, 16] and draft.parents.tolist() == [-1, 0, 1, 2]
+    picked = Draft.tree([10, 11, 12, 13], [-1, -1, 0, 1]).select(torch.tensor([0, 1, 3]))
+    assert picked.tokens.tolist() == [10, 11, 13] and picked.parents.tolist() == [-1, -1, 1]
+
+
+def test_the_logits_hook_sees_the_tokens_of_the_subtree_verified():
+    """Token Recycling refreshes its table from the rows a pass scored: with nodes left out by the policy,
+    the hook is shown the tokens verified, each with its own row."""
+    model = tiny_llama(VOCAB, seed=3, init_scale=0.5)
+    target = make_target(loaded(model))
+    shown = []
+    draft = Draft.tree([5, 9, 13, 2], [-1, -1, 0, 2], lambda scored, logits: shown.append((scored, logits)))
+    target.prefill(PROMPT[:-2])
+    engine.verify(target, int(PROMPT[-2]), draft.select(torch.tensor([0, 2, 3])), SamplingParams(temperature=0),
+                  GeneratorSource(make_generator(0)), engine.ChainVerifier())
+    (scored, logits), = shown
+    assert scored.tolist() == [int(PROMPT[-2]), 5, 13, 2]
+    target.prefill(PROMPT[:-2])
+    assert torch.allclose(logits, target.score(scored), atol=1e-4)
 
 
 def test_check_broken_verifier_breaks_trees_too():

@@ -102,14 +102,14 @@ def decode(
 
 
 def kept(draft: Draft, policy: KPolicy) -> tuple[Draft, int]:
-    """The prefix of `draft` the policy verifies, and how many draft tokens it leaves out (drafted, so
+    """The part of `draft` the policy verifies, and how many draft tokens it leaves out (drafted, so
     paid for, but not verified): a prefix chosen on the drafter's confidences (`KPolicy.keep`), or for a
-    tree of point masses on its shape (`keep_tree`); a sampled tree's shape depends on its draws, so it
-    is kept whole."""
+    tree of point masses a subtree chosen on its shape (`keep_tree`); a sampled tree's shape depends on
+    its draws, so it is kept whole."""
     if draft.confidence is not None:
         short = draft.prefix(policy.keep(draft.confidence))
     elif draft.is_tree and draft.probs is None:
-        short = draft.prefix(policy.keep_tree(draft.parents))
+        short = draft.select(policy.keep_tree(draft.parents))
     else:
         return draft, 0
     return short, len(draft) - len(short)
@@ -136,8 +136,9 @@ def verify(
     if draft.is_tree and not torch.equal(draft.parents, chain_parents(len(draft))):
         return verify_tree(target, pending, draft, params, random, verifier.tree)
     start = target.length
-    logits = target.score(scored_rows(pending, draft))  # [k + 1, vocab]
-    observing = observe(draft, logits)
+    scored = scored_rows(pending, draft)  # [k + 1]
+    logits = target.score(scored)  # [k + 1, vocab]
+    observing = observe(draft, scored, logits)
     verdict = verifier(draft.tokens, draft.probs, logits, params, random)
     target.rollback(start + 1 + verdict.accepted)
     if draft.is_tree:
@@ -157,15 +158,17 @@ def verify_tree(
     the accepted path in the cache. Also the seconds the draft's `observe_logits` took."""
     start = target.length
     parents = torch.cat([torch.tensor([-1]), draft.parents + 1])  # [n + 1]: node i is row i + 1
-    logits = target.score_tree(torch.cat([torch.tensor([pending]), draft.tokens]), parents)  # [n + 1, vocab]
-    observing = observe(draft, logits)
+    scored = scored_rows(pending, draft)  # [n + 1]
+    logits = target.score_tree(scored, parents)  # [n + 1, vocab]
+    observing = observe(draft, scored, logits)
     verdict = verifier(draft.tokens, draft.parents, draft.probs, logits, params, random)
     target.keep_path(start, [0] + [node + 1 for node in verdict.path])
     return verdict, observing
 
 
-def observe(draft: Draft, logits: Tensor) -> float:
-    """Show the pass's logits to the draft's `observe_logits` hook, if it has one; the seconds it took.
+def observe(draft: Draft, scored: Tensor, logits: Tensor) -> float:
+    """Show the pass's tokens `scored` [n + 1] and logits [n + 1, vocab] to the draft's `observe_logits`
+    hook, if it has one; the seconds it took.
 
     The hook is the drafter's work (Token Recycling refreshes its table from every row it is shown,
     about 0.25 ms a row over a 49k vocabulary), so the step counts it as drafting, not as the target's
@@ -175,7 +178,7 @@ def observe(draft: Draft, logits: Tensor) -> float:
     if draft.observe_logits is None:
         return 0.0
     start = perf_counter()
-    draft.observe_logits(logits)
+    draft.observe_logits(scored, logits)
     return perf_counter() - start
 
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from specsample.stats import Step
@@ -37,8 +38,10 @@ class KPolicy(Protocol):
         """How many tokens of a draft to verify, given the drafter's confidence in each [k]."""
         ...
 
-    def keep_tree(self, parents: Tensor) -> int:
-        """How many nodes of a point-mass tree draft to verify (a prefix: a tree), given its `parents` [n]."""
+    def keep_tree(self, parents: Tensor) -> Tensor:
+        """Which nodes of a point-mass tree draft to verify, given its `parents` [n]: their indices,
+        ascending, a set that holds each kept node's parent and earlier siblings (so still a tree, whose
+        nodes keep their depths and sibling ranks)."""
         ...
 
     def observe(self, step: Step) -> None:
@@ -110,8 +113,8 @@ class FixedK:
     def keep(self, confidence: Tensor) -> int:
         return len(confidence)
 
-    def keep_tree(self, parents: Tensor) -> int:
-        return len(parents)
+    def keep_tree(self, parents: Tensor) -> Tensor:
+        return torch.arange(len(parents))
 
     def observe(self, step: Step) -> None:
         pass
@@ -140,8 +143,8 @@ class HeuristicK:
     def keep(self, confidence: Tensor) -> int:
         return len(confidence)
 
-    def keep_tree(self, parents: Tensor) -> int:
-        return len(parents)
+    def keep_tree(self, parents: Tensor) -> Tensor:
+        return torch.arange(len(parents))
 
     def observe(self, step: Step) -> None:
         if step.drafted == 0:
@@ -218,8 +221,9 @@ class CostModelK:
     emit 1 + sum_i P(accepted >= i | verified) P(not cut >= i), the second
     measured over the drafted positions.
 
-    Tree drafts (`Draft.parents`): K is the node budget, and the prefix of the
-    tree that is verified (`keep_tree`) is the one with the most expected tokens
+    Tree drafts (`Draft.parents`): K is the node budget, and the subtree that is
+    verified (`keep_tree`: nodes best first, each with its parent and earlier
+    siblings) is the one with the most expected tokens
     per second of verification: node i is accepted with probability the product,
     over its path, of the acceptance measured at each node's depth and sibling
     rank (`tree_reached`, `tree_accepted`, decayed like the counts above, from a
@@ -325,14 +329,21 @@ class CostModelK:
         self.kept_confidence = raw[:n]
         return n
 
-    def keep_tree(self, parents: Tensor) -> int:
-        """The prefix of the tree with the most expected tokens per second of its verification pass."""
+    def keep_tree(self, parents: Tensor) -> Tensor:
+        """The nodes with the most expected tokens per second of their verification pass.
+
+        Nodes are taken best first, by their acceptance capped by their parent's and their earlier
+        sibling's place (`tree_priority`), so every set taken holds each node's parent and earlier
+        siblings, and the best-paying number of them is kept. Not a prefix in node order: a drafter
+        that lists a position's alternatives before the next position's likely token (the quantized
+        copy's tree) has the alternatives left out where they pay less than going deeper."""
         if not len(parents):
-            return 0
+            return torch.arange(0)
         accepted = self.node_acceptance(parents)  # [n] P(node i is accepted)
-        tokens = 1 + np.concatenate([[0.0], np.cumsum(accepted)])  # [n + 1] with the first n nodes
+        order = np.argsort(-tree_priority(parents, accepted), kind="stable")  # [n] best first, ties by index
+        tokens = 1 + np.concatenate([[0.0], np.cumsum(accepted[order])])  # [n + 1] with the first n taken
         seconds = self.target_seconds(np.arange(1.0, len(parents) + 2))  # [n + 1] f(1 + n)
-        return int(np.argmax(tokens / seconds))
+        return torch.from_numpy(np.sort(order[: int(np.argmax(tokens / seconds))]))
 
     def node_acceptance(self, parents: Tensor) -> np.ndarray:
         """[n] P(node i is accepted): the product over its path of the acceptance at (depth, rank)."""
@@ -679,6 +690,21 @@ class BatchCostModelK(CostModelK):
 
     def estimates(self) -> dict:
         return {**super().estimates(), "policy": "cost-model-batch", "other_rows": self.other_rows}
+
+
+def tree_priority(parents: Tensor, accepted: np.ndarray) -> np.ndarray:
+    """[n] each node's acceptance `accepted` [n], capped by its parent's priority and its previous
+    sibling's: nonincreasing down every path and along every node's siblings, so the nodes of highest
+    priority (ties to the lower index) are closed under parent and earlier sibling."""
+    priority = accepted.copy()
+    last: dict[int, int] = {}  # parent -> its latest child so far
+    for i, parent in enumerate(parents.tolist()):
+        if parent >= 0:
+            priority[i] = min(priority[i], priority[parent])
+        if parent in last:
+            priority[i] = min(priority[i], priority[last[parent]])
+        last[parent] = i
+    return priority
 
 
 def running_sums(values: Sequence[float]) -> list[float]:

@@ -48,9 +48,10 @@ class Draft:
     # [k] int64: the index of each node's parent in `tokens`, -1 for a child of the pending token
     # (`specsample.tree`: every parent before its node); None for a chain (parents i - 1).
     parents: Tensor | None = None
-    # Called by the engine with the target's logits of the scored draft, [k + 1, vocab] (row 0: the
-    # pending token, row i + 1: node i), for drafters that learn from them (drafters/recycle.py).
-    observe_logits: Callable[[Tensor], None] | None = None
+    # Called by the engine with the tokens a pass scored, [pending, draft_tokens...] [k + 1], and their
+    # logits [k + 1, vocab] (of the draft as verified: the K policy may have left nodes out), for
+    # drafters that learn from them (drafters/recycle.py).
+    observe_logits: Callable[[Tensor, Tensor], None] | None = None
 
     @staticmethod
     def empty() -> "Draft":
@@ -70,6 +71,20 @@ class Draft:
             return None if t is None else t[:n]
 
         return Draft(self.tokens[:n], cut(self.probs), cut(self.confidence), cut(self.parents), self.observe_logits)
+
+    def select(self, nodes: Tensor) -> "Draft":
+        """The draft of the nodes `nodes` [m] (ascending indices, each node's parent among them), their
+        parents renumbered: a subtree of a tree, or of a chain a prefix."""
+        if self.parents is None or torch.equal(nodes, torch.arange(len(nodes))):
+            return self.prefix(len(nodes))
+        index = torch.full((len(self) + 1,), -1, dtype=torch.long)  # old index + 1 -> new index; 0: the root
+        index[nodes + 1] = torch.arange(len(nodes))
+
+        def pick(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[nodes]
+
+        parents = index[self.parents[nodes] + 1]
+        return Draft(self.tokens[nodes], pick(self.probs), pick(self.confidence), parents, self.observe_logits)
 
     def trunk(self) -> "Draft":
         """A tree of point masses as the chain of its first children (the most likely continuation, as

@@ -80,13 +80,12 @@ class RecycleDrafter:
                 tokens.append(following[rank])
             else:
                 kept.append(-1)
-        scored = [self.pending, *tokens]
-        return Draft.tree(tokens, parents, lambda logits: self.refresh(scored, logits))
+        return Draft.tree(tokens, parents, self.refresh)
 
-    def refresh(self, scored: list[int], logits: Tensor) -> None:
-        """Each scored token's entry becomes the top-`width` tokens of its row of `logits` [n + 1, vocab]."""
+    def refresh(self, scored: Tensor, logits: Tensor) -> None:
+        """Each scored token's entry ([n + 1]) becomes the top-`width` tokens of its row of `logits` [n + 1, vocab]."""
         top = logits.topk(self.width, dim=-1).indices.tolist()  # [n + 1, width]
-        for token, row in zip(scored, top):
+        for token, row in zip(scored.tolist(), top):
             self.next[token] = row
 
     def observe(self, tokens: list[int]) -> None:
