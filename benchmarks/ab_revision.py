@@ -10,8 +10,13 @@ tree's: above 1, the working tree is faster), then tokens per second of each, th
 with a 95% paired-bootstrap interval over the prompts, verification steps and how many answers
 differ (none should: a seeded request gives the same text whatever the drafter and K).
 
+Before each request the driver waits `--pause` seconds: a process's OpenMP threads spin for a while
+after its last parallel region (GOMP_SPINCOUNT, `specsample.openmp`), and a request sent at once would
+share the 2 cores with the other worker's spinning threads (per-prompt ratios from 0.77 to 1.50 for
+one configuration against a revision that changed it by about 1%).
+
     python benchmarks/ab_revision.py [--revision HEAD] [--drafter suffix+quantized] [--backend fast]
-        [--temperature 1] [--split all --limit 4] [--skip 0] [--max-new-tokens 128]
+        [--temperature 1] [--split all --limit 4] [--skip 0] [--max-new-tokens 128] [--pause 1]
 
 Tune on `--split all` with `--limit` up to 6 (the first 6 of each category are the tuned prompts); the
 held-out prompts are `--split odd --skip 6`.
@@ -87,6 +92,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=4)
     parser.add_argument("--skip", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--pause", type=float, default=1.0, help="seconds before each request (other worker's threads idle)")
     args = parser.parse_args()
     options = {name: getattr(args, name) for name in ("drafter", "backend", "k", "temperature", "max_new_tokens")}
     selected = prompts(args.split, args.limit, args.skip)
@@ -96,7 +102,7 @@ def main() -> None:
                        capture_output=True)
         try:
             workers = {"revision": Worker(tree / "src", options), "working tree": Worker(ROOT / "src", options)}
-            results = compare(workers, selected)
+            results = compare(workers, selected, args.pause)
             for worker in workers.values():
                 worker.close()
         finally:
@@ -104,12 +110,15 @@ def main() -> None:
     report(results, args)
 
 
-def compare(workers: dict[str, Worker], selected: list) -> list[dict[str, dict]]:
-    """Each prompt's result from each worker, the order flipping every prompt."""
+def compare(workers: dict[str, Worker], selected: list, pause: float) -> list[dict[str, dict]]:
+    """Each prompt's result from each worker, the order flipping every prompt, `pause` seconds before each."""
     results = []
     for i, prompt in enumerate(selected):
         names = list(workers) if i % 2 == 0 else list(reversed(workers))
-        result = {name: workers[name].run(prompt.turns[0], seed=i) for name in names}
+        result = {}
+        for name in names:
+            time.sleep(pause)
+            result[name] = workers[name].run(prompt.turns[0], seed=i)
         results.append(result)
         ratio = result["revision"]["seconds"] / result["working tree"]["seconds"]
         print(f"{prompt.category:15s} {ratio:.3f}", flush=True)

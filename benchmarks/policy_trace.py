@@ -1,7 +1,7 @@
 """A per-step trace of the cost-model K policy (`--k auto`) on the bundled model: what it chose, what it
 expected and what each step gave, to see why it drafts as it does.
 
-For every step: the K chosen, the draft tokens verified, cut (`keep`) and accepted, the drafting and
+For every step: its index in its request, the K chosen, the draft tokens verified, cut (`keep`) and accepted, the drafting and
 verification milliseconds, and the policy's expectations at the choice (P(accepted >= i | verified),
 the expected speedup over plain decoding of each K). For an `A+B` drafter each step is attributed to
 the drafter that drafted it (`FallbackDrafter.first_steps`). Prints the K chosen (K: steps), per source
@@ -30,8 +30,12 @@ class TracedCostModelK(CostModelK):
     """The cost model, recording each choice and the step that followed it."""
 
     def __init__(self, drafter, **options) -> None:
+        self.drafter, self.steps, self.choice, self.request_step = drafter, [], {}, 0
         super().__init__(**options)
-        self.drafter, self.steps, self.choice = drafter, [], {}
+
+    def begin(self) -> None:
+        super().begin()
+        self.request_step = 0
 
     def choose(self) -> int:
         k = super().choose()
@@ -51,7 +55,9 @@ class TracedCostModelK(CostModelK):
             **{key: value for key, value in self.choice.items() if key != "first_steps"},
             "source": source, "drafted": step.drafted, "cut": step.cut, "accepted": step.accepted, "emitted": step.emitted,
             "draft_ms": round(1e3 * step.draft_seconds, 2), "verify_ms": round(1e3 * step.verify_seconds, 2),
+            "step_in_request": self.request_step,
         })
+        self.request_step += 1
         super().observe(step)
 
 

@@ -264,6 +264,9 @@ class CostModelK:
         self.ratio_fit: tuple[list[int], list[float]] | None = None  # nondecreasing f(n)/f(1), refitted when they move
         self.draft_seconds = 0.0  # decayed totals over steps that drafted
         self.drafted_tokens = 0.0
+        self.asking_steps = 0.0  # decayed count of the steps that asked for K >= 1,
+        self.empty_steps = 0.0  # of them, those that got no draft token,
+        self.empty_seconds = 0.0  # and their drafting seconds: what asking costs (`ask_seconds`)
         self.cheapest_draft_token = math.inf  # the lowest seconds per draft token of any step so far
         self.drafting_steps = 0  # steps that drafted a token, ever
         self.declared_draft_cost: float | None = None  # a draft token's seconds over f(1), as the drafter declares
@@ -407,6 +410,9 @@ class CostModelK:
             self.drafting_steps += 1
         self.draft_seconds = self.decay * self.draft_seconds + step.draft_seconds
         self.drafted_tokens = self.decay * self.drafted_tokens + drafted
+        self.asking_steps = self.decay * self.asking_steps + 1
+        self.empty_steps = self.decay * self.empty_steps + (drafted == 0)
+        self.empty_seconds = self.decay * self.empty_seconds + (step.draft_seconds if drafted == 0 else 0.0)
         for i in range(self.k):  # position i + 1, asked for
             self.drafted_reached[i] += i <= drafted
             self.drafted_ge[i] += i < drafted
@@ -479,8 +485,8 @@ class CostModelK:
         if self.idle_pending:
             factor = self.idle_decay**self.idle_pending
             self.scale_counts(factor)
-            self.draft_seconds *= factor
-            self.drafted_tokens *= factor
+            for name in ("draft_seconds", "drafted_tokens", "asking_steps", "empty_steps", "empty_seconds"):
+                setattr(self, name, getattr(self, name) * factor)
             self.idle_pending = 0
 
     def scale_counts(self, factor: float) -> None:
@@ -510,11 +516,30 @@ class CostModelK:
         if self.declared_draft_cost is not None and self.f1 is not None:
             floor = max(floor, self.declared_draft_cost * self.f1)
         prior_seconds = self.prior_weight * floor
-        self.seconds_per_draft_token = (self.draft_seconds + prior_seconds) / (self.drafted_tokens + self.prior_weight)
+        self.ask_cost = self.ask_seconds()
+        token_seconds = max(0.0, self.draft_seconds - self.ask_cost * self.asking_steps)
+        self.seconds_per_draft_token = (token_seconds + prior_seconds) / (self.drafted_tokens + self.prior_weight)
+        self.rates = self.expected_rates()
+
+    def expected_rates(self, other_tokens: float = 0.0) -> list[float]:
+        """[K] expected tokens per second of a step that asks for K: its tokens and `other_tokens` (of the
+        other requests of a batch) over the drafting, what asking costs, and the target's pass."""
         verify = self.target_seconds([1 + v for v in self.verified_length])
-        self.rates = [  # [K] expected tokens per second
-            t / (self.seconds_per_draft_token * d + f) for t, d, f in zip(self.tokens_per_step, self.draft_length, verify)
+        return [
+            (other_tokens + t) / (self.seconds_per_draft_token * d + f + (self.ask_cost if k else 0.0))
+            for k, (t, d, f) in enumerate(zip(self.tokens_per_step, self.draft_length, verify))
         ]
+
+    def ask_seconds(self) -> float:
+        """What a step that asks for a draft pays whether or not it gets one: the drafting seconds of the
+        asking steps that got no draft token (a lookup drafter without a match: its search, and Token
+        Recycling's refresh of its table from the pass), 0 until one is measured. Priced per draft token
+        instead, it was spread over the tokens of the few steps that drafted and then weighted by how
+        rarely a step drafts: Token Recycling at t = 0 on math and QA, which drafts in about 1 asking
+        step in 3 and is accepted in 1 in 30, was expected 0.1% faster than plain decoding at K = 1 and
+        asked at about 1 step in 15, where each ask cost 0.35 ms and its one-node pass 1.47 f(1)
+        (bundled model, blocks, tuned prompts, Intel Xeon)."""
+        return self.empty_seconds / self.empty_steps if self.empty_steps > 1e-9 else 0.0
 
     def cumulative(self, counts: list[float], reached: list[float], prior: float) -> list[float]:
         """[sum_{i<=K} P(count >= i)] for K = 0..k_max (`chain`)."""
@@ -571,6 +596,7 @@ class CostModelK:
             "expected_tokens_per_second": self.rates[k],
             "target_ms": {n: 1e3 * float(f) for n, f in zip(*self.cost_curve())} if self.relative_cost else {},
             "draft_ms_per_token": 1e3 * self.seconds_per_draft_token,
+            "ask_ms": 1e3 * self.ask_cost,  # what a step that asks for a draft pays whether or not it gets one
             "declared_draft_cost": self.declared_draft_cost,  # a draft token over f(1), as the drafter declares it
             "p_accepted_through": np.diff(self.tokens_per_step).tolist(),  # [i - 1]: P(first i accepted | K >= i)
             "p_accepted_if_verified": self.accepted_if_verified,  # [i - 1]: the same where none of them is cut
@@ -676,11 +702,7 @@ class BatchCostModelK(CostModelK):
     def predict(self) -> None:
         super().predict()
         if self.batched:
-            verify = self.target_seconds([1 + v for v in self.verified_length])
-            self.rates = [  # [K] expected tokens per second of the whole batch
-                (self.other_tokens + t) / (self.seconds_per_draft_token * d + f)
-                for t, d, f in zip(self.tokens_per_step, self.draft_length, verify)
-            ]
+            self.rates = self.expected_rates(self.other_tokens)  # of the whole batch
 
     def target_seconds(self, n: Sequence[float]) -> np.ndarray:
         """f(other rows + n) of the batch, once measured; before, or alone in it, as for one request."""
