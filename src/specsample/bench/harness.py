@@ -245,7 +245,7 @@ class ChoiceCounter:
     def keep(self, confidence) -> int:
         return self.policy.keep(confidence)
 
-    def keep_tree(self, parents) -> int:
+    def keep_tree(self, parents):
         return self.policy.keep_tree(parents)
 
     def observe(self, step) -> None:
