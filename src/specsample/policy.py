@@ -160,8 +160,9 @@ class CostModelK:
     """The K that maximises expected tokens per second, measured online.
 
     A step that asks for K draft tokens emits 1 + sum_{i<=K} P(accepted >= i)
-    tokens on average and costs the drafting (seconds per drafted token times
-    the expected draft length d) plus f(1 + v), the target's time to score
+    tokens on average and costs the drafting (what asking for a draft costs,
+    `ask_seconds`, plus seconds per drafted token times the expected draft
+    length d) plus f(1 + v), the target's time to score
     1 + v positions, v the expected tokens of the draft verified (all that were
     drafted, but where `keep` cuts a draft). P(accepted >= i), P(drafted >= i) and
     P(verified >= i), given K >= i, are
