@@ -426,3 +426,16 @@ def test_what_asking_costs_is_priced_per_ask_not_spread_over_the_rare_drafts():
         price = policy.ask_seconds()
     assert asks < 45, asks
     assert price == pytest.approx(0.00035)
+
+
+def test_a_tree_cut_below_its_fully_accepted_subtree_counts_no_rejection():
+    """The quantized copy's tree cut by the policy to its first two chain nodes and one alternative, both
+    chain nodes accepted: the third position was drafted but not verified, so it counts neither as
+    accepted nor as rejected (as for a chain cut by `keep`). Counted as rejected, every cut made the
+    deeper positions look worse, and the tree's K settled at 9 where the chain's went to 16."""
+    policy = CostModelK()
+    policy.k = 4
+    parents = torch.tensor([-1, -1, 0])  # chain nodes 0 and 2, node 1 an alternative to node 0
+    policy.observe(Step(3, 2, 3, 0.0, 0.01, parents, (0, 2), cut=3))
+    assert policy.accepted_reached == pytest.approx([1, 1, 0] + [0] * (policy.k_max - 3))
+    assert policy.accepted_ge[:3] == pytest.approx([1, 1, 0])
