@@ -406,8 +406,7 @@ class CostModelK:
         drafted = step.drafted + step.cut  # each paid for, verified or not
         # Every verified position accepted and some cut: the first cut one was not verified, so not rejected
         # either. A tree's positions are its depths: its verified subtree fully accepted is its deepest path.
-        verified_depth = step.drafted if step.parents is None else tree_depth(step.parents)
-        seen = step.accepted if step.cut and step.accepted == verified_depth else step.accepted + 1
+        seen = step.accepted if step.cut and step.accepted == verified_positions(step) else step.accepted + 1
         if drafted:
             self.cheapest_draft_token = min(self.cheapest_draft_token, step.draft_seconds / drafted)
             self.drafting_steps += 1
@@ -717,9 +716,11 @@ class BatchCostModelK(CostModelK):
         return {**super().estimates(), "policy": "cost-model-batch", "other_rows": self.other_rows}
 
 
-def tree_depth(parents: Tensor) -> int:
-    """The number of positions a tree of `parents` [n] spans: its deepest node's depth plus 1 (0 if empty)."""
-    return int(depths(parents).max()) + 1 if len(parents) else 0
+def verified_positions(step: Step) -> int:
+    """The positions a step verified: its draft tokens, or for a tree its deepest node's depth plus 1."""
+    if step.parents is None:
+        return step.drafted
+    return int(depths(step.parents).max()) + 1 if len(step.parents) else 0
 
 
 def tree_priority(parents: Tensor, accepted: np.ndarray) -> np.ndarray:

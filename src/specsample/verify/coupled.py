@@ -36,7 +36,8 @@ from specsample.verify.verdict import Verdict
 
 
 def coupled_tokens(target_probs: Tensor, noise: Tensor) -> Tensor:
-    """The target's coupled tokens [n] at n positions: target_probs [n, vocab] under noise [n, vocab]."""
+    """The target's coupled tokens [n] at n positions: target_probs [n, vocab] under noise [n, vocab]
+    (or the token [] of one position, from rows [vocab])."""
     return gumbel_max(target_probs, noise)
 
 
@@ -45,8 +46,8 @@ def coupled_verify(draft_tokens: Tensor, target_probs: Tensor | Rows, noise: Ten
     noise [k + 1, vocab]: tensors, or `sampling.Rows` read only up to the first mismatch), then emit
     the coupled token at the first mismatch or after the draft."""
     for i, token in enumerate(draft_tokens.tolist()):
-        coupled = int(gumbel_max(target_probs[i], noise[i]))
+        coupled = int(coupled_tokens(target_probs[i], noise[i]))
         if coupled != token:
             return Verdict(i, coupled)
     k = draft_tokens.shape[0]
-    return Verdict(k, int(gumbel_max(target_probs[k], noise[k])))
+    return Verdict(k, int(coupled_tokens(target_probs[k], noise[k])))
