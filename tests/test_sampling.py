@@ -3,13 +3,57 @@ import torch
 from scipy.stats import chisquare
 from hypothesis import given, settings, strategies as st
 
-from specsample.sampling import SamplingParams, make_generator, probs_from_logits, sample
+from specsample.sampling import (
+    CoupledSource, GeneratorSource, SamplingParams, argmax, draw_draft_token, make_generator, probs_from_logits, sample,
+)
 
 
 def test_greedy_is_a_point_mass_on_the_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 0.0]])
     probs = probs_from_logits(logits, SamplingParams(temperature=0))
     assert probs.tolist() == [[0, 1, 0], [1, 0, 0]]
+
+
+SPECIAL = st.sampled_from([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan")])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    width=st.integers(1, 40),
+    values=st.lists(st.one_of(SPECIAL, st.floats(-3, 3, width=32)), min_size=160, max_size=160),
+    double=st.booleans(),
+    transpose=st.booleans(),
+)
+def test_argmax_is_torchs_argmax_ties_infinities_and_nans_included(rows, width, values, double, transpose):
+    """The numpy argmax picks what torch.argmax(-1) picks: the first of tied maxima, a NaN as the largest,
+    for 1-D and 2-D, float32 and float64, contiguous or not."""
+    scores = torch.tensor((values * (rows * width // 160 + 1))[: rows * width]).view(rows, width)
+    scores = scores.double() if double else scores
+    scores = scores.t().contiguous().t() if transpose else scores  # same values, column-major strides
+    assert argmax(scores).tolist() == scores.argmax(-1).tolist()
+    assert int(argmax(scores[0])) == int(scores[0].argmax())
+
+
+def test_argmax_of_other_tensors_falls_back_to_torch():
+    half = torch.tensor([[0.5, 2.0, 2.0]], dtype=torch.bfloat16)
+    grad = torch.tensor([1.0, 3.0, 2.0], requires_grad=True)
+    assert argmax(half).tolist() == [1] and int(argmax(grad)) == 1
+
+
+@pytest.mark.parametrize("source", [GeneratorSource(make_generator(7)), CoupledSource(7)])
+def test_a_greedy_draft_token_is_its_point_mass_and_draws_nothing(source):
+    """At temperature 0 a draft token is the point mass's token and no random number is used (a
+    generator's state stays where it was); when sampling it is the source's draw."""
+    probs = probs_from_logits(torch.tensor([0.3, 2.5, -1.0, 2.4]), SamplingParams(temperature=0))
+    before = make_generator(7).get_state()
+    assert draw_draft_token(probs, 0, source, SamplingParams(temperature=0)) == 1
+    if isinstance(source, GeneratorSource):
+        assert torch.equal(source.generator.get_state(), before)
+    else:
+        assert source.rows == {}
+    sampled = torch.tensor([0.0, 0.0, 1.0, 0.0])
+    assert draw_draft_token(sampled, 0, source, SamplingParams(temperature=1)) == 2
 
 
 def test_temperature_one_is_softmax():

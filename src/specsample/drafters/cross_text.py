@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specsample.drafters.base import Draft
 from specsample.drafters.draft_text import DraftText
-from specsample.sampling import RandomSource, SamplingParams
+from specsample.sampling import RandomSource, SamplingParams, argmax
 from specsample.verify.cross_vocab import retokenized_draft
 
 TAIL = 4  # target tokens before the draft whose text the draft's encoding starts after
@@ -40,7 +40,7 @@ class TextDrafter:
             return Draft.empty()
         start = len(self.text.ids)
         for _ in range(k):
-            token = int(self.text.logits().argmax())
+            token = int(argmax(self.text.logits()))
             if token in self.text.stops:
                 break
             self.text.push(token)

@@ -27,7 +27,7 @@ from specsample.drafters.cross_text import TextDrafter
 from specsample.drafters.draft_text import DraftText
 from specsample.models.loading import LoadedModel
 from specsample.models.target import Target
-from specsample.sampling import RandomSource, SamplingParams, draft_confidence, probs_from_logits
+from specsample.sampling import RandomSource, SamplingParams, draft_confidence, draw_draft_token, probs_from_logits
 from specsample.verify.cross_vocab import intersection_probs
 from specsample.vocabulary import SharedVocabulary, check_shared, shared_vocabulary
 
@@ -59,7 +59,7 @@ class IntersectionDrafter:
             step_probs = intersection_probs(probs_from_logits(logits, self.params), self.shared)  # [target_width]
             if not step_probs.sum() > 0:
                 break
-            token = random.draw(step_probs, i)
+            token = draw_draft_token(step_probs, i, random, self.params)
             tokens.append(token)
             probs.append(step_probs)
             confidence.append(draft_confidence(logits, step_probs, self.params))

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from specsample.drafters.base import Draft
 from specsample.models.target import Target
-from specsample.sampling import RandomSource, SamplingParams, draft_confidence, probs_from_logits
+from specsample.sampling import RandomSource, SamplingParams, draft_confidence, draw_draft_token, probs_from_logits
 from specsample.tokens import common_prefix
 
 THRESHOLD = 0.8  # a position whose draft peak is below this gets alternative children
@@ -70,7 +70,7 @@ class DraftModelDrafter:
             logits = self.model.score(torch.tensor(feed))[-1]  # [vocab]
             step_probs = probs_from_logits(logits, self.params)  # [vocab]
             peak = draft_confidence(logits, step_probs, self.params)
-            chain.append(random.draw(step_probs, i))
+            chain.append(draw_draft_token(step_probs, i, random, self.params))
             node = len(tokens)
             tokens.append(chain[-1])
             parents.append(parent)

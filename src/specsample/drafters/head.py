@@ -60,7 +60,7 @@ from specsample.models.llama import Layer, Linear, LlamaTarget
 from specsample.models.ops import rms_norm, rope_tables, rotate
 from specsample.models.target import RecordsFeatures, require
 from specsample.models.quantize import quantize_layer, quantize_linear
-from specsample.sampling import RandomSource, SamplingParams, draft_confidence, probs_from_logits
+from specsample.sampling import RandomSource, SamplingParams, argmax, draft_confidence, probs_from_logits
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "data" / "heads"
 CONFIG_FILE, WEIGHTS_FILE = "head.json", "head.safetensors"
@@ -341,7 +341,7 @@ class HeadDrafter:
             subset_probs = probs_from_logits(logits, self.params)  # [n], a point mass when greedy
             confidence.append(draft_confidence(logits, subset_probs, self.params))
             if self.params.greedy:
-                token = int(self.token_ids[subset_probs.argmax()])
+                token = int(self.token_ids[argmax(subset_probs)])
             else:
                 probs.append(torch.zeros(self.vocab_size).index_copy_(0, self.token_ids, subset_probs))  # [vocab]
                 token = random.draw(probs[-1], i)
