@@ -10,6 +10,7 @@ import torch
 
 import test_lossless
 from specsample.drafters import NoDrafter, make_drafter
+from specsample.drafters import head as head_module
 from specsample.drafters.head import CATCH_UP_BATCH, DraftHead, HeadConfig, HeadDrafter, save_head
 from specsample.engine import decode
 from specsample.models import LoadedModel, kernels, load_model, make_target
@@ -132,6 +133,27 @@ def test_a_head_that_does_not_draft_runs_over_its_kept_positions_in_batches():
         drafter.observe([10 + i])
     assert drafter.decoder.length == len(prompt) - 1 + CATCH_UP_BATCH
     assert drafter.unread == []
+
+
+def test_the_head_reads_only_the_prompts_last_window_and_greedy_output_stays_the_targets(monkeypatch):
+    """With a prompt longer than PROMPT_WINDOW the head runs over its last PROMPT_WINDOW positions only
+    (then reads each step's positions as before), it still drafts, and greedy output is the target's."""
+    monkeypatch.setattr(head_module, "PROMPT_WINDOW", 3)
+    loaded = tiny_loaded(tiny_llama(64, seed=3))
+    prompt = torch.tensor([5, 9, 2, 33, 7, 40, 12, 8])
+    target = make_target(loaded)
+    drafter = head_drafter(loaded, target, subset=48)
+    target.prefill(prompt[:-1])
+    drafter.begin(prompt, SamplingParams(temperature=0))
+    assert drafter.decoder.length == 3 and drafter.read == len(prompt) - 1
+    outputs, stats = [], Stats()
+    for make in (lambda t: NoDrafter(), lambda t: head_drafter(loaded, t, subset=48)):
+        target = make_target(loaded)
+        steps = decode(target, make(target), FixedK(3), prompt, SamplingParams(temperature=0), max_new_tokens=30,
+                       eos_token_ids=frozenset(), random=GeneratorSource(torch.Generator().manual_seed(0)), stats=stats)
+        outputs.append([t for step in steps for t in step])
+    assert outputs[0] == outputs[1]
+    assert stats.drafted_tokens > 0
 
 
 @pytest.mark.parametrize("layers", [(), (1,)])

@@ -35,7 +35,10 @@ not draft (K = 0 under `--k auto`, steps `suffix` drafts in `suffix+head`) cost
 the head about 0.3 ms each, keeping features included, and a draft after a long plain
 stretch pays for at most 15 positions, not for the whole stretch: a K policy
 that charged a probe for hundreds of positions would judge drafting far
-dearer than it is. `begin` runs the head over the prompt, with the prefill.
+dearer than it is. `begin` runs the head over the prompt's last PROMPT_WINDOW
+positions, with the prefill: it trains on windows of 128 positions, and on
+Spec-Bench's long prompts reading all of them cost 8% of the prefill and
+accepted less (BENCHMARKS.md).
 
 A head is a directory: `head.safetensors` (float16 weights and the subset's
 token ids) and `head.json` (the config, naming the target it was trained for;
@@ -65,6 +68,7 @@ from specsample.sampling import RandomSource, SamplingParams, argmax, draft_conf
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "data" / "heads"
 CONFIG_FILE, WEIGHTS_FILE = "head.json", "head.safetensors"
 CATCH_UP_BATCH = 16  # positions observed without a draft, after which the head runs over them
+PROMPT_WINDOW = 256  # the prompt's last positions the head runs over (it trains on windows of 128)
 
 
 @dataclass(frozen=True)
@@ -325,11 +329,15 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
-        """Run the head over the features the target's prefill left (prefill work, timed as such)."""
-        self.params, self.feature, self.logits, self.unread, self.read = params, None, None, [], 0
+        """Run the head over the last `PROMPT_WINDOW` positions the target's prefill left (prefill
+        work, timed as such). The head trains on windows of 128 positions, so an earlier position
+        adds work, not acceptance; its rotary positions count from the window's start, which changes
+        no attention score (they depend on distances only)."""
+        self.params, self.feature, self.logits, self.unread = params, None, None, []
         self.decoder.rollback(0)
+        start = self.read = max(0, prompt_ids.shape[0] - 1 - PROMPT_WINDOW)
         if prompt_ids.shape[0] > 1:
-            self.advance(self.take_features(prompt_ids.shape[0] - 1), prompt_ids[1:])
+            self.advance(self.take_features(prompt_ids.shape[0] - 1 - start), prompt_ids[1 + start :])
 
     @torch.inference_mode()
     def propose(self, k: int, random: RandomSource) -> Draft:
