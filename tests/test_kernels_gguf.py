@@ -166,6 +166,22 @@ def test_activation_quantization_is_llamacpp_q8_0(isa):
     assert (error <= d[..., None] / 2 * (1 + 1e-6)).all()
 
 
+def test_activation_quantization_rounds_ties_to_even_and_reads_strided_rows(isa):
+    """Blocks whose scale is 1 (amax 127) put inputs exactly on halves: each rounds to the even
+    integer, as nearbyintf does, and the rows may be a strided view (a pass's x inside its scratch)."""
+    wide = activations(3, 640, seed=4)
+    halves = torch.arange(-15.5, 16.5, 1.0)  # [32]: -15.5 .. 15.5
+    wide[:, :32] = halves
+    wide[:, 31] = 127.0  # amax 127: d = 1, the halves stay halves
+    wide[1, 64:96] = -halves.flip(0)
+    wide[1, 64] = -127.0
+    x = wide[:, :320]  # row stride 640
+    q, d, s = kernels.quantize_activations(x)
+    for mine, theirs in zip((q, d, s), python_quantization(x.contiguous())):
+        assert torch.equal(mine, theirs)
+    assert q[0, :4].tolist() == [-16, -14, -14, -12] and d[0, 0] == 1
+
+
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_matmul_matches_float64_references(isa, qtype):
     raw = random_raw(qtype, OUT, inputs(qtype), seed=int(qtype))

@@ -115,6 +115,38 @@ struct Acts {
   long K;
 };
 
+#if (defined(GGUF_VNNI) || defined(GGUF_AVX2)) && defined(__AVX2__)
+// One 32-block's d, q and s in 8-float vectors, the same operations as the scalar loop below: max_ps
+// returns its second operand (top) for a NaN, as the comparison does; max is exact in any order; and
+// cvtps_epi32 rounds to nearest, ties to even (the default rounding, nearbyintf's), keeping the low
+// byte as the int8 conversion does. A pass over 8 rows spent 6 to 9% of its time in the scalar loop.
+inline void quantize_block(const float* v, int8_t* out, float* d, int32_t* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 x[4], top = _mm256_setzero_ps();
+  for (int i = 0; i < 4; i++) {
+    x[i] = _mm256_loadu_ps(v + 8 * i);
+    top = _mm256_max_ps(_mm256_andnot_ps(sign, x[i]), top);
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  float scale = _mm_cvtss_f32(m) / 127.0f, inverse = scale != 0 ? 1.0f / scale : 0.0f;
+  const __m256 times = _mm256_set1_ps(inverse);
+  __m256i q[4], sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; i++) {
+    __m256i rounded = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], times));
+    q[i] = _mm256_srai_epi32(_mm256_slli_epi32(rounded, 24), 24);  // the low byte, sign-extended
+    sum = _mm256_add_epi32(sum, q[i]);
+  }
+  __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256((__m256i*)out, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m128i total = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0x4e));
+  total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0xb1));
+  *d = scale;
+  *s = _mm_cvtsi128_si32(total);
+}
+#else
 typedef float f8 __attribute__((vector_size(32)));
 
 // max |v[i]| of a 32-block (NaNs skipped). Comparisons, not fmaxf (a call per input without
@@ -133,25 +165,28 @@ inline float block_amax(const float* v) {
   return amax;
 }
 
-// x [M, K] (row stride ldx) per 32-block: d = amax / 127, q = round(x / d) (half to even, as
-// x * (1 / d)), s = sum q. The same float operations as gguf_blocks.quantize_activations.
+// One 32-block: d = amax / 127, q = round(v / d) (half to even, as v * (1 / d)), s = sum q.
+inline void quantize_block(const float* v, int8_t* out, float* d, int32_t* s) {
+  float amax = block_amax(v);
+  float scale = amax / 127.0f, inverse = scale != 0 ? 1.0f / scale : 0.0f;
+  int sum = 0;
+  for (int i = 0; i < QK; i++) {
+    out[i] = (int8_t)nearbyintf(v[i] * inverse);
+    sum += out[i];
+  }
+  *d = scale;
+  *s = sum;
+}
+#endif
+
+// x [M, K] (row stride ldx) per 32-block: q [M, K], d and s [M, K / 32] (`quantize_block`). The same
+// float operations as gguf_blocks.quantize_activations.
 void quantize_rows(const float* x, long M, long K, long ldx, int8_t* q, float* d, int32_t* s) {
   long blocks = K / QK;
   for (long m = 0; m < M; m++)
-    for (long b = 0; b < blocks; b++) {
-      const float* v = x + m * ldx + b * QK;
-      float amax = block_amax(v);
-      float scale = amax / 127.0f, inverse = scale != 0 ? 1.0f / scale : 0.0f;
-      int8_t* out = q + m * K + b * QK;
-      int sum = 0;
-      for (int i = 0; i < QK; i++) {
-        out[i] = (int8_t)nearbyintf(v[i] * inverse);
-        sum += out[i];
-      }
-      d[m * blocks + b] = scale;
-      s[m * blocks + b] = sum;
-    }
+    for (long b = 0; b < blocks; b++) quantize_block(x + m * ldx + b * QK, q + m * K + b * QK, d + m * blocks + b, s + m * blocks + b);
 }
+
 
 // Rows' accumulators acc [rows, 32] of a pair written out, ncols of them: y = acc (+ bias), or y += that.
 void store(const float (*acc)[PAIR * COLS], int rows, float* y, long ldy, const float* bias, int ncols, int add) {
