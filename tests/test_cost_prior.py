@@ -116,3 +116,42 @@ def test_a_request_alone_in_a_batch_starts_from_the_same_curve(tiny_dir):
     sampler = SpecSampler.load(str(tiny_dir), "suffix")
     out = sampler.generate_batch(["w3 w4 w5"], chat=False, temperature=0, max_new_tokens=4, k="auto")[0]
     assert set(out.stats.policy["target_ms"]) >= set(PRIOR_NS)  # known before any pass over 17 positions
+
+
+class Clock:
+    """A fake `perf_counter`: the seconds the passes below say they took."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class EvictingTarget:
+    """A real tiny target whose pass over n tokens takes 1 + 0.1 (n - 1) ms on `clock`, plus 2 ms when the
+    pass before it was of another size (as a pass after a larger one reloads the caches it needs)."""
+
+    def __init__(self, target, clock: Clock) -> None:
+        self.target, self.clock, self.last = target, clock, None
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def score(self, tokens):
+        n = int(tokens.shape[0])
+        self.clock.now += 1e-3 * (1 + 0.1 * (n - 1)) + (2e-3 if self.last not in (None, n) else 0.0)
+        self.last = n
+        return self.target.score(tokens)
+
+
+def test_each_pass_is_timed_after_one_of_its_own_size(monkeypatch):
+    """f(n) is what decoding at a steady K sees: timed after a pass of the same size, never right after
+    a larger one (which read f(1) 3 ms here, and the ratios 1.4 times too low)."""
+    from specsample import cost_curve
+
+    clock = Clock()
+    monkeypatch.setattr(cost_curve, "perf_counter", clock)
+    (curve,) = cost_curve.measure_synthetic({"t": EvictingTarget(tiny_target(), clock)}, 8, (1, 2, 5, 9), repeats=3)
+    assert curve.ms == pytest.approx([1.0, 1.1, 1.4, 1.8])
+    assert curve.ratio(9) == pytest.approx(1.8)
