@@ -86,6 +86,25 @@ def test_recycle_learns_from_the_verification_logits():
     assert drafter.next[int(PROMPT[-1])] == logits.topk(drafter.width).indices.tolist()
 
 
+def test_recycle_takes_each_greedy_token_as_rank_0_of_the_token_before_it():
+    """Plain steps show the drafter no logits, but at t = 0 each emitted token is the target's argmax after
+    the one before it, so it becomes that token's rank 0 (its last successor, where a token recurs); a
+    sampled token is no such thing, so at t = 1 plain steps leave the table as it was."""
+    model = tiny_llama(VOCAB, seed=3, init_scale=0.5)
+    target = make_target(loaded(model))
+    drafter = RecycleDrafter()
+    out, _ = run(target, drafter, SamplingParams(temperature=0), 0, new=24)
+    expected = {}
+    for before, token in zip([int(PROMPT[-1]), *out[:-1]], out):
+        expected[before] = token
+    assert {before: row[0] for before, row in drafter.next.items()} == expected
+    assert all(len(row) == len(set(row)) <= drafter.width for row in drafter.next.values())
+    assert drafter.propose(1, GeneratorSource(make_generator(0))).tokens.tolist() == [expected[out[-1]]]
+    sampled = RecycleDrafter()
+    run(target, sampled, SamplingParams(temperature=1.0), 0, CoupledSource(0), new=24)
+    assert sampled.next == {}
+
+
 def test_recycle_template_is_a_fixed_tree():
     nodes = template(16, 4)
     assert len(nodes) == 16 and all(parent < i for i, (parent, _) in enumerate(nodes))
