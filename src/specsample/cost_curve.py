@@ -5,16 +5,19 @@ K+1 tokens) costs about one plain decoding step. `measure` times f(n) over a
 cache: the context is prefilled once, each measurement scores n tokens and
 rolls back. The values of n are interleaved within each repetition, so
 background load hits them alike, and each f(n) is the median over repetitions.
-Each timed pass follows an untimed pass of the same n, as a step of decoding at
-a steady K follows one like it: a pass over many tokens leaves the caches
-holding its logits and activations, and the next pass pays to reload what it
-needs. And the targets are measured one after another, each with all its
+Each timed pass follows an untimed pass of the same n, and the repetitions run
+through n up and down by turns, so that every n follows one near it, as a step
+of decoding at a steady K follows one like it: a pass over many tokens slows the
+few after it (on the Intel Xeon below, a single-token pass took 3.99 ms right
+after a 16-token pass, 3.26 after one more single-token pass, 2.64 after four,
+2.53 after a 2-token pass; the caches and the clock recover over milliseconds).
+And the targets are measured one after another, each with all its
 repetitions, as decoding runs one target alone: another model's passes evict
 its weights from a large last-level cache, which refills over many passes. On
 an Intel Xeon with 260 MiB of L3, a single-token pass of the bundled model's
-blocks took 2.55 ms after another, 3.59 ms after a 16-token one, and 4.95 ms
-after a pass of the float32 model (3.86 ms after five more of its own), so
-with targets and n interleaved f(8)/f(1) read 1.62 where decoding sees 2.2.
+blocks took 2.52 ms after others and 4.95 ms after a pass of the float32 model
+(3.86 ms after five more of its own), so with targets and n interleaved
+f(8)/f(1) read 1.62 where decoding sees 2.2.
 `bench cost-curve` prints it (`bench/cost_curve.py`).
 
 `machine_ratios` is the cost model's prior (`policy.SeesCostCurve`): the K
@@ -98,7 +101,7 @@ def measure(
         target.prefill(context)
         times: dict[int, list[float]] = {n: [] for n in ns}
         for rep in range(warmup + repeats):
-            for n in ns:
+            for n in ns if rep % 2 == 0 else ns[::-1]:  # up, then down: each n follows one near it
                 time_score(target, continuation[:n], context_length)  # the pass before, of the same size
                 elapsed = time_score(target, continuation[:n], context_length)
                 if rep >= warmup:
