@@ -5,19 +5,19 @@ K+1 tokens) costs about one plain decoding step. `measure` times f(n) over a
 cache: the context is prefilled once, each measurement scores n tokens and
 rolls back. The values of n are interleaved within each repetition, so
 background load hits them alike, and each f(n) is the median over repetitions.
-Each timed pass follows an untimed pass of the same n, and the repetitions run
-through n up and down by turns, so that every n follows one near it, as a step
-of decoding at a steady K follows one like it: a pass over many tokens slows the
-few after it (on the Intel Xeon below, a single-token pass took 3.99 ms right
-after a 16-token pass, 3.26 after one more single-token pass, 2.64 after four,
-2.53 after a 2-token pass; the caches and the clock recover over milliseconds).
-And the targets are measured one after another, each with all its
-repetitions, as decoding runs one target alone: another model's passes evict
-its weights from a large last-level cache, which refills over many passes. On
-an Intel Xeon with 260 MiB of L3, a single-token pass of the bundled model's
-blocks took 2.52 ms after others and 4.95 ms after a pass of the float32 model
-(3.86 ms after five more of its own), so with targets and n interleaved
-f(8)/f(1) read 1.62 where decoding sees 2.2.
+Passes are timed as decoding at a steady K sees them, which on a CPU whose
+last-level cache holds the model differs from a rotation through everything
+(an Intel Xeon with 260 MiB of L3, the bundled model's blocks):
+- each timed pass follows an untimed pass of the same n, and the repetitions
+  run through n up and down by turns, so every n follows one near it: a
+  single-token pass took 2.53 ms after a 2-token pass, 3.99 ms right after a
+  16-token pass, 3.26 after one more single-token pass, 2.64 after four
+  (what the larger pass displaced takes several passes to come back);
+- the targets are measured one after another, each with all its repetitions,
+  as decoding runs one alone: after a pass of the float32 model a single-token
+  pass took 4.95 ms, and 3.86 ms after five more of its own, the weights
+  refilling the cache over many passes.
+With targets and n interleaved, f(8)/f(1) read 1.62; timed this way, 2.5 to 2.7.
 `bench cost-curve` prints it (`bench/cost_curve.py`).
 
 `machine_ratios` is the cost model's prior (`policy.SeesCostCurve`): the K
@@ -50,7 +50,7 @@ from specsample.models.target import Target
 PRIOR_NS = (1, 2, 3, 4, 5, 7, 9, 13, 17)  # n measured for the prior: every K up to CostModelK's k_max = 16
 PRIOR_CONTEXT = 64  # cached tokens under the prior's passes
 PRIOR_REPEATS = 5
-METHOD = 2  # how `measure` times a pass (2: after an untimed pass of the same size); part of the prior's key
+METHOD = 2  # how `measure` times passes (2: as above; 1: targets and n in one rotation); part of the prior's key
 
 
 @dataclass

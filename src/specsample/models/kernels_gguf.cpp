@@ -187,7 +187,6 @@ void quantize_rows(const float* x, long M, long K, long ldx, int8_t* q, float* d
     for (long b = 0; b < blocks; b++) quantize_block(x + m * ldx + b * QK, q + m * K + b * QK, d + m * blocks + b, s + m * blocks + b);
 }
 
-
 // Rows' accumulators acc [rows, 32] of a pair written out, ncols of them: y = acc (+ bias), or y += that.
 void store(const float (*acc)[PAIR * COLS], int rows, float* y, long ldy, const float* bias, int ncols, int add) {
   for (int m = 0; m < rows; m++) {
