@@ -11,6 +11,7 @@ import torch
 import specsample.engine as engine
 from specsample.drafters import NoDrafter, make_drafter
 from specsample.drafters.base import Draft
+from specsample.drafters.fallback import FallbackDrafter
 from specsample.drafters.recycle import RecycleDrafter, template
 from specsample.drafters.suffix import SuffixTreeDrafter
 from specsample.models import TransformersTarget, make_target
@@ -87,9 +88,8 @@ def test_recycle_learns_from_the_verification_logits():
 
 
 def test_recycle_takes_each_greedy_token_as_rank_0_of_the_token_before_it():
-    """Plain steps show the drafter no logits, but at t = 0 each emitted token is the target's argmax after
-    the one before it, so it becomes that token's rank 0 (its last successor, where a token recurs); a
-    sampled token is no such thing, so at t = 1 plain steps leave the table as it was."""
+    """At t = 0 each emitted token is the target's argmax after the one before it, so it becomes that
+    token's rank 0 (its last successor, where a token recurs)."""
     model = tiny_llama(VOCAB, seed=3, init_scale=0.5)
     target = make_target(loaded(model))
     drafter = RecycleDrafter()
@@ -100,9 +100,22 @@ def test_recycle_takes_each_greedy_token_as_rank_0_of_the_token_before_it():
     assert {before: row[0] for before, row in drafter.next.items()} == expected
     assert all(len(row) == len(set(row)) <= drafter.width for row in drafter.next.values())
     assert drafter.propose(1, GeneratorSource(make_generator(0))).tokens.tolist() == [expected[out[-1]]]
-    sampled = RecycleDrafter()
-    run(target, sampled, SamplingParams(temperature=1.0), 0, CoupledSource(0), new=24)
-    assert sampled.next == {}
+
+
+@pytest.mark.parametrize("a_plus_b", [False, True])
+def test_recycle_takes_a_sampled_plain_steps_argmax_as_rank_0(a_plus_b):
+    """When sampling, an emitted token was drawn, not the argmax: a plain step shows the drafter its row
+    (`WatchesPlainSteps`), whose argmax becomes the pending token's rank 0, also behind A+B."""
+    model = tiny_llama(VOCAB, seed=3, init_scale=0.5)
+    target = make_target(loaded(model))
+    recycle = RecycleDrafter()
+    drafter = FallbackDrafter(recycle, NoDrafter()) if a_plus_b else recycle
+    out, _ = run(target, drafter, SamplingParams(temperature=1.0), 0, CoupledSource(0), new=24)
+    pending = [int(PROMPT[-1]), *out[:-1]]
+    target.prefill(PROMPT[:-1])
+    argmax = target.score(torch.tensor(pending)).argmax(dim=-1).tolist()  # [24]
+    assert {before: row[0] for before, row in recycle.next.items()} == dict(zip(pending, argmax))
+    assert sum(a != b for a, b in zip(argmax, out)) > 0  # some draws were not the argmax
 
 
 def test_recycle_template_is_a_fixed_tree():

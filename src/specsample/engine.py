@@ -18,7 +18,8 @@ A draft may be a tree (`Draft.parents`, drafted only for targets that declare
 attention, verifies with `verify.tree`, and keeps the accepted path's keys and
 values as the cache's next positions (`keep_path`); a tree whose nodes form one
 path is verified as the chain it is. A draft that carries an `observe_logits`
-hook is shown the pass's logits, and the time that takes is the drafter's. At a
+hook is shown the pass's logits, and the time that takes is the drafter's (at a
+plain step, a drafter that asks for them: `WatchesPlainSteps`). At a
 plain step of a greedy request, a K policy that learns from it is shown a lookup
 drafter's next token and whether the step emitted it (`peek`, `policy.Peeks`).
 """
@@ -32,7 +33,7 @@ from time import perf_counter
 import torch
 from torch import Tensor
 
-from specsample.drafters.base import Draft, Drafter
+from specsample.drafters.base import Draft, Drafter, plain_draft
 from specsample.models.target import ScoresTrees, Target
 from specsample.policy import KPolicy, Peeks
 from specsample.sampling import RandomSource, SamplingParams
@@ -64,12 +65,13 @@ def decode(
     stats.prefill_seconds = perf_counter() - start
     pending, produced = int(prompt_ids[-1]), 0
     looking = looks(drafter, policy, params)
+    plain = plain_draft(drafter)
     try:
         while produced < max_new_tokens:
             t_draft = perf_counter()
             k = min(policy.choose(), max_new_tokens - produced - 1)
             numbers = random.at(produced)  # offset i: output position produced + i
-            draft = drafter.propose(k, numbers) if k > 0 else Draft.empty()
+            draft = drafter.propose(k, numbers) if k > 0 else plain
             peeked = peek(drafter, policy, k, numbers) if looking else None
             draft, cut = kept(draft, policy)
             t_verify = perf_counter()

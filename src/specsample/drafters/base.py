@@ -26,7 +26,7 @@ with the numbers of offset d.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -130,6 +130,24 @@ class Drafter(Protocol):
     def observe(self, tokens: list[int]) -> None:
         """The text grew by `tokens`: the accepted draft tokens, then the recovered or bonus token."""
         ...
+
+
+@runtime_checkable
+class WatchesPlainSteps(Protocol):
+    """Learns from the target's logits at plain steps too, where no draft was verified: the engine shows
+    them through the empty draft it verifies (`plain_draft`), timed as drafting."""
+
+    def observe_plain(self, scored: Tensor, logits: Tensor) -> None:
+        """A plain step scored `scored` [1] (the pending token) with `logits` [1, vocab]."""
+        ...
+
+
+def plain_draft(drafter: Drafter) -> Draft:
+    """The empty draft of a plain step (K = 0): carrying the drafter's `observe_plain` hook where it has
+    one (`WatchesPlainSteps`). Decided once a request: a protocol's isinstance check costs about 10 us."""
+    if isinstance(drafter, WatchesPlainSteps):
+        return replace(Draft.empty(), observe_logits=drafter.observe_plain)
+    return Draft.empty()
 
 
 @runtime_checkable

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from specsample.drafters.base import Draft, Drafter, forked
+from specsample.drafters.base import Draft, Drafter, WatchesPlainSteps, forked
 from specsample.sampling import RandomSource, SamplingParams
 
 MIN_TOKENS = 3  # the shortest draft of `first` that is verified instead of asking `second`
@@ -44,6 +44,7 @@ class FallbackDrafter:
         if min_tokens < 1:
             raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
         self.first, self.second, self.min_tokens = first, second, min_tokens
+        self.watching = [d for d in (first, second) if isinstance(d, WatchesPlainSteps)]
         self.first_steps = 0  # steps whose draft came from `first`, over the drafter's life
         self.second_steps = 0
 
@@ -66,6 +67,11 @@ class FallbackDrafter:
     def observe(self, tokens: list[int]) -> None:
         self.first.observe(tokens)
         self.second.observe(tokens)
+
+    def observe_plain(self, scored: Tensor, logits: Tensor) -> None:
+        """A plain step's row, for those of the two that learn from it (`WatchesPlainSteps`)."""
+        for drafter in self.watching:
+            drafter.observe_plain(scored, logits)
 
     def fork(self) -> FallbackDrafter:
         """Forks of both drafters (`base.Forks`); a ValueError where either does not fork."""

@@ -5,10 +5,12 @@ put most likely after x: each verification pass scores the pending token and
 the draft's nodes, and the top-`width` of each scored row replace that token's
 entry (the logits are computed anyway, so the table costs no target work;
 `Draft.observe_logits` is how the engine shows them). A step that verifies no
-draft shows it no logits (a refresh costs about 0.25 ms a row, 7% of a plain
+draft is not refreshed so (a refresh costs about 0.25 ms a row, 7% of a plain
 step on the blocks), but at temperature 0 every emitted token is the target's
 argmax after the token before it, so `observe` makes it that token's rank 0:
-the table keeps up with the text at plain steps too, for nothing. To draft, it expands a
+the table keeps up with the text at plain steps too, for nothing. When
+sampling, the emitted token was drawn, so the plain step's row is shown
+(`observe_plain`) and its argmax takes that place. To draft, it expands a
 tree of fixed shape from the pending token: the node of template rank r under
 a node of token x is x's r-th token, where the table knows one.
 
@@ -96,13 +98,24 @@ class RecycleDrafter:
 
     def observe(self, tokens: list[int]) -> None:
         """The step's emitted tokens; at temperature 0 each is the target's argmax after the one before it,
-        so it becomes that token's rank 0 (the entry's other tokens kept, in order, behind it)."""
+        so it becomes that token's rank 0."""
         if self.greedy:
             for before, token in zip([self.pending, *tokens[:-1]], tokens):
-                row = self.next.get(before, [])
-                if not row or row[0] != token:
-                    self.next[before] = [token, *(t for t in row if t != token)][: self.width]
+                self.rank_first(before, token)
         self.pending = tokens[-1]
+
+    def observe_plain(self, scored: Tensor, logits: Tensor) -> None:
+        """A plain step's row ([1], [1, vocab]; `WatchesPlainSteps`): when sampling, the emitted token was
+        drawn, so the row's argmax (about 5 us in numpy; a refresh's top-k takes 0.25 ms) becomes the
+        pending token's rank 0. At temperature 0 `observe` does that for nothing."""
+        if not self.greedy:
+            self.rank_first(int(scored[0]), int(logits[0].float().numpy().argmax()))
+
+    def rank_first(self, before: int, token: int) -> None:
+        """`token` becomes `before`'s rank 0, the entry's other tokens kept, in order, behind it."""
+        row = self.next.get(before, [])
+        if not row or row[0] != token:
+            self.next[before] = [token, *(t for t in row if t != token)][: self.width]
 
 
 class RecycleChainDrafter(RecycleDrafter):
