@@ -184,3 +184,19 @@ def test_model_rows_do_not_depend_on_row_count(isa, weight_type, shape):
         target.rollback(70)
         passes = torch.cat([target.score(chunk) for chunk in IDS[70:].split(n)])
         assert torch.equal(passes, whole), n
+
+
+@pytest.mark.parametrize("k", [1, 8, 64])
+def test_top_k_is_torch_topk_and_keeps_equal_entries_in_index_order(isa, k):
+    """`top_k` over rows of every length around the vector width (a tail entry the largest too) and over
+    strided rows: torch.topk's indices where the entries differ; the earlier of equal entries first."""
+    generator = torch.Generator().manual_seed(k)
+    for n in (k, k + 1, 63, 64, 65, 1000, 49152):
+        if n < k:
+            continue
+        x = torch.randn(5, n + 3, generator=generator)[:, :n]  # rows n + 3 apart
+        x[1, -1] = 100.0
+        assert kernels.top_k(x, k).tolist() == x.topk(k, dim=-1).indices.tolist(), n
+    values = [0.0, 2.0, 1.0, 2.0, 1.0, 2.0, -1.0, 1.0] * 10
+    in_order = sorted(range(len(values)), key=lambda i: (-values[i], i))  # largest first, then by index
+    assert kernels.top_k(torch.tensor([values]), k)[0].tolist() == in_order[:k]

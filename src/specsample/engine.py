@@ -172,11 +172,11 @@ def observe(draft: Draft, scored: Tensor, logits: Tensor) -> float:
     """Show the pass's tokens `scored` [n + 1] and logits [n + 1, vocab] to the draft's `observe_logits`
     hook, if it has one; the seconds it took.
 
-    The hook is the drafter's work (Token Recycling refreshes its table from every row it is shown,
-    about 0.25 ms a row over a 49k vocabulary), so the step counts it as drafting, not as the target's
-    pass: timed as the pass, a step that asked Token Recycling for a draft it did not have took 15%
-    longer than a plain step and was counted as f(1), and the K policy never saw what asking it cost
-    (bundled model, blocks, t = 1, Intel Xeon)."""
+    The hook is the drafter's work (Token Recycling refreshes its table from every row it is shown), so
+    the step counts it as drafting, not as the target's pass: timed as the pass, a step that asked Token
+    Recycling for a draft it did not have (then 0.25 ms a row of torch.topk) took 15% longer than a
+    plain step and was counted as f(1), and the K policy never saw what asking it cost (bundled model,
+    blocks, t = 1, Intel Xeon)."""
     if draft.observe_logits is None:
         return 0.0
     start = perf_counter()

@@ -4,13 +4,12 @@ For every token x it keeps the `width` tokens the target's own distributions
 put most likely after x: each verification pass scores the pending token and
 the draft's nodes, and the top-`width` of each scored row replace that token's
 entry (the logits are computed anyway, so the table costs no target work;
-`Draft.observe_logits` is how the engine shows them). A step that verifies no
-draft is not refreshed so (a refresh costs about 0.25 ms a row, 7% of a plain
-step on the blocks), but at temperature 0 every emitted token is the target's
-argmax after the token before it, so `observe` makes it that token's rank 0:
-the table keeps up with the text at plain steps too, for nothing. When
-sampling, the emitted token was drawn, so the plain step's row is shown
-(`observe_plain`) and its argmax takes that place. To draft, it expands a
+`Draft.observe_logits` is how the engine shows them), and so does a plain
+step's row (`observe_plain`): a refresh is one pass over a row
+(`sampling.top_indices`, about 20 us for 49,152 tokens, 0.5% of a plain step
+on the blocks; torch.topk took 0.1 to 0.25 ms). At temperature 0 every emitted
+token is the target's argmax after the token before it, so `observe` makes it
+that token's rank 0 too. To draft, it expands a
 tree of fixed shape from the pending token: the node of template rank r under
 a node of token x is x's r-th token, where the table knows one.
 
@@ -34,7 +33,7 @@ from functools import cache
 from torch import Tensor
 
 from specsample.drafters.base import Draft
-from specsample.sampling import RandomSource, SamplingParams
+from specsample.sampling import RandomSource, SamplingParams, top_indices
 
 WIDTH = 8  # tokens kept per token
 RANK_PRIOR = (0.6, 0.15, 0.07, 0.04, 0.025, 0.015, 0.01, 0.005)  # prior P(target's token is rank r)
@@ -92,9 +91,13 @@ class RecycleDrafter:
 
     def refresh(self, scored: Tensor, logits: Tensor) -> None:
         """Each scored token's entry ([n + 1]) becomes the top-`width` tokens of its row of `logits` [n + 1, vocab]."""
-        top = logits.topk(self.width, dim=-1).indices.tolist()  # [n + 1, width]
+        top = top_indices(logits, self.width).tolist()  # [n + 1, width]
         for token, row in zip(scored.tolist(), top):
             self.next[token] = row
+
+    def observe_plain(self, scored: Tensor, logits: Tensor) -> None:
+        """A plain step's row ([1], [1, vocab]; `WatchesPlainSteps`) refreshes the pending token's entry."""
+        self.refresh(scored, logits)
 
     def observe(self, tokens: list[int]) -> None:
         """The step's emitted tokens; at temperature 0 each is the target's argmax after the one before it,
@@ -103,13 +106,6 @@ class RecycleDrafter:
             for before, token in zip([self.pending, *tokens[:-1]], tokens):
                 self.rank_first(before, token)
         self.pending = tokens[-1]
-
-    def observe_plain(self, scored: Tensor, logits: Tensor) -> None:
-        """A plain step's row ([1], [1, vocab]; `WatchesPlainSteps`): when sampling, the emitted token was
-        drawn, so the row's argmax (about 5 us in numpy; a refresh's top-k takes 0.25 ms) becomes the
-        pending token's rank 0. At temperature 0 `observe` does that for nothing."""
-        if not self.greedy:
-            self.rank_first(int(scored[0]), int(logits[0].float().numpy().argmax()))
 
     def rank_first(self, before: int, token: int) -> None:
         """`token` becomes `before`'s rank 0, the entry's other tokens kept, in order, behind it."""

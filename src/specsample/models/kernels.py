@@ -164,6 +164,9 @@ def _build(source: str, isa: str, others: dict[str, str] | None = None) -> ctype
     lib.specsample_half_caches.restype = ctypes.c_int
     lib.specsample_gumbel_noise.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_long, ctypes.c_void_p]
     lib.specsample_gumbel_noise.restype = None
+    lib.specsample_top_k.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int,
+                                     ctypes.c_void_p]
+    lib.specsample_top_k.restype = None
     lib.specsample_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_float,
                                         ctypes.c_void_p]
     lib.specsample_rms_norm.restype = None
@@ -351,6 +354,15 @@ def gumbel_noise(seed: int, position: int, vocab: int) -> Tensor:
     """`sampling.position_noise` on the kernels: standard Gumbel noise [vocab] float32 of (seed, position)."""
     out = torch.empty(vocab, dtype=torch.float32)
     _library().specsample_gumbel_noise(seed % 2**64, position % 2**64, vocab, out.data_ptr())
+    return out
+
+
+def top_k(x: Tensor, k: int) -> Tensor:
+    """The indices [rows, k] int64 of the k largest entries of each row of x [rows, n] (float32, rows with
+    unit stride, 1 <= k <= min(64, n)), largest first, the earlier of equal entries first."""
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and 1 <= k <= min(64, x.shape[1])
+    out = torch.empty(x.shape[0], k, dtype=torch.int64)
+    _library().specsample_top_k(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), k, out.data_ptr())
     return out
 
 
