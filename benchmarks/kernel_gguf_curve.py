@@ -7,6 +7,10 @@ Two measurements, each over the builds asked for (`--isa native,avx2`):
   float32 copy packed as `kernels.pack` does, for n = 1, 2, 4, 8, 16 rows; the K types (Q4_K,
   Q6_K: inputs in 256-blocks) over the same shapes with 512 inputs for 576, beside Q4_0 and Q8_0
   at those shapes;
+- `products` (with --products): each of the bundled model's products alone (fused QKV 960x576, output
+  576x576, fused gate and up 3072x576, down 576x1536, the tied head 49152x576), Q4_1, Q4_0 and Q8_0,
+  at 1 and 8 rows, each timed right after an untimed call of its own size, the builds in turns: the
+  cost of an extra row and its multiply-adds a ns a core, which bound how far f(8)/f(1) can fall;
 - `target` (with --target): a whole forward pass of the bundled model on the fast backend, on
   its own GGUF blocks (`gguf_blocks.gguf_target`) and in float32, after a context of 200
   tokens (cost_curve.measure, as benchmarks/kernel_isa_curve.py does it).
@@ -16,6 +20,7 @@ On a loaded machine two OpenMP threads wait for each other whenever one is desch
 `--cpu-time` with OMP_NUM_THREADS=1 times one thread's CPU time instead.
 
     nice -n 19 python benchmarks/kernel_gguf_curve.py --isa native,avx2 --target
+    python benchmarks/kernel_gguf_curve.py --isa native --products --extra before=/tmp/kernels_gguf.cpp
     python benchmarks/kernel_gguf_curve.py --isa native --extra before=/tmp/kernels_gguf.cpp --target
     OMP_NUM_THREADS=1 nice -n 19 python benchmarks/kernel_gguf_curve.py --cpu-time
 """
@@ -103,6 +108,41 @@ def table(rows, ns: list[int]) -> None:
         print(f"| {label} | {seconds[0] * 1e3:.2f} | " + " | ".join(f"{s / seconds[0]:.2f}" for s in seconds[1:]) + " |")
 
 
+PRODUCTS = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # [out, in] of one layer, then the head
+
+
+def product_costs(libs: dict[str, object], repeats: int, clock) -> None:
+    """Print, per format and product of PRODUCTS, f(1) and f(8) in us and an extra row's cost (us and
+    multiply-adds a ns a core, 2 cores), each build timed in turn, every call after one of its own size."""
+    rng = np.random.default_rng(0)
+    print()
+    print("| build | format | product (out x in) | f(1) us | f(8) us | extra row us | multiply-adds a ns a core |")
+    print("|---|---|---|---|---|---|---|")
+    for qtype in (Q.Q4_1, Q.Q4_0, Q.Q8_0):
+        for out_features, in_features in PRODUCTS:
+            matrix = random_blocks(qtype, out_features, in_features, rng)
+            jobs = {}
+            for build, lib in libs.items():
+                for n in (1, 8):
+                    def job(x=torch.randn(n, in_features), lib=lib):
+                        with mock.patch.object(kernels, "_library", lambda: lib):
+                            matrix(x)  # untimed: the call before is of the same size, as in decoding
+                            start = clock()
+                            matrix(x)
+                            return clock() - start
+                    jobs[(build, n)] = job
+            times: dict[tuple, list[float]] = {key: [] for key in jobs}
+            for _ in range(repeats):  # rounds: a slower minute falls on every build alike
+                for key, job in jobs.items():
+                    times[key].append(job())
+            seconds = {key: statistics.median(values) for key, values in times.items()}
+            for build in libs:
+                one, eight = seconds[(build, 1)], seconds[(build, 8)]
+                rate = out_features * in_features * 7 / (eight - one) / 2 / 1e9
+                print(f"| {build} | {qtype.name} | {out_features}x{in_features} | {one * 1e6:.1f} | {eight * 1e6:.1f} | "
+                      f"{(eight - one) / 7 * 1e6:.2f} | {rate:.0f} |")
+
+
 def target_curve(libs: dict[str, object], ns: list[int], repeats: int, clock, context: int) -> None:
     """Print f(n)/f(1) of whole forward passes of the bundled model, on its blocks and in float32."""
     from kernel_isa_curve import WithKernels
@@ -135,6 +175,7 @@ def main() -> None:
     parser.add_argument("--ns", default="1,2,4,8,16")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--target", action="store_true", help="also whole forward passes of the bundled model")
+    parser.add_argument("--products", action="store_true", help="only the bundled model's products at 1 and 8 rows")
     parser.add_argument("--context-length", type=int, default=200)
     parser.add_argument("--cpu-time", action="store_true", help="time this process's CPU seconds, not wall time")
     args = parser.parse_args()
@@ -153,7 +194,10 @@ def main() -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "all")
     print(f"{cpu_name()}; median of {args.repeats}; {'CPU' if args.cpu_time else 'wall'} time; OMP threads: {threads}; "
           f"load average {os.getloadavg()[0]:.1f} at start")
-    matmul_curve(libs, ns, args.repeats, clock)
+    if args.products:
+        product_costs(libs, args.repeats, clock)
+    else:
+        matmul_curve(libs, ns, args.repeats, clock)
     if args.target:
         target_curve(libs, ns, args.repeats, clock, args.context_length)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
