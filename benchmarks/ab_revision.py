@@ -17,6 +17,11 @@ one configuration against a revision that changed it by about 1%).
 
     python benchmarks/ab_revision.py [--revision HEAD] [--drafter suffix+quantized] [--backend fast]
         [--temperature 1] [--split all --limit 4] [--skip 0] [--max-new-tokens 128] [--pause 1]
+        [--revision-isa avx2] [--isa avxvnni]
+
+`--revision-isa` and `--isa` build each version's kernels for an instruction set
+(SPECSAMPLE_KERNEL_ISA, models/kernels.py): with `--revision HEAD`, one configuration on two builds of the
+same code (say `--revision-isa avx2 --isa avxvnni`).
 
 Tune on `--split all` with `--limit` up to 6 (the first 6 of each category are the tuned prompts); the
 held-out prompts are `--split odd --skip 6`.
@@ -37,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))  # the driver reads prompts and reports with the working tree's code
 
 from specsample.bench.report import speedup_interval  # noqa: E402
+from specsample.models.kernels import ISA_FLAGS, ISA_VARIABLE  # noqa: E402
 from specsample.prompts import packaged_prompts, read_prompts  # noqa: E402
 
 CATEGORIES = ("translation", "summarization", "qa", "math_reasoning", "rag")
@@ -59,10 +65,11 @@ for line in sys.stdin:
 class Worker:
     """A process running one version of specsample (its `src` first on the path), one request a line."""
 
-    def __init__(self, src: Path, options: dict) -> None:
+    def __init__(self, src: Path, options: dict, isa: str | None = None) -> None:
+        env = {**os.environ, "PYTHONPATH": str(src), **({ISA_VARIABLE: isa} if isa else {})}
         self.process = subprocess.Popen(
             [sys.executable, "-c", WORKER, json.dumps(options)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, env={**os.environ, "PYTHONPATH": str(src)},
+            text=True, env=env,
         )
         if self.process.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the worker for {src} did not start")
@@ -93,6 +100,8 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--pause", type=float, default=1.0, help="seconds before each request (other worker's threads idle)")
+    parser.add_argument("--revision-isa", choices=list(ISA_FLAGS), help="the revision's kernels' instruction set")
+    parser.add_argument("--isa", choices=list(ISA_FLAGS), help="the working tree's kernels' instruction set")
     args = parser.parse_args()
     options = {name: getattr(args, name) for name in ("drafter", "backend", "k", "temperature", "max_new_tokens")}
     selected = prompts(args.split, args.limit, args.skip)
@@ -101,7 +110,8 @@ def main() -> None:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.revision], check=True,
                        capture_output=True)
         try:
-            workers = {"revision": Worker(tree / "src", options), "working tree": Worker(ROOT / "src", options)}
+            workers = {"revision": Worker(tree / "src", options, args.revision_isa),
+                       "working tree": Worker(ROOT / "src", options, args.isa)}
             results = compare(workers, selected, args.pause)
             for worker in workers.values():
                 worker.close()
@@ -134,7 +144,9 @@ def report(results: list[dict[str, dict]], args: argparse.Namespace) -> None:
     steps = {name: sum(r[name]["steps"] for r in results) for name in results[0]}
     differ = sum(r["revision"]["tokens"] != r["working tree"]["tokens"] for r in results)
     print(f"{args.drafter} --k {args.k}, t = {args.temperature}, {len(results)} prompts ({args.split}, limit {args.limit}, "
-          f"skip {args.skip}); revision {args.revision}")
+          f"skip {args.skip}); revision {args.revision}"
+          + (f"; kernels: revision {args.revision_isa or 'native'}, working tree {args.isa or 'native'}"
+             if args.revision_isa or args.isa else ""))
     print("tokens/s: " + ", ".join(f"{name} {rate:.2f}" for name, rate in rates.items()))
     print(f"working tree over revision: {rates['working tree'] / rates['revision']:.3f} "
           f"(95% {low:.3f}-{high:.3f}); verification steps: "

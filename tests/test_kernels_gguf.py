@@ -48,8 +48,18 @@ def inputs(qtype: GGMLQuantizationType) -> int:
 
 
 AVX2 = {"avx2", "fma", "f16c"} <= FLAGS
-NATIVE = "avx512vnni" if {"avx512f", "avx512bw", "avx512_vnni"} <= FLAGS else "avx2" if AVX2 else "portable"
-ISAS = {"native": NATIVE if FLAGS else None, "avx2": "avx2" if AVX2 else "portable", "portable": "portable"}
+AVX_VNNI = AVX2 and "avx_vnni" in FLAGS  # AVX2's 256-bit vpdpbusd (Intel since Alder Lake)
+NATIVE = (
+    "avx512vnni" if {"avx512f", "avx512bw", "avx512_vnni"} <= FLAGS
+    else "avxvnni" if AVX_VNNI else "avx2" if AVX2 else "portable"
+)
+# Each build the CPU runs a path of its own in: avxvnni only where the CPU has AVX-VNNI (elsewhere it is avx2's).
+ISAS = {
+    "native": NATIVE if FLAGS else None,
+    **({"avxvnni": "avxvnni"} if AVX_VNNI else {}),
+    "avx2": "avx2" if AVX2 else "portable",
+    "portable": "portable",
+}
 
 
 def library(isa: str):

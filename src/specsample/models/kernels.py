@@ -37,9 +37,10 @@ already loaded) into the user's cache, keyed by the source, the flags, the
 compiler and its version, and the CPU, and loaded with ctypes. Without a
 compiler, or with SPECSAMPLE_NO_KERNELS=1, `available()` is False and callers
 use torch ops. SPECSAMPLE_KERNEL_ISA=avx2 builds for AVX2 on an AVX-512 CPU
-(-mno-avx512f), SPECSAMPLE_KERNEL_ISA=portable without AVX (-mno-avx; both x86
-only): how the other paths are tested and measured on one machine; the default,
-`native`, is the best the CPU has. Sums run in another order than MKL's, so
+(-mno-avx512f -mno-avxvnni), SPECSAMPLE_KERNEL_ISA=avxvnni for AVX2 with
+AVX-VNNI where the CPU has it (-mno-avx512f), SPECSAMPLE_KERNEL_ISA=portable
+without AVX (-mno-avx; all x86 only): how the other paths are tested and
+measured on one machine; the default, `native`, is the best the CPU has. Sums run in another order than MKL's, so
 results differ by float32 rounding.
 """
 from __future__ import annotations
@@ -67,7 +68,9 @@ MAX_HEAD_DIM = 1024  # rotary embedding works on a stack copy of one head
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 # Flags added for SPECSAMPLE_KERNEL_ISA: each disables the instruction sets above the one asked for.
-ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx"]}
+# avxvnni: AVX2 with AVX-VNNI where the CPU has it (Intel since Alder Lake), the GGUF kernels' vpdpbusd on
+# 256 bits; avx2 without it (AMD Zen 3 and older Intel).
+ISA_FLAGS = {"native": [], "avxvnni": ["-mno-avx512f"], "avx2": ["-mno-avx512f", "-mno-avxvnni"], "portable": ["-mno-avx"]}
 ISA_VARIABLE = "SPECSAMPLE_KERNEL_ISA"
 EXTRA_SOURCES = ("kernels_gguf.cpp",)  # compiled into the same library as kernels.cpp
 
@@ -288,7 +291,8 @@ def matmul(
 
 
 def gguf_instruction_set() -> str:
-    """The path of the GGUF block kernels in the loaded library: "avx512vnni", "avx2" or "portable".
+    """The path of the GGUF block kernels in the loaded library: "avx512vnni", "avxvnni", "avx2" or
+    "portable".
 
     Raises RuntimeError where the kernels are unavailable: check `available()` first.
     """

@@ -43,6 +43,9 @@
 //               in registers at once, so a row's broadcast activations feed two products each: a
 //               product waits on its broadcast load, and with one panel the loads bound the rows
 //               (8-row pass of a 1,536 x 576 Q4_1 matrix 17% faster, AMD EPYC).
+//   avxvnni:    AVX2 with AVX-VNNI (Intel since Alder Lake: AVX2 and VNNI, no AVX-512): two halves
+//               of 8 columns, each the avx512vnni path's integers at 8 lanes (vpdpbusd on 256 bits,
+//               Q8_0 offset by 128), one half at a time in the 16 registers.
 //   avx2:       two halves of 8 columns; vpmaddubsw (unsigned x signed bytes to int16 pairs) and
 //               vpmaddwd. Q4: the 8 groups of a block are summed in int16 (at most
 //               8 * 2 * 15 * 127 = 30480, no saturation) and widened once; Q8_0 uses llama.cpp's
@@ -53,7 +56,14 @@
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define GGUF_AVX2 1
+#if defined(__AVXVNNI__)
+#define GGUF_AVXVNNI 1
+#endif
 #include <immintrin.h>
+#endif
+// Whether the block's integer dot products are vpdpbusd's (unsigned weight bytes, Q8_0's offset by 128).
+#if defined(GGUF_VNNI) || defined(GGUF_AVXVNNI)
+#define GGUF_DPBUSD 1
 #endif
 #include <math.h>
 #include <stdint.h>
@@ -194,9 +204,9 @@ void quantize_rows(const float* x, long M, long K, long ldx, int8_t* q, float* d
 }
 
 // What the vector products take off a block's unsigned dot product, per unit of s: the type's offset
-// (`offset`), and on VNNI Q8_0's 128 (its weights offset by 128 there; AVX2 multiplies their signs).
+// (`offset`), and with vpdpbusd Q8_0's 128 (its weights offset by 128 there; AVX2 multiplies their signs).
 constexpr int taken_off(int type) {
-#if defined(GGUF_VNNI)
+#if defined(GGUF_DPBUSD)
   return type == Q8_0 ? 128 : offset(type);
 #else
   return type == Q8_0 ? 0 : offset(type);
@@ -256,6 +266,10 @@ inline VI bit_to_4(VI v, int b) {
 inline VI bor(VI a, VI b) { return _mm512_or_si512(a, b); }
 inline VI minus(VI a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
 inline VI izero() { return _mm512_setzero_si512(); }
+inline VI isplat(int32_t v) { return _mm512_set1_epi32(v); }
+inline VI iadd(VI a, VI b) { return _mm512_add_epi32(a, b); }
+inline VI flip(VI v) { return _mm512_xor_si512(v, splat_byte(0x80)); }
+inline VI dpbusd(VI acc, VI w, VI x) { return _mm512_dpbusd_epi32(acc, w, x); }
 inline VF halves(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 inline VF ubytes(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 inline VF sbytes(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
@@ -268,7 +282,11 @@ inline VF fsplat(float v) { return _mm512_set1_ps(v); }
 inline VF fzero() { return _mm512_setzero_ps(); }
 inline void fstore(float* p, VF v) { _mm512_storeu_ps(p, v); }
 #else
+#if defined(GGUF_AVXVNNI)
+#define GGUF_ISA "avxvnni"
+#else
 #define GGUF_ISA "avx2"
+#endif
 typedef __m256i VI;
 typedef __m256 VF;
 enum { LANES = 8 };
@@ -287,6 +305,12 @@ inline VI bit_to_4(VI v, int b) {
 inline VI bor(VI a, VI b) { return _mm256_or_si256(a, b); }
 inline VI minus(VI a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
 inline VI izero() { return _mm256_setzero_si256(); }
+inline VI isplat(int32_t v) { return _mm256_set1_epi32(v); }
+inline VI iadd(VI a, VI b) { return _mm256_add_epi32(a, b); }
+inline VI flip(VI v) { return _mm256_xor_si256(v, splat_byte(0x80)); }
+#if defined(GGUF_AVXVNNI)
+inline VI dpbusd(VI acc, VI w, VI x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
+#endif
 inline VF halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 inline VF ubytes(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
 inline VF sbytes(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
@@ -304,15 +328,15 @@ constexpr int HALVES = COLS / LANES;  // vectors per 16 columns: 1 (AVX-512) or 
 
 // The 8 groups of 4 inputs of one block for LANES columns (half h of the panel), as the integer
 // operand of the dot product: Q4 nibbles (unsigned), Q6_K's nibbles with their high bits (0..63),
-// Q8_0 weights offset by 128 (VNNI) or their absolute values (AVX2, whose signs `dot` reads from memory).
+// Q8_0 weights offset by 128 (vpdpbusd) or their absolute values (AVX2, whose signs `dot` reads from memory).
 template <int T>
 inline void unpack(const uint8_t* q, int h, VI w[8]) {
   const uint8_t* base = q + h * LANES * 4;
   for (int c = 0; c < (T == Q8_0 ? 8 : 4); c++) {
     VI v = load(base + c * 64);
     if (T == Q8_0) {
-#if defined(GGUF_VNNI)
-      w[c] = _mm512_xor_si512(v, splat_byte(0x80));
+#if defined(GGUF_DPBUSD)
+      w[c] = flip(v);
 #else
       w[c] = _mm256_abs_epi8(v);
 #endif
@@ -347,15 +371,15 @@ inline void splats(const int8_t* xm, VI xs[8]) {
 // column (exact int32).
 template <int T>
 inline VI udot(const VI w[8], const VI xs[8], int g0, int g1, VI init) {
-#if defined(GGUF_VNNI)
+#if defined(GGUF_DPBUSD)
   // Two chains (g1 - g0 is 4 or 8): vpdpbusd's latency is 4 cycles, and a row's 8 products in one
   // chain leave the scheduler full of waiting products. One starts from `init`.
-  VI even = init, odd = _mm512_setzero_si512();
+  VI even = init, odd = izero();
   for (int g = g0; g < g1; g += 2) {
-    even = _mm512_dpbusd_epi32(even, w[g], xs[g]);
-    odd = _mm512_dpbusd_epi32(odd, w[g + 1], xs[g + 1]);
+    even = dpbusd(even, w[g], xs[g]);
+    odd = dpbusd(odd, w[g + 1], xs[g + 1]);
   }
-  return _mm512_add_epi32(even, odd);
+  return iadd(even, odd);
 #else
   // int16 pair sums: Q4 at most 2 * 15 * 127 per group, all 8 summed; Q5 2 * 31 * 127, four summed;
   // Q6_K 2 * 63 * 127, two summed.
@@ -375,9 +399,9 @@ inline VI udot(const VI w[8], const VI xs[8], int g0, int g1, VI init) {
 // per column.
 template <int T>
 inline VI dot(const VI w[8], const uint8_t* q, int h, const VI xs[8], const int32_t* os) {
-#if defined(GGUF_VNNI)
+#if defined(GGUF_DPBUSD)
   (void)q, (void)h;
-  return udot<T>(w, xs, 0, 8, taken_off(T) ? _mm512_set1_epi32(*os) : izero());
+  return udot<T>(w, xs, 0, 8, taken_off(T) ? isplat(*os) : izero());
 #else
   if (T == Q8_0) {
     const VI ones = _mm256_set1_epi16(1);
@@ -390,7 +414,7 @@ inline VI dot(const VI w[8], const uint8_t* q, int h, const VI xs[8], const int3
     }
     return acc;
   }
-  return udot<T>(w, xs, 0, 8, taken_off(T) ? _mm256_set1_epi32(*os) : izero());
+  return udot<T>(w, xs, 0, 8, taken_off(T) ? isplat(*os) : izero());
 #endif
 }
 
