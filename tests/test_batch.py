@@ -16,6 +16,7 @@ import torch
 from specsample.batch import Batch, Request
 from specsample.drafters import NgramDrafter, NoDrafter, SuffixDrafter
 from specsample.drafters.base import Draft, Drafter
+from specsample.drafters.recycle import RecycleDrafter
 from specsample.drafters.suffix import SuffixTreeDrafter
 from specsample.engine import decode
 from specsample.models import kernels
@@ -29,8 +30,9 @@ from conftest import tiny_llama
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels could not be built here")
 
 GREEDY = SamplingParams(temperature=0)
-# suffix-tree: its trees are verified as their trunks in a batch (slots score chains), as trees alone
-DRAFTERS = {"none": (NoDrafter, 0), "ngram": (NgramDrafter, 3), "suffix": (SuffixDrafter, 4), "suffix-tree": (SuffixTreeDrafter, 6)}
+# suffix-tree and recycle: their trees are verified as their trunks in a batch (slots score chains), as trees alone
+DRAFTERS = {"none": (NoDrafter, 0), "ngram": (NgramDrafter, 3), "suffix": (SuffixDrafter, 4), "suffix-tree": (SuffixTreeDrafter, 6),
+            "recycle": (RecycleDrafter, 6)}
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +159,21 @@ def test_suffix_forks_share_what_they_learn():
     assert b.lookup(3) == [4, 5, 6]  # b drafts from a's text
     a.begin(torch.tensor([7]), GREEDY)  # a files its first request under the shared history
     assert list(parent.history) == [[1, 2, 3, 4, 5, 6]] and parent.history_size == 6
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_recycle_forks_share_one_table_refreshed_by_the_batch_passes(target, k):
+    """Token Recycling's forks share the parent's table, and each request's rows of a batch pass refresh
+    it, at plain steps (K = 0, `observe_plain`) and at drafting ones (`observe_logits`): entries of the
+    full width come only from a refresh (at t = 1 nothing else writes the table)."""
+    parent = RecycleDrafter()
+    batch = Batch(target.slots(2), parent, lambda: FixedK(k), eos_token_ids=frozenset())
+    assert all(fork.next is parent.next for fork in batch.drafters)
+    params = SamplingParams(temperature=1.0)
+    requests = [Request(p, params, 12, CoupledSource(i)) for i, p in enumerate(prompts(3))]
+    run(batch, requests)
+    refreshed = [row for row in parent.next.values() if len(row) == parent.width]
+    assert len(refreshed) >= 12  # the distinct tokens scored over 3 x 12 steps: about 27 of 64 at K = 0
 
 
 def test_bundled_model_batch_equals_alone():

@@ -28,8 +28,8 @@ from time import perf_counter
 
 from torch import Tensor
 
-from specsample.drafters.base import Draft, Drafter, forked
-from specsample.engine import check_lengths, cut_at_eos, kept, looks, peek, scored_rows, tell_peek
+from specsample.drafters.base import Draft, Drafter, forked, plain_draft
+from specsample.engine import check_lengths, cut_at_eos, kept, looks, observe, peek, scored_rows, tell_peek
 from specsample.models.target import Slots
 from specsample.policy import KPolicy, PassCost, SeesBatch
 from specsample.sampling import RandomSource, SamplingParams
@@ -72,6 +72,7 @@ class Planned:
 
     request: Request
     draft: Draft
+    scored: Tensor  # [pending, draft_tokens]: the rows the pass scores for it
     numbers: RandomSource
     start: int  # the slot's length before the pass
     draft_seconds: float
@@ -94,6 +95,7 @@ class Batch:
     ) -> None:
         self.slots, self.eos_token_ids, self.verifier = slots, eos_token_ids, verifier
         self.drafters = [forked(drafter) for _ in range(slots.count)]  # per slot
+        self.plain = [plain_draft(d) for d in self.drafters]  # per slot: its drafter's plain-step draft
         self.policies = [policy() for _ in range(slots.count)]  # per slot
         self.free = list(range(slots.count - 1, -1, -1))  # slots without a request, next last
         self.running: list[Request] = []
@@ -144,7 +146,7 @@ class Batch:
         self.rows = sum(request.rows for request in self.running)  # as planned so far
         planned = [self._plan(request) for request in self.running]
         scoring = perf_counter()
-        logits = self.slots.score([(p.request.slot, scored_rows(p.request.pending, p.draft)) for p in planned])  # [k_i + 1, vocab] each
+        logits = self.slots.score([(p.request.slot, p.scored) for p in planned])  # [k_i + 1, vocab] each
         pass_seconds = perf_counter() - scoring
         self.cost.observe(self.rows, pass_seconds, len(planned))
         out = [(p.request, self._verify(p, rows, pass_seconds)) for p, rows in zip(planned, logits)]
@@ -171,25 +173,29 @@ class Batch:
             policy.see_batch(self.cost, self.rows - request.rows, other_tokens, len(self.running) - 1)
         k = min(policy.choose(), request.max_new_tokens - request.produced - 1)
         numbers = request.random.at(request.produced)  # offset i: output position produced + i
-        draft = drafter.propose(k, numbers).trunk() if k > 0 else Draft.empty()  # slots score chains
+        draft = drafter.propose(k, numbers).trunk() if k > 0 else self.plain[request.slot]  # slots score chains
         peeked = peek(drafter, policy, k, numbers) if request.looks else None
         draft, cut = kept(draft, policy)  # a chain: cut only on its confidences
         self.rows += len(draft) + 1 - request.rows
         request.rows = len(draft) + 1
         seconds = perf_counter() - start
-        return Planned(request, draft, numbers, self.slots.length(request.slot), seconds, peeked, cut)
+        scored = scored_rows(request.pending, draft)
+        return Planned(request, draft, scored, numbers, self.slots.length(request.slot), seconds, peeked, cut)
 
     def _verify(self, planned: Planned, logits: Tensor, pass_seconds: float) -> list[int]:
-        """Verify one request's draft on its logits [k + 1, vocab], roll its slot back and record the step."""
-        start = perf_counter()
+        """Verify one request's draft on its logits [k + 1, vocab], roll its slot back and record the step.
+        The draft's `observe_logits` hook, where it has one, sees its rows, timed as drafting (engine.py)."""
         request, draft = planned.request, planned.draft
+        observing = observe(draft, planned.scored, logits)
+        start = perf_counter()
         verdict = self.verifier(draft.tokens, draft.probs, logits, request.params, planned.numbers)
         self.slots.rollback(request.slot, planned.start + 1 + verdict.accepted)
         emitted = draft.tokens[: verdict.accepted].tolist() + [verdict.next_token]
         self.drafters[request.slot].observe(emitted)
         new = cut_at_eos(emitted, self.eos_token_ids)
         verify_seconds = pass_seconds + perf_counter() - start  # the shared pass, then its own verification
-        step = Step(len(draft), verdict.accepted, len(new), planned.draft_seconds, verify_seconds, cut=planned.cut)
+        step = Step(len(draft), verdict.accepted, len(new), planned.draft_seconds + observing, verify_seconds,
+                    cut=planned.cut)
         request.stats.record(step)
         self.policies[request.slot].observe(step)
         tell_peek(self.policies[request.slot], planned.peeked, emitted)

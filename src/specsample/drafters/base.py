@@ -184,7 +184,7 @@ def forked(drafter: Drafter) -> Drafter:
     """A fork of `drafter` (`Forks`), or a one-line error naming it where it does not fork."""
     if not isinstance(drafter, Forks):
         raise ValueError(
-            f"batched decoding drafts with drafters that fork (none, ngram, suffix, and A+B of them); "
+            f"batched decoding drafts with drafters that fork (none, ngram, suffix, recycle, and A+B of them); "
             f"{type(drafter).__name__} keeps a model's cache of its own"
         )
     return drafter.fork()

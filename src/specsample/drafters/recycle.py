@@ -22,11 +22,13 @@ table), so the shape is fixed and every ancestor of a chosen path is chosen.
 The draft is a function of the text and the logits of earlier passes, never of
 a draw (point masses, `is_lookup`), so it is verified exactly at any
 temperature. It drafts trees, so it needs a target that scores them
-(`ScoresTrees`).
+(`ScoresTrees`); in a batch (batch.py) its forks share one table, and their
+trees are verified as their trunks.
 """
 
 from __future__ import annotations
 
+import copy
 import heapq
 from functools import cache
 
@@ -106,6 +108,13 @@ class RecycleDrafter:
             for before, token in zip([self.pending, *tokens[:-1]], tokens):
                 self.rank_first(before, token)
         self.pending = tokens[-1]
+
+    def fork(self) -> RecycleDrafter:
+        """A drafter for another request decoded at the same time (`base.Forks`): its own context, this
+        one's table, which is the target's for any text, so every request's passes refresh it for all."""
+        fork = copy.copy(self)  # `next` shared, not copied
+        fork.pending, fork.greedy = -1, False
+        return fork
 
     def rank_first(self, before: int, token: int) -> None:
         """`token` becomes `before`'s rank 0, the entry's other tokens kept, in order, behind it."""
