@@ -205,7 +205,10 @@ def require(target: Target, capability: type[Capability], user: str) -> Capabili
     return target
 
 
-def normalized(x: Tensor, eps: float = 1e-6) -> Tensor:
+FEATURE_EPS = 1e-6  # of `normalized`
+
+
+def normalized(x: Tensor, eps: float = FEATURE_EPS) -> Tensor:
     """x [..., hidden] scaled to unit RMS, in float32: a middle layer's output as a draft head reads
     it (the residual stream's scale grows through the layers, and a few dimensions reach 10^4)."""
     return F.rms_norm(x.float(), x.shape[-1:], eps=eps)
