@@ -278,7 +278,8 @@ def position_noise(seed: int, position: int, vocab: int) -> Tensor:
 def top_indices(logits: Tensor, k: int) -> Tensor:
     """The indices [rows, k] of the k largest of each row of `logits` [rows, vocab], largest first: on the
     C++ kernels where they run (`kernels.top_k`, one pass over each row: 19 us for a row of 49,152 and 31
-    for nine, against 122 to 170 and 477 to 518 for torch.topk, Intel Xeon), else torch.topk (which may order equal entries otherwise)."""
+    for nine, against 122 to 170 and 477 to 518 for torch.topk, Intel Xeon), else torch.topk (which may
+    order equal entries otherwise)."""
     from specsample.models import kernels
 
     if kernels.available() and logits.dtype == torch.float32 and logits.stride(-1) == 1 and k <= min(64, logits.shape[-1]):

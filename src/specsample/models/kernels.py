@@ -40,8 +40,8 @@ use torch ops. SPECSAMPLE_KERNEL_ISA=avx2 builds for AVX2 on an AVX-512 CPU
 (-mno-avx512f -mno-avxvnni), SPECSAMPLE_KERNEL_ISA=avxvnni for AVX2 with
 AVX-VNNI where the CPU has it (-mno-avx512f), SPECSAMPLE_KERNEL_ISA=portable
 without AVX (-mno-avx; all x86 only): how the other paths are tested and
-measured on one machine; the default, `native`, is the best the CPU has. Sums run in another order than MKL's, so
-results differ by float32 rounding.
+measured on one machine; the default, `native`, is the best the CPU has. Sums
+run in another order than MKL's, so results differ by float32 rounding.
 """
 from __future__ import annotations
 

@@ -306,9 +306,9 @@ inline VI bor(VI a, VI b) { return _mm256_or_si256(a, b); }
 inline VI minus(VI a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
 inline VI izero() { return _mm256_setzero_si256(); }
 inline VI isplat(int32_t v) { return _mm256_set1_epi32(v); }
+#if defined(GGUF_AVXVNNI)
 inline VI iadd(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VI flip(VI v) { return _mm256_xor_si256(v, splat_byte(0x80)); }
-#if defined(GGUF_AVXVNNI)
 inline VI dpbusd(VI acc, VI w, VI x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
 #endif
 inline VF halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
