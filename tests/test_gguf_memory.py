@@ -40,11 +40,12 @@ with open("/proc/self/clear_refs", "w") as f:
 target = file_target(bundled_gguf())
 sampler = SpecSampler.build(loaded, target, "none", backend="gguf")
 out = sampler.generate(sys.argv[1], max_new_tokens=int(sys.argv[2]), temperature=0)
-# Pages the cache's positions 0..length-1 touch: keys [layers, kv_heads, dim, cap] are rows of cap floats,
-# values [layers, kv_heads, cap, dim] one run of length * dim floats per head (one page more for alignment).
+# Pages the cache's positions 0..length-1 touch: keys [layers, kv_heads, cap / 16, dim, 16] one run of
+# whole 16-position tiles per head, values [layers, kv_heads, cap, dim] one run of length * dim per head
+# (one page more each for alignment), counted as 4-byte floats.
 pages = lambda floats: (math.ceil(4 * floats / 4096) + 1) * 4096
-layers, kv_heads, dim, cap = target.k_cache.shape
-kv = layers * kv_heads * (dim * pages(target.length) + pages(target.length * dim))
+layers, kv_heads, tiles, dim, tile = target.k_cache.shape
+kv = layers * kv_heads * (pages(math.ceil(target.length / tile) * tile * dim) + pages(target.length * dim))
 print(json.dumps({"runtime": runtime, "peak": status("VmHWM"), "file": bundled_gguf().stat().st_size,
                   "kv_cache": kv, "new_tokens": len(out.token_ids), "float_target": not target.lm_head.qtype}))
 """

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specsample.models import kernels
@@ -200,3 +202,18 @@ def test_top_k_is_torch_topk_and_keeps_equal_entries_in_index_order(isa, k):
     values = [0.0, 2.0, 1.0, 2.0, 1.0, 2.0, -1.0, 1.0] * 10
     in_order = sorted(range(len(values)), key=lambda i: (-values[i], i))  # largest first, then by index
     assert kernels.top_k(torch.tensor([values]), k)[0].tolist() == in_order[:k]
+
+
+@given(start=st.integers(0, 80), length=st.integers(0, 60))
+@settings(max_examples=200, deadline=None)
+def test_key_views_cover_exactly_the_positions_asked(start, length):
+    """`key_views` of tiled keys [layers, tiles, dim, 16], each key holding its own position, give back
+    positions start..start+length-1, each once, in order, and nothing else."""
+    capacity, dim = kernels.capacity(160), 3
+    positions = torch.arange(capacity).reshape(-1, 1, kernels.KEY_TILE).expand(-1, dim, -1)  # [tiles, dim, 16]
+    keys = torch.stack([positions, positions + 1000])  # two layers
+    # whole tiles [layers, n, dim, 16], or part of one [layers, dim, count]: as [layers, positions, dim]
+    got = [view.transpose(-1, -2).reshape(2, -1, dim) for view in kernels.key_views(keys, start, start + length)]
+    got = torch.cat(got, dim=1) if got else torch.empty(2, 0, dim, dtype=keys.dtype)
+    want = torch.arange(start, start + length)
+    assert torch.equal(got[0], want[:, None].expand(-1, dim)) and torch.equal(got[1], got[0] + 1000)

@@ -394,7 +394,8 @@ def read_matrix(path: str | Path | TensorIndex, names: list[str], permute_heads:
     types = {qtype for _, qtype in parts}
     if len(types) != 1:
         raise ValueError(f"tensors {names} mix the types {sorted(t.name for t in types)}")
-    return pack_blocks(np.concatenate([raw for raw, _ in parts]), types.pop())
+    raw = parts[0][0] if len(parts) == 1 else np.concatenate([raw for raw, _ in parts])  # one: the mapped file, not a copy
+    return pack_blocks(raw, types.pop())
 
 
 STACKED = 1000  # kernels.GGUF_STACKED: a llama.Linear of parts of different GGML types (`stacked_linear`)

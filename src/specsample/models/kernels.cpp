@@ -294,10 +294,11 @@ enum { REGS = 32 };
 enum { REGS = 16 };
 #endif
 // IC: positions a block of values columns runs over before the next block; PF_ROWS: how many rows
-// of values ahead the first block prefetches; PF_KEYS: how many blocks of VL positions ahead
-// `dot_keys` prefetches each of its d rows of keys (d streams, more than the hardware's prefetchers
-// follow: without, a token's attention over 2,000 positions read its keys at about 15 GB/s).
-enum { HEADS = 4, IC = 64, PF_ROWS = 8, PF_KEYS = 8 };
+// of values ahead the first block prefetches (24 rather than 8: an 8-token pass over 1,500 cached
+// positions of the bundled model 4% faster, Intel Xeon; the same at 200 and 600); PF_KEYS: how many
+// blocks of VL positions ahead `dot_keys` prefetches its keys (without, a token's attention over 2,000
+// positions read its keys at about 15 GB/s).
+enum { HEADS = 4, IC = 64, PF_ROWS = 24, PF_KEYS = 8 };
 // Attention runs on every thread from this many multiply-adds a head dimension (tokens x heads x positions),
 // within one request (`attention`) or over a batch's requests (`layer_slots`); below, one thread does it.
 static constexpr long PARALLEL_ATTENTION = 50000;
@@ -306,16 +307,29 @@ static constexpr long PARALLEL_ATTENTION = 50000;
 // key or value vectors and one broadcast fit in the registers.
 static constexpr int span(int G) { return (REGS - 1) / (G + 1) < 4 ? (REGS - 1) / (G + 1) : 4; }
 
+// Keys are stored in tiles of TILE positions, [tiles, d, TILE]: key j of position p is
+// kt[key_at(p, d) + j TILE], so a vector of VL positions (VL divides TILE) is contiguous, and a tile's
+// keys, d TILE values, are one run of memory. Transposed whole ([d, cap]), each of the d rows of a
+// block of positions was its own stream, cap positions away from the next: a job's loads missed the
+// caches the prefetchers keep, and a pass's pages outran the TLB.
+enum { TILE = 16 };
+static inline long key_at(long p, long d) { return p / TILE * d * TILE + p % TILE; }
+
 // scores[h ld + (b + u) VL + l] = q_h . key of position (b + u) VL + l, for heads h < G (q_h at
 // q + h d) and u < B: one chain of multiply-adds over j per score.
 template <int G, int B, typename KV>
-static void dot_keys(const float* q, const KV* kt, long d, long cap, long b, float* scores, long ld, bool prefetch) {
+static void dot_keys(const float* q, const KV* kt, long d, long b, float* scores, long ld, bool prefetch) {
   vf acc[G][B] = {};
+  const KV* at[B];  // the keys of block b + u's positions, tiled (`key_at`)
+  for (int u = 0; u < B; u++) at[u] = kt + key_at((b + u) * VL, d);
+  // the blocks PF_KEYS ahead, B VL d keys from their first (tiles follow each other), a share every j
+  const char* ahead = (const char*)(kt + key_at((b + PF_KEYS) * VL, d));
+  const long lines = (B * VL * d * (long)sizeof(KV) + 63) / 64;
   for (long j = 0; j < d; j++) {
     if (prefetch)
-      for (long l = 0; l < B * VL * (long)sizeof(KV); l += 64) __builtin_prefetch((const char*)(kt + j * cap + (b + PF_KEYS) * VL) + l);
+      for (long l = j * lines / d; l < (j + 1) * lines / d; l++) __builtin_prefetch(ahead + 64 * l);
     vf k[B];
-    for (int u = 0; u < B; u++) k[u] = load(kt + j * cap + (b + u) * VL);
+    for (int u = 0; u < B; u++) k[u] = load(at[u] + j * TILE);
     for (int h = 0; h < G; h++) {
       float qj = q[h * d + j];
       for (int u = 0; u < B; u++) acc[h][u] += qj * k[u];
@@ -348,16 +362,17 @@ static void weighted_values(const float* p, long ld, const KV* v, long i0, long 
     for (int u = 0; u < C; u++) *(vfu*)(o + h * d + u * VL) = acc[h][u];
 }
 
-// Tree attention: copies of the keys (transposed, [d, w]) of positions from..len-1 of a row whose
-// positions from `start` on are the cache slots slots[i - start] (a tree node's path), and of the
-// values ([len - start, d]) of positions start..len-1, so that `dot_keys` and `weighted_values` run
-// on them as on keys and values in place: the same chains of float operations, bitwise.
+// Tree attention: copies of the keys (tiled as in the cache, from the tile of position `tile`, a
+// multiple of TILE) of positions from..len-1 of a row whose positions from `start` on are the cache
+// slots slots[i - start] (a tree node's path), and of the values ([len - start, d]) of positions
+// start..len-1, so that `dot_keys` and `weighted_values` run on them as on keys and values in place:
+// the same chains of float operations, bitwise.
 template <typename KV>
-static void gather_path(const KV* kt, const KV* v, long d, long cap, long from, long len, const long* slots,
-                        long start, float* keys, long w, float* values) {
+static void gather_path(const KV* kt, const KV* v, long d, long tile, long from, long len, const long* slots,
+                        long start, float* keys, float* values) {
   for (long i = from; i < len; i++) {
     long pos = i < start ? i : slots[i - start];
-    for (long j = 0; j < d; j++) keys[j * w + i - from] = (float)kt[j * cap + pos];
+    for (long j = 0; j < d; j++) keys[key_at(i - tile, d) + j * TILE] = (float)kt[key_at(pos, d) + j * TILE];
     if (i >= start)
       for (long j = 0; j < d; j++) values[(i - start) * d + j] = (float)v[pos * d + j];
   }
@@ -371,11 +386,11 @@ enum { QUERIES = 6 };
 
 // Scores of Q queries (q [Q, d]) for the key blocks b0..b1-1 (`dot_keys`, span(Q) blocks at a time).
 template <int Q, typename KV>
-static void score_blocks(const float* q, const KV* kt, long d, long cap, long b0, long b1, float* scores, long ld) {
+static void score_blocks(const float* q, const KV* kt, long d, long b0, long b1, float* scores, long ld) {
   constexpr int B = span(Q);
   long b = b0;
-  for (; b + B <= b1; b += B) dot_keys<Q, B>(q, kt, d, cap, b, scores, ld, b + PF_KEYS + B <= b1);
-  for (; b < b1; b++) dot_keys<Q, 1>(q, kt, d, cap, b, scores, ld, false);
+  for (; b + B <= b1; b += B) dot_keys<Q, B>(q, kt, d, b, scores, ld, b + PF_KEYS + B <= b1);
+  for (; b < b1; b++) dot_keys<Q, 1>(q, kt, d, b, scores, ld, false);
 }
 
 // o_h (+)= the values of positions i0..i1-1 weighted by p_h, for Q queries (`weighted_values`, over
@@ -392,7 +407,7 @@ static void value_blocks(const float* p, long ld, const KV* v, long i0, long i1,
 
 template <typename KV>
 struct ByQueries {
-  using scores_fn = void (*)(const float*, const KV*, long, long, long, long, float*, long);
+  using scores_fn = void (*)(const float*, const KV*, long, long, long, float*, long);
   using values_fn = void (*)(const float*, long, const KV*, long, long, long, float*, bool);
   scores_fn scores[QUERIES];
   values_fn values[QUERIES];
@@ -429,7 +444,7 @@ static void softmax_row(float* row, long len, long blocks, float scale) {
   for (long b = 0; b < blocks; b++) *(vfu*)(row + b * VL) = load(row + b * VL) * inv;
 }
 
-// One attention job: T tokens' G query heads each, of one KV head (keys kt [d, cap], values v [cap, d]);
+// One attention job: T tokens' G query heads each, of one KV head (keys kt tiled, `key_at`; values v [cap, d]);
 // q [T G, d] (token by token), out [T G, d], scores T G rows of ld floats. Token u sees positions
 // 0..lens[u]-1; with `paths` (tree attention), its positions start..lens[u]-1 are the cache slots
 // paths[u][0..], read through copies at gathered + u stride (`gather_path`: its keys [d, width], then its
@@ -437,25 +452,27 @@ static void softmax_row(float* row, long len, long blocks, float scale) {
 // all T G queries at once (each key and value vector loaded once); each token's others after, for its
 // G queries. Every output is the same chain of float operations whatever T and the other tokens.
 template <typename KV>
-static void attend(const float* q, long T, long G, const KV* kt, const KV* v, long d, long cap, const long* lens,
+static void attend(const float* q, long T, long G, const KV* kt, const KV* v, long d, const long* lens,
                    long common, float scale, float* scores, long ld, float* out, const long* const* paths, long start,
                    long stride, float* gathered) {
   const ByQueries<KV>& fn = by_queries<KV>(std::make_integer_sequence<int, QUERIES>{});
   const ByQueries<float>& copies = by_queries<float>(std::make_integer_sequence<int, QUERIES>{});  // paths'
   long Q = T * G, shared = common / VL;  // key blocks every token reads in place
-  fn.scores[Q - 1](q, kt, d, cap, 0, shared, scores, ld);
-  // A path's gathered keys: positions from its first block not read in place to its last block's end.
-  auto width = [&](long u) { return ((lens[u] + VL - 1) / VL - start / VL) * VL; };
+  fn.scores[Q - 1](q, kt, d, 0, shared, scores, ld);
+  // A path's gathered keys: whole tiles, from the tile of its first block not read in place (position
+  // `tile`) to the tile of its last position.
+  long tile = start / TILE * TILE;
+  auto width = [&](long u) { return (lens[u] + TILE - 1) / TILE * TILE - tile; };
   auto path_values = [&](long u) { return gathered + u * stride + d * width(u); };  // row i - start: position i
   for (long u = 0; u < T; u++) {
     long len = lens[u], blocks = (len + VL - 1) / VL, in_place = paths ? start / VL : blocks;
     const float* qu = q + u * G * d;
     float* su = scores + u * G * ld;
-    fn.scores[G - 1](qu, kt, d, cap, shared, in_place, su, ld);
+    fn.scores[G - 1](qu, kt, d, shared, in_place, su, ld);
     if (paths) {
       float* keys = gathered + u * stride;
-      gather_path(kt, v, d, cap, in_place * VL, len, paths[u], start, keys, width(u), path_values(u));
-      copies.scores[G - 1](qu, keys - in_place * VL, d, width(u), in_place, blocks, su, ld);
+      gather_path(kt, v, d, tile, in_place * VL, len, paths[u], start, keys, path_values(u));
+      copies.scores[G - 1](qu, keys - tile * d, d, in_place, blocks, su, ld);  // position p at key_at(p - tile)
     }
     for (long h = 0; h < G; h++) softmax_row(su + h * ld, len, blocks, scale);
   }
@@ -484,9 +501,9 @@ static void attend(const float* q, long T, long G, const KV* kt, const KV* v, lo
 
 // One layer's attention for n new tokens at positions start..start+n-1.
 // qkv [n, (heads + 2 kv_heads) d]: q and k are rotated in place (x cos + roll(x, d/2) signed_sin,
-// cos and sin [n, d]); keys [kv_heads, d, cap] (transposed: 16 positions are one AVX-512 vector)
-// and values [kv_heads, cap, d] get positions start.. written and 0..start+n-1 read, cap a
-// multiple of 16 and not of 1024 (rows of keys a power of two apart would share cache sets);
+// cos and sin [n, d]); keys [kv_heads, cap / TILE, d, TILE] (tiled, `key_at`: 16 positions are one
+// AVX-512 vector) and values [kv_heads, cap, d] get positions start.. written and 0..start+n-1 read,
+// cap a multiple of TILE;
 // out [n, heads d]. Query head h reads KV head h / (heads / kv_heads); token t sees positions
 // 0..start+t. A job is a run of consecutive tokens' query heads of one KV head (or HEADS of them if
 // more), up to QUERIES queries, with at least two jobs a thread where there are enough tokens.
@@ -516,7 +533,7 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
       for (long j = half; j < d; j++) y[j] = x[j] * c[j] + x[j - half] * s[j];
     }
     for (long g = 0; g < kv_heads; g++) {
-      for (long j = 0; j < d; j++) keys[(g * d + j) * cap + start + t] = (KV)row[(heads + g) * d + j];
+      for (long j = 0; j < d; j++) keys[g * d * cap + key_at(start + t, d) + j * TILE] = (KV)row[(heads + g) * d + j];
       for (long j = 0; j < d; j++) values[(g * cap + start + t) * d + j] = (KV)row[(heads + kv_heads + g) * d + j];
     }
   }
@@ -525,8 +542,8 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
   long widest = (groups + parts - 1) / parts;  // query heads of a job's token
   long longest = 0;  // tree: the deepest path, in positions past start
   for (long t = 0; parents && t < n; t++) longest = depth[t] + 1 > longest ? depth[t] + 1 : longest;
-  long w = (start + longest + VL - 1) / VL * VL - start / VL * VL;  // gathered positions of a path, at most
-  long stride = 2 * d * w;  // floats of a token's copies of its path: keys [d, w], values [<= w, d]
+  long w = (start + longest + TILE - 1) / TILE * TILE - start / TILE * TILE;  // gathered positions of a path, at most
+  long stride = 2 * d * w;  // floats of a token's copies of its path: keys [w / TILE, d, TILE], values [<= w, d]
   bool parallel = n * heads * end * d >= PARALLEL_ATTENTION;
 #if defined(_OPENMP)
   long threads = parallel ? omp_get_max_threads() : 1;
@@ -547,7 +564,7 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
     const long* paths[QUERIES];
 #pragma omp for schedule(static, 1)  // round robin: a later run of a prefill attends over more positions
     for (long job = 0; job < runs * kv_heads * parts; job++) {
-      long r = job / (kv_heads * parts), g = job / parts % kv_heads, part = job % parts;
+      long g = job / (runs * parts), r = job / parts % runs, part = job % parts;
       long t0 = r * n / runs, t1 = (r + 1) * n / runs, T = t1 - t0;
       long h0 = g * groups + part * groups / parts, h1 = g * groups + (part + 1) * groups / parts, G = h1 - h0;
       for (long u = 0; u < T; u++) {
@@ -558,7 +575,7 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
       }
       long common = parents ? start : start + t0 + 1;  // positions every token of the run sees in place
       float* o = q + QUERIES * d;
-      attend(q, T, G, keys + g * d * cap, values + g * cap * d, d, cap, lens, common, scale, scores, ld, o,
+      attend(q, T, G, keys + g * d * cap, values + g * cap * d, d, lens, common, scale, scores, ld, o,
              parents ? paths : nullptr, start, stride, gathered);
       for (long u = 0; u < T; u++) memcpy(out + (t0 + u) * heads * d + h0 * d, o + u * G * d, G * d * sizeof(float));
     }

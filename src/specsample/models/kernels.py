@@ -380,10 +380,32 @@ def cache_dtype(requested: torch.dtype | None, default: torch.dtype) -> torch.dt
     return requested
 
 
+KEY_TILE = 16  # positions per tile of the kernels' keys (TILE in kernels.cpp)
+
+
 def capacity(length: int) -> int:
-    """Cache capacity for `length` positions: a multiple of 16 plus 16, so that rows of the
-    transposed keys are never a power of two apart (they would fall into the same cache sets)."""
-    return -(-length // 16) * 16 + 16
+    """Cache capacity for `length` positions: whole tiles of keys (`KEY_TILE`) and one more, so that
+    the heads' keys and values are never a power of two apart (they would fall into the same cache sets)."""
+    return -(-length // KEY_TILE) * KEY_TILE + KEY_TILE
+
+
+def key_views(keys: Tensor, start: int, end: int) -> list[Tensor]:
+    """Views of the kernels' keys, tiled [..., capacity / KEY_TILE, head_dim, KEY_TILE] (key j of position
+    p at [..., p // KEY_TILE, j, p % KEY_TILE]: a tile's keys are one run of memory that attention streams),
+    covering positions start..end-1: the rest of a first tile, whole tiles, the start of a last one. Two
+    caches' views of the same positions pair up, for copying."""
+    views = []
+    while start < end:
+        tile, first = divmod(start, KEY_TILE)
+        if first == 0 and end - start >= KEY_TILE:
+            tiles = (end - start) // KEY_TILE
+            views.append(keys[..., tile : tile + tiles, :, :])
+            start += tiles * KEY_TILE
+        else:
+            last = min(KEY_TILE, first + end - start)
+            views.append(keys[..., tile, :, first:last])
+            start += last - first
+    return views
 
 
 class LayerArgs(ctypes.Structure):

@@ -131,7 +131,24 @@ struct Acts {
   long K;
 };
 
-#if (defined(GGUF_VNNI) || defined(GGUF_AVX2)) && defined(__AVX2__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// One 32-block's d, q and s in two 16-float vectors: the operations of the 8-float version below
+// (max_ps's NaN rule, ties to even, the low byte kept), half as many, and no chain of shuffles to
+// sum and pack: an 8-row pass of the bundled Q4_1 spent 7% of its time quantizing activations.
+inline void quantize_block(const float* v, int8_t* out, float* d, int32_t* s) {
+  __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
+  __m512 top = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
+  float scale = _mm512_reduce_max_ps(top) / 127.0f, inverse = scale != 0 ? 1.0f / scale : 0.0f;
+  const __m512 times = _mm512_set1_ps(inverse);
+  __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, times)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, times));
+  q0 = _mm512_srai_epi32(_mm512_slli_epi32(q0, 24), 24);  // the low byte, sign-extended
+  q1 = _mm512_srai_epi32(_mm512_slli_epi32(q1, 24), 24);
+  _mm_storeu_si128((__m128i*)out, _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128((__m128i*)(out + 16), _mm512_cvtepi32_epi8(q1));
+  *d = scale;
+  *s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+}
+#elif (defined(GGUF_VNNI) || defined(GGUF_AVX2)) && defined(__AVX2__)
 // One 32-block's d, q and s in 8-float vectors, the same operations as the scalar loop below: max_ps
 // returns its second operand (top) for a NaN, as the comparison does; max is exact in any order; and
 // cvtps_epi32 rounds to nearest, ties to even (the default rounding, nearbyintf's), keeping the low

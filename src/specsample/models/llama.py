@@ -48,7 +48,7 @@ SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 DEFAULT_MAX_LENGTH = 8192
 PREFILL_CHUNK = 512  # bounds the attention mask and activations of long prompts
 INT8_COPY_COST = 0.29  # int8 copy / float32 target single-token pass: 3.6 vs 12.5 ms (BENCHMARKS.md)
-COMMITTED_POSITIONS = 1024  # cache slots a quantized copy commits at once: a 4 KiB page of every row of the keys
+COMMITTED_POSITIONS = 1024  # cache slots a quantized copy and batched slots commit at once (`commit_cache`)
 
 
 class UnsupportedModel(ValueError):
@@ -242,13 +242,14 @@ class LlamaTarget:
         self.max_length = cos.shape[0]
         # Uninitialised on purpose: pages are committed as positions are written,
         # and attention only reads positions below the length, all written.
-        # The attention kernel wants keys transposed, 16 positions to a vector.
+        # The attention kernel wants keys in tiles of positions (`kernels.key_views`), 16 to a vector.
         capacity = kernels.capacity(self.max_length)
         layers_kv = (len(layers), kv_heads)
         # Keys and values in `kv_dtype` on the kernels (float16 halves what a position streams), else the weights'.
         cache_dtype = kernels.cache_dtype(kv_dtype, self.dtype) if self.kernels else self.dtype
         if self.kernels:
-            self.k_cache = torch.empty(*layers_kv, head_dim, capacity, dtype=cache_dtype)  # [layers, kv_heads, dim, cap]
+            tiles = (capacity // kernels.KEY_TILE, head_dim, kernels.KEY_TILE)
+            self.k_cache = torch.empty(*layers_kv, *tiles, dtype=cache_dtype)  # [layers, kv_heads, cap / 16, dim, 16]
         else:
             self.k_cache = torch.empty(*layers_kv, capacity, head_dim, dtype=cache_dtype)  # [layers, kv_heads, cap, dim]
         self.v_cache = torch.empty(*layers_kv, capacity, head_dim, dtype=cache_dtype)  # [layers, kv_heads, cap, dim]
@@ -348,8 +349,9 @@ class LlamaTarget:
 
     def _move_position(self, source: int, target: int) -> None:
         """Copy the keys and values of cache slot `source` to slot `target`, in every layer and head."""
-        if self.kernels:  # keys [layers, kv_heads, dim, cap]
-            self.k_cache[..., target].copy_(self.k_cache[..., source])
+        if self.kernels:  # keys [layers, kv_heads, cap / 16, dim, 16]
+            (mine,), (theirs,) = kernels.key_views(self.k_cache, target, target + 1), kernels.key_views(self.k_cache, source, source + 1)
+            mine.copy_(theirs)
         else:
             self.k_cache[:, :, target].copy_(self.k_cache[:, :, source])
         self.v_cache[:, :, target].copy_(self.v_cache[:, :, source])
@@ -424,16 +426,17 @@ class LlamaTarget:
     @torch.inference_mode()
     def commit_cache(self, length: int) -> None:
         """Empty the cache and write the slots of positions 0..length-1, so that their memory pages are
-        committed now and not at first use (page faults that cost milliseconds on the transposed keys)."""
+        committed now and not at first use (page faults that cost milliseconds)."""
         for part in self._cache_positions(min(length, self.max_length)):
             part.zero_()
         self.rollback(0)
 
-    def _cache_positions(self, length: int, start: int = 0) -> tuple[Tensor, Tensor]:
-        """Views of keys and values at positions start..length-1, in this cache's layout."""
-        if self.kernels:  # keys [layers, kv_heads, dim, cap]
-            return self.k_cache[..., start:length], self.v_cache[:, :, start:length]
-        return self.k_cache[:, :, start:length], self.v_cache[:, :, start:length]
+    def _cache_positions(self, length: int, start: int = 0) -> list[Tensor]:
+        """Views of keys and values at positions start..length-1, in this cache's layout (two caches of one
+        layout give views that pair up)."""
+        if self.kernels:  # keys [layers, kv_heads, cap / 16, dim, 16]
+            return [*kernels.key_views(self.k_cache, start, length), self.v_cache[:, :, start:length]]
+        return [self.k_cache[:, :, start:length], self.v_cache[:, :, start:length]]
 
     def slots(self, count: int) -> LlamaSlots:
         """`count` empty KV caches over these weights, scored together (`target.SlottedTarget`)."""
@@ -600,8 +603,8 @@ class LlamaSlots:
     multiply-adds per output, norms per row), so a row's logits are bitwise those of the same tokens
     scored alone, and those of the target's own `score` after the same prefill. The first
     COMMITTED_POSITIONS positions of every slot are committed when the slots are made (a server makes
-    them at start): committed at first use, a slot's page faults on the transposed keys would cost
-    the whole batch a step's time or more when a request first takes it.
+    them at start): committed at first use, a slot's page faults would cost the whole batch time
+    when a request first takes it.
 
     A prefill starts from the longest prefix of its tokens that another slot holds (the chat
     template's system turn, a shared document), copying those positions' keys and values instead of
@@ -617,7 +620,7 @@ class LlamaSlots:
         self.target, self.count = target, count
         self.vocab_size, self.max_length = target.vocab_size, target.max_length
         self.drafts_pass_alone = False  # every row of a pass streams the weights once
-        self.k_cache = torch.empty(count, *target.k_cache.shape, dtype=target.k_cache.dtype)  # [slots, layers, kv_heads, dim, cap]
+        self.k_cache = torch.empty(count, *target.k_cache.shape, dtype=target.k_cache.dtype)  # [slots, layers, kv_heads, cap / 16, dim, 16]
         self.v_cache = torch.empty(count, *target.v_cache.shape, dtype=target.v_cache.dtype)  # [slots, layers, kv_heads, cap, dim]
         layers = range(len(target.layers))
         # addresses of each slot's cache of each layer, [layers, slots], for the C++ layer
@@ -625,8 +628,9 @@ class LlamaSlots:
         self._values = torch.tensor([[self.v_cache[s, i].data_ptr() for s in range(count)] for i in layers])
         self._lengths = [0] * count
         self._tokens: list[list[int]] = [[] for _ in range(count)]  # each slot's cached token ids
-        committed = min(COMMITTED_POSITIONS, self.k_cache.shape[-1])
-        self.k_cache[..., :committed].zero_()
+        committed = min(COMMITTED_POSITIONS, self.max_length)
+        for part in kernels.key_views(self.k_cache, 0, committed):
+            part.zero_()
         self.v_cache[:, :, :, :committed].zero_()
 
     def length(self, slot: int) -> int:
@@ -639,7 +643,8 @@ class LlamaSlots:
         token_ids = token_ids.reshape(-1)
         source, shared = self._longest_prefix(slot, token_ids.tolist())
         if shared:
-            self.k_cache[slot, ..., :shared] = self.k_cache[source, ..., :shared]  # [layers, kv_heads, dim, n]
+            for mine, theirs in zip(kernels.key_views(self.k_cache[slot], 0, shared), kernels.key_views(self.k_cache[source], 0, shared)):
+                mine.copy_(theirs)
             self.v_cache[slot, :, :, :shared] = self.v_cache[source, :, :, :shared]  # [layers, kv_heads, n, dim]
             self._lengths[slot], self._tokens[slot] = shared, self._tokens[source][:shared]
         for chunk in token_ids[shared:].split(PREFILL_CHUNK):
