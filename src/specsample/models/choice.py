@@ -28,8 +28,11 @@ from specsample.models.target import Target
 CONTEXT = 64  # cached tokens under each timed pass
 PASSES = 12  # timed single-token passes per backend (after 2 untimed)
 CANDIDATES = "llamacpp,gguf,auto"  # part of the remembered choice's key: a new candidate measures anew
-KERNELS_VERSION = 6  # 2: block kernels for Q4_K, Q6_K, Q5_0, Q5_1; 3: float16 caches, one call a pass; 4: prefetch; 5: pairs of panels; 6: attention of several tokens a job, keys prefetched
-# distance (remembered passes are stale)
+# Part of the keys of what is remembered per machine (this choice, the cost model's prior f(n)/f(1)): a
+# change to the kernels' speed makes it stale. 2: block kernels for Q4_K, Q6_K, Q5_0, Q5_1; 3: float16
+# caches, one call a pass; 4: prefetch distance; 5: pairs of panels; 6: attention of several tokens a job,
+# keys prefetched; 7: keys in tiles of positions, values prefetched further.
+KERNELS_VERSION = 7
 
 
 @dataclass(frozen=True)
