@@ -448,7 +448,7 @@ static void softmax_row(float* row, long len, long blocks, float scale) {
 // One attention job: T tokens' G query heads each, of one KV head (keys kt tiled, `key_at`; values v [cap, d]);
 // q [T G, d] (token by token), out [T G, d], scores T G rows of ld floats. Token u sees positions
 // 0..lens[u]-1; with `paths` (tree attention), its positions start..lens[u]-1 are the cache slots
-// paths[u][0..], read through copies at gathered + u stride (`gather_path`: its keys [d, width], then its
+// paths[u][0..], read through copies at gathered + u stride (`gather_path`: its keys tiled, width positions, then its
 // values [lens[u] - start, d]). Positions 0..common-1, which every token sees in place, are scored and weighted for
 // all T G queries at once (each key and value vector loaded once); each token's others after, for its
 // G queries. Every output is the same chain of float operations whatever T and the other tokens.
@@ -565,6 +565,7 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
     const long* paths[QUERIES];
 #pragma omp for schedule(static, 1)  // round robin: a later run of a prefill attends over more positions
     for (long job = 0; job < runs * kv_heads * parts; job++) {
+      // a KV head's jobs one after another: a thread's second job of a head finds its keys in L2
       long g = job / (runs * parts), r = job / parts % runs, part = job % parts;
       long t0 = r * n / runs, t1 = (r + 1) * n / runs, T = t1 - t0;
       long h0 = g * groups + part * groups / parts, h1 = g * groups + (part + 1) * groups / parts, G = h1 - h0;
