@@ -349,12 +349,8 @@ class LlamaTarget:
 
     def _move_position(self, source: int, target: int) -> None:
         """Copy the keys and values of cache slot `source` to slot `target`, in every layer and head."""
-        if self.kernels:  # keys [layers, kv_heads, cap / 16, dim, 16]
-            (mine,), (theirs,) = kernels.key_views(self.k_cache, target, target + 1), kernels.key_views(self.k_cache, source, source + 1)
+        for mine, theirs in zip(self._cache_positions(target + 1, target), self._cache_positions(source + 1, source)):
             mine.copy_(theirs)
-        else:
-            self.k_cache[:, :, target].copy_(self.k_cache[:, :, source])
-        self.v_cache[:, :, target].copy_(self.v_cache[:, :, source])
 
     def rollback(self, length: int) -> None:
         """Keep the first `length` positions of the cache."""
