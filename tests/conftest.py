@@ -9,9 +9,15 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from specsample.models import kernels
+
 # Tiny models are bound by per-operation overhead: one thread each avoids
 # oversubscribing the cores when pytest runs on several workers.
 torch.set_num_threads(1)
+
+# The GGUF blocks (`--backend gguf`) and the slots run on the C++ kernels: without a compiler, or with
+# SPECSAMPLE_NO_KERNELS=1, their tests are skipped.
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels could not be built here")
 
 
 @pytest.fixture(autouse=True)

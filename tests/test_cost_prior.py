@@ -13,7 +13,7 @@ from specsample.models import LoadedModel, make_target
 from specsample.policy import CostModelK
 from specsample.stats import Step
 
-from conftest import tiny_llama
+from conftest import needs_kernels, tiny_llama
 
 FLAT = {n: 1.0 + 0.03 * (n - 1) for n in PRIOR_NS}  # a weight-streaming CPU pass: extra rows nearly free
 
@@ -110,6 +110,7 @@ def test_the_sampler_hands_its_targets_curve_to_the_cost_model(tiny_dir):
     assert fixed._cost_ratios is None  # a fixed K never pays for the measurement
 
 
+@needs_kernels
 def test_a_request_alone_in_a_batch_starts_from_the_same_curve(tiny_dir):
     """The batch's per-slot cost models get the machine's curve as `generate`'s does: without it, one cold
     pass over two positions left a request alone in a server's batch at K = 0 (BENCHMARKS.md, 2026-11-26)."""

@@ -21,7 +21,7 @@ from specsample.models import make_target
 from specsample.policy import CostModelK
 from specsample.sampling import CoupledSource, GeneratorSource, SamplingParams, make_generator
 
-from conftest import tiny_llama
+from conftest import needs_kernels, tiny_llama
 from test_head import tiny_head
 from test_llama_backend import packed  # noqa: F401  (a fixture: kernels, then torch ops)
 from test_tree_engine import PROMPT, VOCAB, loaded, run
@@ -95,6 +95,7 @@ def test_draft_tree_accepts_alternatives_and_keeps_its_cache_on_the_text(tiny_di
     assert any(rate > 0 for key, rate in ranks.items() if not key.endswith(",0")), ranks
 
 
+@needs_kernels
 def test_bundled_model_greedy_model_tree_drafters_are_token_identical():
     """The real model, 32 new tokens: its shipped head drafting trees on its GGUF blocks, its int8 copy on
     the float kernels (the Q4_1 blocks have no cheaper copy)."""

@@ -5,6 +5,8 @@ import sys
 
 from specsample.openmp import SLEEP, SPIN, busy_cores, choose_wait_policy
 
+from conftest import needs_kernels
+
 
 def test_idle_machine_spins_and_busy_machine_sleeps():
     assert choose_wait_policy({}, 0.3, 2) == SPIN
@@ -47,6 +49,7 @@ print(threads() - before)
 """
 
 
+@needs_kernels
 def test_a_load_on_a_passing_thread_leaves_no_openmp_team_behind():
     """Loading runs parallel regions (the kernels, torch). On the main thread they leave a team of OpenMP
     threads that a server's decoding thread would double (libgomp then stops spinning); on a passing

@@ -20,7 +20,7 @@ from specsample.policy import CostModelK, FixedK
 from specsample.sampling import CoupledSource, GeneratorSource, SamplingParams, make_generator
 from specsample.stats import Stats
 
-from conftest import tiny_llama
+from conftest import needs_kernels, tiny_llama
 from test_llama_backend import packed  # noqa: F401  (a fixture: kernels, then torch ops)
 
 TREE_DRAFTERS = ["recycle", "recycle-chain", "suffix-tree", "ngram-tree"]
@@ -163,6 +163,7 @@ def test_a_chain_draft_stays_a_chain():
     assert not draft.is_tree and draft.parent_array().tolist() == [-1, 0]
 
 
+@needs_kernels
 def test_bundled_model_greedy_tree_drafters_are_token_identical():
     """The real model on its GGUF blocks, 32 new tokens: every tree drafter gives plain decoding's tokens."""
     from specsample.models import load_target
