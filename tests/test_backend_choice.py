@@ -31,6 +31,19 @@ def test_the_cheapest_pass_wins_and_ties_go_to_the_project_kernels():
     assert choice.choose({"llamacpp": 0.020, "auto": 0.020}).backend == "auto"
 
 
+@needs_kernels
+def test_a_choice_made_with_the_kernels_is_not_used_without_them(tiny_gguf, cache, monkeypatch):
+    """The choice is remembered per kernel build (`kernels.build_key`): blocks chosen where the kernels
+    built are not loaded under SPECSAMPLE_NO_KERNELS=1 (or without a compiler), where they cannot run; the
+    file is measured again among the backends that can."""
+    choice.backend_for(tiny_gguf, None, lambda: {"llamacpp": 0.02, "gguf": 0.01, "auto": 0.03})
+    assert choice.resolve(tiny_gguf, "auto", threads=None)[0] == "gguf"
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    backend, reason = choice.resolve(tiny_gguf, "auto", threads=None)
+    assert backend in ("llamacpp", "auto") and "GGUF blocks" not in reason, reason
+    assert len(list((cache / "backend-choice").glob("*.json"))) == 2
+
+
 def test_a_given_backend_and_a_model_directory_are_not_measured(tiny_dir, monkeypatch):
     monkeypatch.setattr(choice, "measure", lambda *a: pytest.fail("measured"))
     assert choice.resolve(tiny_dir, "fast") == ("fast", "given")

@@ -17,6 +17,7 @@ from specsample.models import load_model, make_target
 from specsample.models.target import NotOnThisBackend
 from specsample.prompts import read_prompts
 
+from conftest import needs_kernels
 from test_cli import cli
 
 PROMPTS = [
@@ -147,6 +148,7 @@ def test_speedup_intervals_cover_the_true_ratio():
     assert np.median(widths) < 0.5 * np.median(unpaired_widths)
 
 
+@needs_kernels  # batched decoding runs on the kernels' slots
 def test_bench_batch_runs_alone_and_batched(capsys, tmp_path, prompts_file, tiny_dir):
     """`bench batch`: the prompts one at a time and through generate_batch, each greedy completion of
     the batch equal to the prompt's alone, the batched steps split into the pass and the rest."""

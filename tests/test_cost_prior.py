@@ -9,7 +9,7 @@ import pytest
 from specsample import SpecSampler
 from specsample.cost_curve import PRIOR_NS, machine_ratios, ratios_path
 from specsample.drafters import NoDrafter
-from specsample.models import LoadedModel, make_target
+from specsample.models import LoadedModel, kernels, make_target
 from specsample.policy import CostModelK
 from specsample.stats import Step
 
@@ -73,6 +73,14 @@ def test_machine_ratios_are_measured_and_remembered(tmp_path, monkeypatch):
     assert machine_ratios(target, "tiny|fast|1") == {1: 1.0, 2: 7.0}
     assert machine_ratios(target, "tiny|fast|2") != {1: 1.0, 2: 7.0}  # another key measures anew
     assert machine_ratios(target, None) != {1: 1.0, 2: 7.0}  # no key: measured, not remembered
+
+
+def test_the_remembered_curve_is_kept_per_kernel_build(tmp_path, monkeypatch):
+    """A curve measured on one kernel build (native, SPECSAMPLE_KERNEL_ISA=avx2, none) is not another's."""
+    monkeypatch.setenv("SPECSAMPLE_CACHE", str(tmp_path))
+    native = ratios_path("tiny|fast|1")
+    monkeypatch.setattr(kernels, "build_key", lambda: "avx2/avx2")
+    assert ratios_path("tiny|fast|1") != native
 
 
 def test_the_remembered_curve_is_keyed_by_the_named_backend(tmp_path, monkeypatch):

@@ -143,8 +143,9 @@ def machine_ratios(target: Target, key: str | None) -> dict[int, float]:
 def ratios_path(key: str) -> Path:
     """Where the ratios of `key` (a model file, backend and thread count) are kept on this CPU."""
     from specsample.models.choice import KERNELS_VERSION
-    from specsample.models.kernels import _cpu_id
+    from specsample.models.kernels import _cpu_id, build_key
     from specsample.models.loading import cache_root
 
-    digest = hashlib.sha256(f"{key}|{_cpu_id()}|{KERNELS_VERSION}|{PRIOR_NS}|{PRIOR_CONTEXT}|{METHOD}".encode()).hexdigest()[:16]
+    parts = [key, _cpu_id(), KERNELS_VERSION, PRIOR_NS, PRIOR_CONTEXT, METHOD, build_key()]
+    digest = hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
     return cache_root() / "cost-curve" / f"{digest}.json"

@@ -60,12 +60,14 @@ def choose(seconds: dict[str, float]) -> BackendChoice:
 
 
 def choice_path(gguf: Path, threads: int | None) -> Path:
-    """Where the choice for this file (its name and content, `file_fingerprint`), CPU and thread count is kept."""
-    from specsample.models.kernels import _cpu_id
+    """Where the choice for this file (its name and content, `file_fingerprint`), CPU, thread count and kernel
+    build (`kernels.build_key`) is kept."""
+    from specsample.models.kernels import _cpu_id, build_key
     from specsample.models.loading import conversion_dir
 
     directory = conversion_dir(gguf)  # reads the file's sampled bytes: once
-    key = hashlib.sha256(f"{directory.name}|{_cpu_id()}|{threads}|{CANDIDATES}|{KERNELS_VERSION}".encode()).hexdigest()[:16]
+    parts = [directory.name, _cpu_id(), threads, CANDIDATES, KERNELS_VERSION, build_key()]
+    key = hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
     return directory.parent / "backend-choice" / f"{key}.json"
 
 

@@ -302,6 +302,16 @@ def gguf_instruction_set() -> str:
     return lib.specsample_gguf_isa().decode()
 
 
+def build_key() -> str:
+    """Which kernels this process runs, for what is remembered per machine (the backend choice, the cost
+    curve's prior): "none" without them (torch ops, no GGUF blocks), else the paths the library was
+    compiled for. A choice measured on the native build no longer applies under SPECSAMPLE_NO_KERNELS=1 (it
+    would pick blocks that cannot be built) or SPECSAMPLE_KERNEL_ISA=avx2 (its passes cost otherwise)."""
+    if not available():
+        return "none"
+    return f"{instruction_set()}/{gguf_instruction_set()}"
+
+
 GGUF_STACKED = 1000  # kernels_gguf.cpp's STACKED: a matrix of parts of different GGML types
 
 
