@@ -20,6 +20,7 @@ from specsample.drafters.quantized import QuantizedDrafter
 from specsample.models import kernels
 from specsample.server import create_app
 
+from conftest import needs_kernels
 from test_cli import cli
 
 REPEATING = "w5 w9 w7 w3 w5 w9 w7 w3 w5 w9 w7 w3 w5 w9"
@@ -55,6 +56,7 @@ def test_the_transformers_backend_falls_back_to_a_lookup_drafter(capsys, tiny_di
     assert result["stats"]["drafter"] == "suffix"
 
 
+@needs_kernels  # the instruction set asked for is the kernels'
 @pytest.mark.parametrize("isa, drafter", [("avx2", "suffix+quantized"), ("portable", "none")])
 def test_the_default_follows_the_kernels_instruction_set(tiny_dir, isa, drafter):
     """AVX2 kernels speculate as AVX-512 ones do (suffix+quantized measured 1.53x plain decoding on an
