@@ -19,15 +19,14 @@ from specsample.drafters.base import Draft, Drafter
 from specsample.drafters.recycle import RecycleDrafter
 from specsample.drafters.suffix import SuffixTreeDrafter
 from specsample.engine import decode
-from specsample.models import kernels
 from specsample.models.llama import LlamaTarget
 from specsample.policy import FixedK
 from specsample.sampling import CoupledSource, RandomSource, SamplingParams, make_generator
 from specsample.stats import Stats
 
-from conftest import tiny_llama
+from conftest import needs_kernels, tiny_llama
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels could not be built here")
+pytestmark = needs_kernels
 
 GREEDY = SamplingParams(temperature=0)
 # suffix-tree and recycle: their trees are verified as their trunks in a batch (slots score chains), as trees alone

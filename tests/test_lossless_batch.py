@@ -17,16 +17,16 @@ import pytest
 import torch
 
 from specsample.batch import Batch, Request
-from specsample.models import kernels
 from specsample.models.llama import LlamaTarget
 from specsample.policy import FixedK
 from specsample.sampling import GeneratorSource
 from specsample.verify import ChainVerifier
 from specsample.verify.check import accept_all, chi_square_p
 
+from conftest import needs_kernels
 from test_lossless import ALPHA, K, N_SAMPLES, PARAMS, PROMPT, SEQ_LEN, VOCAB, exact_distribution, make_drafter, models  # noqa: F401
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels could not be built here")
+pytestmark = needs_kernels
 SLOTS = 8
 
 

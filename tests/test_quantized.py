@@ -32,9 +32,8 @@ from test_layerskip import generate_greedy, greedy_with
 from test_llama_backend import MODELS, packed, prompt, reference_logits  # noqa: F401  (packed: a fixture)
 from test_lossless_drafters import GREEDY_PROMPT, GREEDY_VOCAB
 
-from conftest import drafting_cost_model, tiny_llama
+from conftest import drafting_cost_model, needs_kernels, tiny_llama
 
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the gemm kernel could not be built here")
 
 
 def dequantized(weight: torch.Tensor) -> torch.Tensor:

@@ -19,12 +19,12 @@ import pytest
 
 from specsample import SpecSampler
 from specsample.cli import main
-from specsample.models import kernels
 from specsample.server import create_app
 
+from conftest import needs_kernels
 from test_server import BAD_REQUESTS, PROMPT, generated_tokens, long_dir, metrics, outcome_count, serving, stream_text, wait_for  # noqa: F401
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels could not be built here")
+pytestmark = needs_kernels
 MAX_BATCH = 8
 
 

@@ -34,7 +34,6 @@ backend, CPU, thread count and kernel version, so one run per machine pays
 
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
 from collections.abc import Sequence
@@ -143,9 +142,8 @@ def machine_ratios(target: Target, key: str | None) -> dict[int, float]:
 def ratios_path(key: str) -> Path:
     """Where the ratios of `key` (a model file, backend and thread count) are kept on this CPU."""
     from specsample.models.choice import KERNELS_VERSION
-    from specsample.models.kernels import _cpu_id, build_key
+    from specsample.models.kernels import machine_digest
     from specsample.models.loading import cache_root
 
-    parts = [key, _cpu_id(), KERNELS_VERSION, PRIOR_NS, PRIOR_CONTEXT, METHOD, build_key()]
-    digest = hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
+    digest = machine_digest(key, KERNELS_VERSION, PRIOR_NS, PRIOR_CONTEXT, METHOD)
     return cache_root() / "cost-curve" / f"{digest}.json"

@@ -17,7 +17,6 @@ yet). Speculation on top is then chosen for the backend picked
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,12 +61,11 @@ def choose(seconds: dict[str, float]) -> BackendChoice:
 def choice_path(gguf: Path, threads: int | None) -> Path:
     """Where the choice for this file (its name and content, `file_fingerprint`), CPU, thread count and kernel
     build (`kernels.build_key`) is kept."""
-    from specsample.models.kernels import _cpu_id, build_key
+    from specsample.models.kernels import machine_digest
     from specsample.models.loading import conversion_dir
 
     directory = conversion_dir(gguf)  # reads the file's sampled bytes: once
-    parts = [directory.name, _cpu_id(), threads, CANDIDATES, KERNELS_VERSION, build_key()]
-    key = hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
+    key = machine_digest(directory.name, threads, CANDIDATES, KERNELS_VERSION)
     return directory.parent / "backend-choice" / f"{key}.json"
 
 

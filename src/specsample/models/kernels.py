@@ -312,6 +312,12 @@ def build_key() -> str:
     return f"{instruction_set()}/{gguf_instruction_set()}"
 
 
+def machine_digest(*parts: object) -> str:
+    """A short key for what is remembered per machine: `parts`, this CPU (`_cpu_id`) and the kernel build
+    (`build_key`)."""
+    return hashlib.sha256("|".join(map(str, [*parts, _cpu_id(), build_key()])).encode()).hexdigest()[:16]
+
+
 GGUF_STACKED = 1000  # kernels_gguf.cpp's STACKED: a matrix of parts of different GGML types
 
 
