@@ -108,3 +108,27 @@ def test_bundled_model_greedy_model_tree_drafters_are_token_identical():
         out, stats = run(target, make_drafter(name, model, target), GREEDY, 8, new=32, prompt=ids)
         assert out == plain, name
         assert stats.accepted_tokens > 0 and stats.to_dict()["tree"]["steps"] > 0, name
+
+
+def test_alternatives_go_where_the_chains_token_is_measured_rejected():
+    """A flat draft model (every peak below the threshold) draws alternatives everywhere at first; once
+    its sampled chain tokens have all been kept, alternatives stop for sampled requests, while greedy
+    requests, counted apart, still get them; and positions whose tokens are rejected get them back."""
+    drafter = DraftModelDrafter(make_target(loaded(tiny_llama(VOCAB, seed=4, init_scale=0.02))), width=3)
+    sampled, source = SamplingParams(temperature=1.0), GeneratorSource(make_generator(0))
+
+    def draft(params: SamplingParams, taken) -> bool:
+        """Begin a request, draft 4 tokens and show the drafter the text `taken(chain)`: whether it was a tree."""
+        drafter.begin(PROMPT, params)
+        tree = drafter.propose(4, source).is_tree
+        assert max(drafter.draft_confidence) < drafter.threshold
+        drafter.observe(taken(drafter.draft))
+        return tree
+
+    kept, rejected = (lambda chain: chain + [1]), (lambda chain: [(chain[0] + 1) % VOCAB])
+    assert draft(sampled, kept)
+    trees = [draft(sampled, kept) for _ in range(15)]
+    assert trees[0] and not trees[-1]
+    assert draft(GREEDY, kept)
+    trees = [draft(sampled, rejected) for _ in range(30)]
+    assert trees[-1]

@@ -24,6 +24,19 @@ source, the Gumbel top-k of that position's noise). How many siblings a node
 gets depends on its ancestors and earlier siblings only, so the tree is one the
 verifier handles exactly.
 
+Which positions get alternatives is calibrated online (`wants_siblings`): the
+rule "peak below `threshold`" is the prior, and the measured rate at which the
+chain's own token was rejected, per tenth of the confidence range and for greedy
+and sampled requests apart, takes over as verifications accumulate. A peak says
+little about rejection when sampling: the chain's token is drawn from the
+distribution it came from and is kept with probability about one minus the
+distance between the two models, whatever the peak. The quantized copy's
+sampled trees put two alternatives at nearly every position, accepted 6% of the
+time, and a sampled tree is verified whole (the K policy cannot cut it), so
+they were 1.69x plain decoding against the chain's 1.98x (bundled model,
+float32 target, t = 1). The counts change between steps only, from what earlier
+verifications showed, so a tree's shape still depends on nothing drawn in it.
+
 After verification the cache keeps the accepted chain tokens (`observe`): an
 accepted alternative leaf is not the chain's token, so the cache is rolled back
 (a length) to the chain's tokens before it, and the leaf is fed at the next draft.
@@ -31,15 +44,18 @@ accepted alternative leaf is not the chain's token, so the cache is rolled back
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from specsample.drafters.base import Draft
 from specsample.models.target import Target
+from specsample.policy import CONFIDENCE_BINS, confidence_bins
 from specsample.sampling import RandomSource, SamplingParams, draft_confidence, draw_draft_token, probs_from_logits
 from specsample.tokens import common_prefix
 
-THRESHOLD = 0.8  # a position whose draft peak is below this gets alternative children
+THRESHOLD = 0.8  # a position whose draft peak is below this gets alternative children, before any evidence
+REJECTION_PRIOR = 4.0  # observations the rule `peak < threshold` is worth in each tenth of the confidence range
 
 
 class DraftModelDrafter:
@@ -53,7 +69,11 @@ class DraftModelDrafter:
         self.width, self.threshold = width, threshold
         self.context: list[int] = []
         self.draft: list[int] = []
+        self.draft_confidence: list[float] = []  # [k] the chain's peaks
         self.params = SamplingParams()
+        # [greedy or sampled, tenth of the confidence range] chain tokens verified, and of them rejected
+        self.reached = np.zeros((2, CONFIDENCE_BINS))
+        self.rejected = np.zeros((2, CONFIDENCE_BINS))
 
     def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         self.context = prompt_ids.tolist()
@@ -76,14 +96,14 @@ class DraftModelDrafter:
             parents.append(parent)
             probs.append(step_probs)
             confidence.append(peak)
-            if self.width > 1 and peak < self.threshold:
+            if self.width > 1 and self.wants_siblings(peak):
                 for token, row in siblings(logits, step_probs, chain[-1], self.width - 1, i, random, self.params):
                     tokens.append(token)
                     parents.append(parent)
                     probs.append(row)
             parent = node
             feed = chain[-1:]
-        self.draft = chain
+        self.draft, self.draft_confidence = chain, confidence
         if len(tokens) == len(chain):  # no alternatives: a chain, cut by the K policy on its confidence
             return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs), torch.tensor(confidence))
         draft_probs = None if self.params.greedy else torch.stack(probs)  # [n, vocab]; at t = 0 point masses
@@ -94,9 +114,32 @@ class DraftModelDrafter:
         """Keep the cached positions of the chain's tokens that the text took up; the rest is fed again.
         The last token, the new pending one, is left uncached as after the prompt."""
         valid = len(self.context) + common_prefix(self.draft, tokens[:-1])  # cached context plus accepted chain tokens
+        if self.width > 1:
+            self.count_rejections(tokens)
         self.context += tokens
         self.draft = []
         self.model.rollback(min(self.model.length, valid))
+
+
+    def wants_siblings(self, peak: float) -> bool:
+        """Whether a chain position whose draft peak is `peak` gets alternatives: where the chain's token
+        is rejected more often than 1 - threshold, as measured in the peak's tenth of the confidence range,
+        shrunk toward 1 - peak (the rule before evidence)."""
+        row, column = int(not self.params.greedy), int(confidence_bins(np.array(peak)))
+        rate = (self.rejected[row, column] + REJECTION_PRIOR * (1.0 - peak)) / (self.reached[row, column] + REJECTION_PRIOR)
+        return rate > 1.0 - self.threshold
+
+    def count_rejections(self, tokens: list[int]) -> None:
+        """Count the chain positions the verification decided, by peak: those up to the first whose token
+        the text did not take (an alternative accepted there, or the target's own token), which was
+        rejected; a position past the emitted tokens (an end of text) was not decided. A position past a
+        cut (`KPolicy.keep`) counts as decided by the bonus token, exactly so at temperature 0."""
+        agreed = common_prefix(self.draft, tokens)
+        decided = min(agreed + 1, len(self.draft), len(tokens))
+        row = int(not self.params.greedy)
+        bins = confidence_bins(np.array(self.draft_confidence[:decided]))
+        np.add.at(self.reached[row], bins, 1.0)
+        np.add.at(self.rejected[row], bins, np.arange(decided) >= agreed)
 
 
 def siblings(
