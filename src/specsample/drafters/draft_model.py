@@ -120,7 +120,6 @@ class DraftModelDrafter:
         self.draft = []
         self.model.rollback(min(self.model.length, valid))
 
-
     def wants_siblings(self, peak: float) -> bool:
         """Whether a chain position whose draft peak is `peak` gets alternatives: where the chain's token
         is rejected more often than 1 - threshold, as measured in the peak's tenth of the confidence range,
