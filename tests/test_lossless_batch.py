@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-import pytest
 import torch
 
 from specsample.batch import Batch, Request

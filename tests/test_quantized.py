@@ -35,7 +35,6 @@ from test_lossless_drafters import GREEDY_PROMPT, GREEDY_VOCAB
 from conftest import drafting_cost_model, needs_kernels, tiny_llama
 
 
-
 def dequantized(weight: torch.Tensor) -> torch.Tensor:
     """The reference int8 weight [out, in]: each row rounded to a multiple of its absmax / 127."""
     scales = weight.abs().amax(1, keepdim=True) / 127  # [out, 1]
