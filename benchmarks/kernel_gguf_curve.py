@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable
 from unittest import mock
 
+import specsample  # noqa: F401, I001  first: its OpenMP wait policy (specsample.openmp) must be set before torch loads libgomp
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType

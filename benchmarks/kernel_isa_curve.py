@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import specsample  # noqa: F401, I001  first: its OpenMP wait policy (specsample.openmp) must be set before torch loads libgomp
+
 from torch import Tensor
 
 from specsample import cost_curve
