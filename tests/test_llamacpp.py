@@ -134,27 +134,17 @@ def test_logits_match_transformers_on_the_same_weights(tiny_model, tiny_gguf, ca
     torch.testing.assert_close(target.score(ids[:3]), expected[:3], atol=tolerance, rtol=0)
 
 
-def rollback_then_scoring_again_gives_the_same_logits(target: LlamaCppTarget, vocab: int) -> None:
-    ids = random_ids(30, seed=2, vocab=vocab)
-    target.prefill(ids[:20])
-    first = target.score(ids[20:])  # [10, vocab]
-    target.rollback(23)
-    assert target.length == 23
-    other = target.score(random_ids(5, seed=3, vocab=vocab))  # rejected positions overwrite the rolled-back ones
-    target.rollback(23)
-    again = target.score(ids[23:])  # [7, vocab]
+def test_rollback_then_scoring_again_gives_the_same_logits(tiny_target):
+    ids = random_ids(30, seed=2)
+    tiny_target.prefill(ids[:20])
+    first = tiny_target.score(ids[20:])  # [10, vocab]
+    tiny_target.rollback(23)
+    assert tiny_target.length == 23
+    other = tiny_target.score(random_ids(5, seed=3))  # rejected positions overwrite the rolled-back ones
+    tiny_target.rollback(23)
+    again = tiny_target.score(ids[23:])  # [7, vocab]
     assert not torch.equal(other[0], again[0])
     assert torch.equal(again, first[3:])
-
-
-def test_rollback_then_scoring_again_gives_the_same_logits(tiny_target):
-    assert tiny_target.cache_type == "f16"  # its value heads (8) are shorter than a Q8_0 block
-    rollback_then_scoring_again_gives_the_same_logits(tiny_target, VOCAB)
-
-
-def test_rollback_over_the_default_quantized_values(bundled_target):
-    assert bundled_target.cache_type == "f16-q8"
-    rollback_then_scoring_again_gives_the_same_logits(bundled_target, 49152)
 
 
 def scored_one_by_one_and_batched(target: LlamaCppTarget, prefix: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -204,30 +194,13 @@ def test_bundled_model_batched_pass_of_16_tokens_is_batch_invariant(bundled_targ
         assert torch.equal(logits, alone[: len(logits)])
 
 
-@pytest.mark.parametrize("cache_type", ["f16-q8", "f16"])
-def test_two_threads_over_a_long_cache_are_batch_invariant(cache_type):
-    """With two threads, past 512 cached positions, where llama.cpp's flash attention over an f16
-    cache would split one token's pass (below): the default flash attention over quantized
-    values, and an f16 cache without flash attention, give a position the same logits alone
-    and in a batch."""
-    target = LlamaCppTarget(bundled_gguf(), n_threads=2, cache_type=cache_type)
-    alone, batched = scored_one_by_one_and_batched(target, random_ids(600, seed=8, vocab=49152), random_ids(6, seed=6, vocab=49152))
-    for logits in batched:
-        assert torch.equal(logits, alone[: len(logits)])
-
-
-def test_flash_attention_over_an_f16_cache_would_make_logits_depend_on_the_batch():
-    """Why flash attention runs over quantized values only: over a long f16 cache, one token's
-    pass and a batch's sum attention in other orders."""
-    target = LlamaCppTarget(bundled_gguf(), n_threads=2, batch_invariant=False, cache_type="f16")
+def test_flash_attention_would_make_logits_depend_on_the_batch():
+    """Why the backend turns flash attention off: over a long cache, one token's pass and a
+    batch's sum attention in other orders."""
+    target = LlamaCppTarget(bundled_gguf(), n_threads=2, batch_invariant=False)
     alone, batched = scored_one_by_one_and_batched(target, random_ids(600, seed=8, vocab=49152), random_ids(4, seed=6, vocab=49152))
     assert not torch.equal(batched[-1], alone)
     assert (batched[-1] - alone).abs().max() < 2.0  # rounding, not a bug; enough to flip a near-tie
-
-
-def test_an_unknown_cache_type_is_refused(tiny_gguf):
-    with pytest.raises(ValueError, match="unknown KV cache type 'q4'"):
-        LlamaCppTarget(tiny_gguf, n_threads=1, cache_type="q4")
 
 
 def test_tokenizer_only_loading_gives_the_tokenizer_and_a_llamacpp_target(tiny_gguf):

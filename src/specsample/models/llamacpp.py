@@ -16,15 +16,11 @@ layouts' gemm instead of gemv, flash attention's query tiles), so its logits wou
 in the last bits and greedy speculation could leave plain decoding's path at a near-tie.
 `scripts/install.sh` builds llama.cpp without llamafile; this backend never enables the
 extra weight buffer types (repacking, and AMX, which dies with an illegal instruction in
-batched passes on this project's AMX machine). Flash attention it runs only over a KV cache
-whose values are quantized (`CACHE_LAYOUTS`, the default "f16-q8"): ggml's CPU flash attention
-splits one token's pass over the cached positions, or tiles a long batch's queries, only where
-keys and values are both f16 or f32, and otherwise runs every row alone over every position,
-in order. Without flash attention ("f16", "f32") each row's attention is per row anyway. Then
-every output is a dot product of one weight row and one activation row, computed the same way
-whatever the batch, and a position's logits are bitwise the same scored alone or in a batch of
-any size (tests/test_llamacpp.py checks it; docs/llamacpp-backend.md has the figures and what
-it costs).
+batched passes on this project's AMX machine) and, by default (`batch_invariant`), not
+flash attention either. Then every output is a dot product of one weight row and one
+activation row, computed the same way whatever the batch, and a position's logits are
+bitwise the same scored alone or in a batch of any size (tests/test_llamacpp.py checks
+it; docs/llamacpp-backend.md has the figures and what it costs).
 
 Slots (`LlamaCppTarget.slots`, for batched decoding) are llama.cpp's sequence ids in a context of
 their own whose KV cache keeps a stream per sequence (`kv_unified` off): a row attends over its
@@ -47,7 +43,6 @@ import re
 import tempfile
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -55,31 +50,7 @@ import torch
 from torch import Tensor
 
 DEFAULT_MAX_LENGTH = 8192
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """A KV cache's element types (ggml_type ids), their bytes per element, and whether the
-    context runs flash attention over it."""
-
-    type_k: int
-    type_v: int
-    bytes_k: float
-    bytes_v: float
-    flash_attention: bool
-
-
-# "f16-q8": keys f16, values Q8_0 (34 bytes a block of 32) under flash attention: batch invariant
-# (module docstring) and 1.10x the decoding speed of "f16" without it (bundled model, AMD EPYC Zen 4,
-# docs/llamacpp-backend.md), with its logits as close to an f32 cache's. "f16": llama.cpp's cache
-# type. "f32": keys and values as computed (an F32 file's logits then match transformers'); flash
-# attention would round them to f16.
-Q8_0_BLOCK = 32  # values a Q8_0 block holds: a value head's length must be a multiple of it
-CACHE_LAYOUTS = {
-    "f16-q8": CacheLayout(type_k=1, type_v=8, bytes_k=2, bytes_v=34 / 32, flash_attention=True),
-    "f16": CacheLayout(type_k=1, type_v=1, bytes_k=2, bytes_v=2, flash_attention=False),
-    "f32": CacheLayout(type_k=0, type_v=0, bytes_k=4, bytes_v=4, flash_attention=False),
-}
+CACHE_TYPES = {"f16": 1, "f32": 0}  # KV cache element types: ggml_type ids
 # Tokens per llama_decode call: prompts are prefilled in chunks of this many. Without flash attention
 # a chunk's attention scores are [cached positions, chunk, heads] float32, twice (scores, softmax):
 # 512 would take 150 MB over 4,000 positions on the bundled model, more than its weights; 64 took
@@ -291,13 +262,11 @@ class LlamaCppTarget:
     """A GGUF model in a llama.cpp context: the Target protocol on the low-level C API.
 
     `n_threads`: threads for every pass (default: all cores). `max_length`: the context
-    window (default: the model's, at most 8192). `cache_type`: the KV cache's layout
-    (`CACHE_LAYOUTS`): "f16-q8" (keys f16, values Q8_0, flash attention: the fastest that stays
-    batch invariant), "f16" (llama.cpp's default types) or "f32" (keys and values as computed:
-    an F32 file's logits then match transformers' to float32 rounding); by default "f16-q8"
-    where Q8_0 blocks divide the model's value heads, else "f16". `batch_invariant`:
-    False lets llama.cpp choose flash attention for an "f16" or "f32" cache, so a position's
-    logits may depend on how positions are batched (see the module docstring).
+    window (default: the model's, at most 8192). `batch_invariant`: no flash
+    attention, so logits do not depend on how positions are batched (see the module
+    docstring); False lets llama.cpp choose. `cache_type`: the KV cache's
+    element type, "f16" (llama.cpp's default: half the memory) or "f32" (keys and values as
+    computed: an F32 file's logits then match transformers' to float32 rounding).
 
     Capabilities (models/target.py): `QuantizedCopies`, a lower-bit copy of the same file made
     by llama.cpp's quantizer, with `copy_cost` declaring what its pass costs (specsample.defaults).
@@ -310,10 +279,10 @@ class LlamaCppTarget:
         n_threads: int | None = None,
         max_length: int | None = None,
         batch_invariant: bool = True,
-        cache_type: str | None = None,
+        cache_type: str = "f16",
     ) -> None:
-        if cache_type is not None and cache_type not in CACHE_LAYOUTS:
-            raise ValueError(f"unknown KV cache type {cache_type!r}: expected one of {', '.join(CACHE_LAYOUTS)}")
+        if cache_type not in CACHE_TYPES:
+            raise ValueError(f"unknown KV cache type {cache_type!r}: expected one of {', '.join(CACHE_TYPES)}")
         init_backend()
         self.lib = lib = _bindings()
         self.path = Path(path)
@@ -325,6 +294,7 @@ class LlamaCppTarget:
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
         self.n_threads = n_threads or default_threads()
         self.batch_invariant = batch_invariant
+        self.cache_type = cache_type
 
         model_params = lib.llama_model_default_params()
         model_params.n_gpu_layers = 0
@@ -338,7 +308,6 @@ class LlamaCppTarget:
         self.vocab_size = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model)))
         self.max_length = int(max_length or min(lib.llama_model_n_ctx_train(self.model) or DEFAULT_MAX_LENGTH, DEFAULT_MAX_LENGTH))
 
-        self.cache_type = cache_type or ("f16-q8" if self.head_lengths()[1] % Q8_0_BLOCK == 0 else "f16")
         self.ctx = self.context(self.max_length, sequences=1, batch=N_BATCH)
         self.memory = lib.llama_get_memory(self.ctx)
         self.batch = DecodeBatch(lib, N_BATCH)
@@ -356,11 +325,8 @@ class LlamaCppTarget:
         params.kv_unified = False  # a stream per sequence: a row attends over its own sequence alone
         params.n_threads = params.n_threads_batch = self.n_threads
         params.no_perf = True
-        layout = CACHE_LAYOUTS[self.cache_type]
-        params.type_k, params.type_v = layout.type_k, layout.type_v
-        if layout.flash_attention:
-            params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        elif self.batch_invariant:
+        params.type_k = params.type_v = CACHE_TYPES[self.cache_type]
+        if self.batch_invariant:
             params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         _errors.clear()
         ctx = lib.llama_init_from_model(self.model, params)
@@ -409,16 +375,11 @@ class LlamaCppTarget:
         """Bytes of the KV cache of the context window: keys and values of every layer and position,
         as a model of plain attention keeps them (llama.cpp allocates and clears them at the start)."""
         lib, model = self.lib, self.model
-        key, value = self.head_lengths()
-        layout = CACHE_LAYOUTS[self.cache_type]
-        per_position = lib.llama_model_n_layer(model) * lib.llama_model_n_head_kv(model) * (key * layout.bytes_k + value * layout.bytes_v)
-        return int(self.max_length * per_position)
-
-    def head_lengths(self) -> tuple[int, int]:
-        """Elements of one attention head's key and of its value."""
-        default = self.lib.llama_model_n_embd(self.model) // self.lib.llama_model_n_head(self.model)
-        key, value = (self._metadata_int(f"attention.{name}_length") or default for name in ("key", "value"))
-        return key, value
+        heads = lib.llama_model_n_head(model)
+        key, value = (self._metadata_int(f"attention.{name}_length") or lib.llama_model_n_embd(model) // heads
+                      for name in ("key", "value"))
+        element = 4 if self.cache_type == "f32" else 2
+        return self.max_length * lib.llama_model_n_layer(model) * lib.llama_model_n_head_kv(model) * (key + value) * element
 
     def _metadata_int(self, key: str) -> int | None:
         """An integer of the file's architecture keys ("attention.key_length" -> llama.attention.key_length), or None."""
