@@ -194,6 +194,14 @@ def test_bundled_model_batched_pass_of_16_tokens_is_batch_invariant(bundled_targ
         assert torch.equal(logits, alone[: len(logits)])
 
 
+def test_two_threads_over_a_long_cache_are_batch_invariant():
+    """The promise where flash attention would break it (below): two threads, 600 cached positions."""
+    target = LlamaCppTarget(bundled_gguf(), n_threads=2)
+    alone, batched = scored_one_by_one_and_batched(target, random_ids(600, seed=8, vocab=49152), random_ids(6, seed=6, vocab=49152))
+    for logits in batched:
+        assert torch.equal(logits, alone[: len(logits)])
+
+
 def test_flash_attention_would_make_logits_depend_on_the_batch():
     """Why the backend turns flash attention off: over a long cache, one token's pass and a
     batch's sum attention in other orders."""
