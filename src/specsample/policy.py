@@ -392,6 +392,9 @@ class CostModelK:
         return (a - slope * c) / n, slope
 
     def observe(self, step: Step) -> None:
+        # A cut by `keep` while the calibration rests mostly on its prior says what the prior made of that
+        # draft's confidences, not what `keep` will make of the next drafts': not counted (`calibrated`).
+        calibrated = self.kept_confidence is None or self.confidence_moments[0] >= CALIBRATION_PRIOR
         self.observe_confidence(step)
         if step.parents is not None:
             self.observe_tree(step)
@@ -420,7 +423,7 @@ class CostModelK:
             self.drafted_ge[i] += i < drafted
             self.verified_reached[i] += i <= step.drafted
             self.verified_ge[i] += i < step.drafted
-            self.uncut_reached[i] += i < drafted and i <= step.drafted
+            self.uncut_reached[i] += i < step.drafted or (calibrated and i == step.drafted < drafted)
             self.uncut_ge[i] += i < step.drafted
             self.accepted_reached[i] += i < seen
             self.accepted_ge[i] += i < step.accepted
