@@ -220,7 +220,11 @@ class CostModelK:
     verified, and the first token cut after an accepted one counts neither as
     accepted nor as rejected: it was never verified. So a step is expected to
     emit 1 + sum_i P(accepted >= i | verified) P(not cut >= i), the second
-    measured over the drafted positions.
+    measured over the drafted positions, but for cuts made while the calibration
+    rests on fewer verified tokens than its prior's weight: those say what the
+    prior made of a draft's confidences, and a position past the K then chosen is
+    measured again only at a larger K (the copy at t = 1, cut at its second token
+    at its second step, held K at 1 for 35 steps).
 
     Tree drafts (`Draft.parents`): K is the node budget, and the subtree that is
     verified (`keep_tree`: nodes best first, each with its parent and earlier
