@@ -159,10 +159,15 @@ def scored_one_by_one_and_batched(target: LlamaCppTarget, prefix: torch.Tensor, 
     return alone, batched
 
 
-def test_a_position_has_the_same_logits_alone_and_in_a_batch(tiny_target):
-    alone, batched = scored_one_by_one_and_batched(tiny_target, random_ids(9, seed=4), random_ids(16, seed=5))
+def assert_batch_invariant(alone: torch.Tensor, batched: list[torch.Tensor]) -> None:
+    """Each batch's logits bitwise equal to its positions' logits scored alone."""
     for logits in batched:
         assert torch.equal(logits, alone[: len(logits)])
+
+
+def test_a_position_has_the_same_logits_alone_and_in_a_batch(tiny_target):
+    alone, batched = scored_one_by_one_and_batched(tiny_target, random_ids(9, seed=4), random_ids(16, seed=5))
+    assert_batch_invariant(alone, batched)
 
 
 @pytest.fixture(scope="module")
@@ -190,16 +195,14 @@ def test_bundled_model_batched_pass_of_16_tokens_is_batch_invariant(bundled_targ
     prefix = random_ids(context, seed=8, vocab=49152)
     alone, batched = scored_one_by_one_and_batched(bundled_target, prefix, random_ids(16, seed=6, vocab=49152))
     assert torch.isfinite(batched[-1]).all() and batched[-1].shape == (16, 49152)
-    for logits in batched:
-        assert torch.equal(logits, alone[: len(logits)])
+    assert_batch_invariant(alone, batched)
 
 
 def test_two_threads_over_a_long_cache_are_batch_invariant():
     """The promise where flash attention would break it (below): two threads, 600 cached positions."""
     target = LlamaCppTarget(bundled_gguf(), n_threads=2)
     alone, batched = scored_one_by_one_and_batched(target, random_ids(600, seed=8, vocab=49152), random_ids(6, seed=6, vocab=49152))
-    for logits in batched:
-        assert torch.equal(logits, alone[: len(logits)])
+    assert_batch_invariant(alone, batched)
 
 
 def test_flash_attention_would_make_logits_depend_on_the_batch():

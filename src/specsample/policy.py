@@ -396,8 +396,7 @@ class CostModelK:
         return (a - slope * c) / n, slope
 
     def observe(self, step: Step) -> None:
-        # A cut by `keep` while the calibration rests mostly on its prior says what the prior made of that
-        # draft's confidences, not what `keep` will make of the next drafts': not counted (`calibrated`).
+        # Whether a cut by `keep` counts: not while the calibration rests on its prior (class docstring).
         calibrated = self.kept_confidence is None or self.confidence_moments[0] >= CALIBRATION_PRIOR
         self.observe_confidence(step)
         if step.parents is not None:
