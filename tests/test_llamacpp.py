@@ -24,7 +24,7 @@ from specsample.drafters import DraftModelDrafter, NoDrafter
 from specsample.drafters.quantized import QuantizedDrafter
 from specsample.engine import decode
 from specsample.models import load_target, make_target
-from specsample.models.llamacpp import LlamaCppTarget, system_info
+from specsample.models.llamacpp import LlamaCppTarget, batch_invariant_flash_attention, system_info
 from specsample.models.loading import bundled_gguf, load_model
 from specsample.policy import FixedK
 from specsample.sampling import GeneratorSource, SamplingParams
@@ -187,7 +187,7 @@ def test_the_cpu_backend_matches_this_cpu():
         assert "AVX2" in info.split() and "AVX512" not in info.split(), info
 
 
-@pytest.mark.parametrize("context", [12, 600])  # from 512 cached positions flash attention would split one token's pass
+@pytest.mark.parametrize("context", [12, 600])  # from 512 cached positions upstream flash attention splits one token's pass
 def test_bundled_model_batched_pass_of_16_tokens_is_batch_invariant(bundled_target, context):
     """A batched pass of 16 tokens on the bundled Q4_1 file (the pass a bad build crashed in),
     and each position's logits bitwise equal to scoring it alone, for batches of 2..16."""
@@ -198,20 +198,31 @@ def test_bundled_model_batched_pass_of_16_tokens_is_batch_invariant(bundled_targ
     assert_batch_invariant(alone, batched)
 
 
-def test_two_threads_over_a_long_cache_are_batch_invariant():
-    """The promise where flash attention would break it (below): two threads, 600 cached positions."""
+@pytest.mark.parametrize("context", [509, 600])  # 509: the passes' cache views are padded to 512 or 768 cells
+def test_two_threads_over_a_long_cache_are_batch_invariant(context):
+    """The promise where upstream's flash attention breaks it: two threads, over 512 cached
+    positions, where it splits a single token's pass over the cache and not a batch's."""
     target = LlamaCppTarget(bundled_gguf(), n_threads=2)
-    alone, batched = scored_one_by_one_and_batched(target, random_ids(600, seed=8, vocab=49152), random_ids(6, seed=6, vocab=49152))
+    alone, batched = scored_one_by_one_and_batched(target, random_ids(context, seed=8, vocab=49152), random_ids(6, seed=6, vocab=49152))
     assert_batch_invariant(alone, batched)
 
 
-def test_flash_attention_would_make_logits_depend_on_the_batch():
-    """Why the backend turns flash attention off: over a long cache, one token's pass and a
-    batch's sum attention in other orders."""
-    target = LlamaCppTarget(bundled_gguf(), n_threads=2, batch_invariant=False)
-    alone, batched = scored_one_by_one_and_batched(target, random_ids(600, seed=8, vocab=49152), random_ids(4, seed=6, vocab=49152))
-    assert not torch.equal(batched[-1], alone)
-    assert (batched[-1] - alone).abs().max() < 2.0  # rounding, not a bug; enough to flip a near-tie
+def test_the_build_has_batch_invariant_flash_attention():
+    """scripts/install.sh patches llama.cpp's flash attention, and the backend turns it on."""
+    assert batch_invariant_flash_attention()
+
+
+def test_flash_attention_splits_the_cache_over_the_threads():
+    """Why the test above is not vacuous: two threads split each row's pass over the cache (one
+    thread's logits differ in rounding), and the split is the same alone and in a batch."""
+    prefix, ids = random_ids(600, seed=8, vocab=49152), random_ids(4, seed=6, vocab=49152)
+    logits = []
+    for threads in (1, 2):
+        target = LlamaCppTarget(bundled_gguf(), n_threads=threads)
+        target.prefill(prefix)
+        logits.append(target.score(ids))
+    assert not torch.equal(logits[0], logits[1])
+    assert (logits[0] - logits[1]).abs().max() < 2.0  # rounding, not a bug; enough to flip a near-tie
 
 
 def test_tokenizer_only_loading_gives_the_tokenizer_and_a_llamacpp_target(tiny_gguf):

@@ -30,8 +30,9 @@ CANDIDATES = "llamacpp,gguf,auto"  # part of the remembered choice's key: a new 
 # Part of the keys of what is remembered per machine (this choice, the cost model's prior f(n)/f(1)): a
 # change to the kernels' speed makes it stale. 2: block kernels for Q4_K, Q6_K, Q5_0, Q5_1; 3: float16
 # caches, one call a pass; 4: prefetch distance; 5: pairs of panels; 6: attention of several tokens a job,
-# keys prefetched; 7: keys in tiles of positions, values prefetched further.
-KERNELS_VERSION = 7
+# keys prefetched; 7: keys in tiles of positions, values prefetched further; 8: the llamacpp backend's
+# batch-invariant flash attention.
+KERNELS_VERSION = 8
 
 
 @dataclass(frozen=True)

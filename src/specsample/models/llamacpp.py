@@ -12,15 +12,16 @@ chunks of `n_batch` tokens without logits.
 
 Batch invariance: llama.cpp computes a token scored alone with other kernels than the
 same token inside a batch (llamafile's tinyBLAS from 2 rows on, the repacked Q4_0/Q4_K/...
-layouts' gemm instead of gemv, flash attention's query tiles), so its logits would differ
-in the last bits and greedy speculation could leave plain decoding's path at a near-tie.
-`scripts/install.sh` builds llama.cpp without llamafile; this backend never enables the
-extra weight buffer types (repacking, and AMX, which dies with an illegal instruction in
-batched passes on this project's AMX machine) and, by default (`batch_invariant`), not
-flash attention either. Then every output is a dot product of one weight row and one
-activation row, computed the same way whatever the batch, and a position's logits are
-bitwise the same scored alone or in a batch of any size (tests/test_llamacpp.py checks
-it; docs/llamacpp-backend.md has the figures and what it costs).
+layouts' gemm instead of gemv, flash attention's split of a single token's pass over the
+cache), so its logits would differ in the last bits and greedy speculation could leave plain
+decoding's path at a near-tie. `scripts/install.sh` builds llama.cpp without llamafile and
+with `scripts/llama-cpp-batch-invariant-fa.patch`, under which flash attention splits every
+small batch's rows over the cache as it splits a single token's; this backend never enables
+the extra weight buffer types (repacking, and AMX, which dies with an illegal instruction in
+batched passes on this project's AMX machine), and turns flash attention on only where the
+build has that patch (`batch_invariant_flash_attention`). Then a position's logits are bitwise
+the same scored alone or in a batch of any size below 64 (tests/test_llamacpp.py checks it;
+docs/llamacpp-backend.md has the figures and what it costs).
 
 Slots (`LlamaCppTarget.slots`, for batched decoding) are llama.cpp's sequence ids in a context of
 their own whose KV cache keeps a stream per sequence (`kv_unified` off): a row attends over its
@@ -113,6 +114,18 @@ def ggml_library() -> ctypes.CDLL:
     never reads.
     """
     return ctypes.CDLL(str(Path(_bindings().__file__).parent / "lib" / "libggml.so.0"))
+
+
+def batch_invariant_flash_attention() -> bool:
+    """Whether the CPU backend loaded has the project's flash attention patch
+    (scripts/llama-cpp-batch-invariant-fa.patch), under which a token's attention is computed the same
+    alone and inside a batch: the backend registry answers for the patch's marker by name."""
+    init_backend()
+    libggml = ggml_library()
+    libggml.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    libggml.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    cpu = [reg for reg, name in zip(regs(libggml), reg_names(libggml)) if name == "CPU"]
+    return bool(cpu) and bool(libggml.ggml_backend_reg_get_proc_address(cpu[0], b"specsample_batch_invariant_flash_attn"))
 
 
 def reg_names(libggml: ctypes.CDLL) -> list[str]:
@@ -262,9 +275,9 @@ class LlamaCppTarget:
     """A GGUF model in a llama.cpp context: the Target protocol on the low-level C API.
 
     `n_threads`: threads for every pass (default: all cores). `max_length`: the context
-    window (default: the model's, at most 8192). `batch_invariant`: no flash
-    attention, so logits do not depend on how positions are batched (see the module
-    docstring); False lets llama.cpp choose. `cache_type`: the KV cache's
+    window (default: the model's, at most 8192). `batch_invariant`: flash attention only
+    where this build's is batch invariant, so logits do not depend on how positions are batched
+    (see the module docstring); False lets llama.cpp choose. `cache_type`: the KV cache's
     element type, "f16" (llama.cpp's default: half the memory) or "f32" (keys and values as
     computed: an F32 file's logits then match transformers' to float32 rounding).
 
@@ -327,7 +340,10 @@ class LlamaCppTarget:
         params.no_perf = True
         params.type_k = params.type_v = CACHE_TYPES[self.cache_type]
         if self.batch_invariant:
-            params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            # flash attention where the build's is batch invariant, over an F16 cache: llama.cpp casts
+            # an F32 cache's keys and values to F16 for it, which an F32 cache is chosen to avoid
+            flash = self.cache_type == "f16" and batch_invariant_flash_attention()
+            params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         _errors.clear()
         ctx = lib.llama_init_from_model(self.model, params)
         if not ctx:
