@@ -52,13 +52,16 @@ from torch import Tensor
 
 DEFAULT_MAX_LENGTH = 8192
 CACHE_TYPES = {"f16": 1, "f32": 0}  # KV cache element types: ggml_type ids
-# Tokens per llama_decode call: prompts are prefilled in chunks of this many. Without flash attention
-# a chunk's attention scores are [cached positions, chunk, heads] float32, twice (scores, softmax):
-# 512 would take 150 MB over 4,000 positions on the bundled model, more than its weights; 64 took
-# 316 MB over the runtime for a 4,000-token prompt with the default drafter, 32 takes 291 MB (within
-# 1.3 x the file + the KV cache, 302 MB), and this build's kernels gain nothing from longer batches
-# (docs/llamacpp-backend.md "Memory"). A verification pass (K + 1 <= 17 positions) fits one chunk.
-N_BATCH = 32
+# Tokens per llama_decode call: prompts are prefilled in chunks of this many. From 64 queries flash
+# attention tiles a chunk (prefill 1.2-1.7x as fast as in 32-token chunks over 700 to 4,000 positions,
+# 2 threads); without flash attention a chunk's attention scores are [cached positions, chunk, heads]
+# float32, twice (scores, softmax). Longer chunks prefill faster still (256: 2x) and take more memory:
+# peak resident memory over the runtime for a 4,000-token prompt on the bundled model with flash
+# attention, 302 MiB at 32, 303 at 64, 306 at 128, 318 at 512, where issue 22's budget of 1.3 x the
+# file + the KV cache is 302 (docs/llamacpp-backend.md "Memory"; tests/test_llamacpp_memory.py holds
+# a short prompt to it). A verification pass (K + 1 <= 17 positions) fits one chunk, below the
+# tiling, so it is batch invariant.
+N_BATCH = 64
 # Most new tokens a slot scores in one pass (`LlamaCppSlots.score`; a verification pass of K + 1 <= 17).
 SLOT_ROWS = 32
 
