@@ -6,8 +6,8 @@
 # llama-cpp-python (the llamacpp backend) is built from source with the project's flags,
 # not the user's (docs/llamacpp-backend.md): ggml's CPU backend once per x86 feature level,
 # the best one picked at run time, so one install runs on AVX2-only and AVX-512/AMX
-# machines alike; no llamafile kernels, and flash attention patched
-# (scripts/llama-cpp-batch-invariant-fa.patch), so that a token's logits do not depend on the
+# machines alike; no llamafile kernels, and flash attention and the tiled K-quant products patched
+# (scripts/llama-cpp-batch-invariant.patch), so that a token's logits do not depend on the
 # batch it is scored in. The build takes about 7.5 minutes on 2 cores, once: it is skipped
 # while that build is installed, and its wheel is kept for the next venv. Ray Serve (the `ray`
 # extra, ~360 MB) is installed too, so the tests of `specsample serve --replicas` run in CI.
@@ -23,14 +23,14 @@ if ! python - "$LLAMA_CPP_PYTHON" 2>/dev/null <<'EOF'
 import pathlib, sys
 import llama_cpp  # the version wanted, with more than one CPU variant, all patched: this script's build
 variants = list((pathlib.Path(llama_cpp.__file__).parent / "lib").glob("libggml-cpu-*.so"))
-patched = all(b"specsample_batch_invariant_flash_attn" in v.read_bytes() for v in variants)
+patched = all(b"specsample_batch_invariant_v2" in v.read_bytes() for v in variants)
 sys.exit(llama_cpp.__version__ != sys.argv[1] or len(variants) < 2 or not patched)
 EOF
 then
     # The wheel is kept under the user's cache, keyed by the version, these flags and the Python, so
     # another venv or clone of the project installs it in seconds (pip's own cache would not see the flags).
     FLAGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_LLAMAFILE=OFF -DLLAVA_BUILD=OFF -DCMAKE_INSTALL_BINDIR=llama_cpp/lib"
-    PATCH="$PWD/scripts/llama-cpp-batch-invariant-fa.patch"
+    PATCH="$PWD/scripts/llama-cpp-batch-invariant.patch"
     KEY=$(printf '%s|%s|%s|%s' "$LLAMA_CPP_PYTHON" "$FLAGS" "$(python -c 'import sys, sysconfig; print(sys.version, sysconfig.get_platform())')" "$(sha256sum < "$PATCH")" | sha256sum | cut -c1-16)
     WHEELS="${SPECSAMPLE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/specsample}/wheels/llama-cpp-python-$KEY"
     if ! ls "$WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then

@@ -24,7 +24,7 @@ from specsample.drafters import DraftModelDrafter, NoDrafter
 from specsample.drafters.quantized import QuantizedDrafter
 from specsample.engine import decode
 from specsample.models import load_target, make_target
-from specsample.models.llamacpp import LlamaCppTarget, batch_invariant_flash_attention, system_info
+from specsample.models.llamacpp import LlamaCppTarget, batch_invariant_build, quantize, system_info
 from specsample.models.loading import bundled_gguf, load_model
 from specsample.policy import FixedK
 from specsample.sampling import GeneratorSource, SamplingParams
@@ -207,9 +207,19 @@ def test_two_threads_over_a_long_cache_are_batch_invariant(context):
     assert_batch_invariant(alone, batched)
 
 
-def test_the_build_has_batch_invariant_flash_attention():
-    """scripts/install.sh patches llama.cpp's flash attention, and the backend turns it on."""
-    assert batch_invariant_flash_attention()
+def test_the_build_is_patched_for_batch_invariance():
+    """scripts/install.sh patches llama.cpp (flash attention, the tiled K-quant products), and the
+    backend finds the patch's marker, so it turns flash attention on."""
+    assert batch_invariant_build()
+
+
+def test_k_quant_products_are_batch_invariant(tmp_path):
+    """A Q4_K_M copy of the bundled model: upstream's tiled K-quant products take batches from 8 rows
+    (max |logit difference| 0.7 to 0.9 against the same positions alone); the patch starts them at 64."""
+    path = quantize(bundled_gguf(), tmp_path / "q4_k_m.gguf", "Q4_K_M", threads=2)
+    target = LlamaCppTarget(path, n_threads=2)
+    alone, batched = scored_one_by_one_and_batched(target, random_ids(30, seed=8, vocab=49152), random_ids(12, seed=6, vocab=49152))
+    assert_batch_invariant(alone, batched)
 
 
 def test_flash_attention_splits_the_cache_over_the_threads():

@@ -12,16 +12,17 @@ chunks of `n_batch` tokens without logits.
 
 Batch invariance: llama.cpp computes a token scored alone with other kernels than the
 same token inside a batch (llamafile's tinyBLAS from 2 rows on, the repacked Q4_0/Q4_K/...
-layouts' gemm instead of gemv, flash attention's split of a single token's pass over the
-cache), so its logits would differ in the last bits and greedy speculation could leave plain
-decoding's path at a near-tie. `scripts/install.sh` builds llama.cpp without llamafile and
-with `scripts/llama-cpp-batch-invariant-fa.patch`, under which flash attention splits every
-small batch's rows over the cache as it splits a single token's; this backend never enables
-the extra weight buffer types (repacking, and AMX, which dies with an illegal instruction in
-batched passes on this project's AMX machine), and turns flash attention on only where the
-build has that patch (`batch_invariant_flash_attention`). Then a position's logits are bitwise
-the same scored alone or in a batch of any size below 64 (tests/test_llamacpp.py checks it;
-docs/llamacpp-backend.md has the figures and what it costs).
+layouts' gemm instead of gemv, the tiled K-quant products from 8 rows, flash attention's split
+of a single token's pass over the cache), so its logits would differ in the last bits and greedy
+speculation could leave plain decoding's path at a near-tie. `scripts/install.sh` builds
+llama.cpp without llamafile and with `scripts/llama-cpp-batch-invariant.patch`, under which
+flash attention splits every small batch's rows over the cache as it splits a single token's,
+and the tiled K-quant products start at 64 rows. This backend never enables the extra weight
+buffer types (repacking, and AMX, which dies with an illegal instruction in batched passes on
+this project's AMX machine), and turns flash attention on only where the build has that patch
+(`batch_invariant_build`; another build also gets its tiled products turned off). Then a
+position's logits are bitwise the same scored alone or in a batch of any size below 64
+(tests/test_llamacpp.py checks it; docs/llamacpp-backend.md has the figures and what it costs).
 
 Slots (`LlamaCppTarget.slots`, for batched decoding) are llama.cpp's sequence ids in a context of
 their own whose KV cache keeps a stream per sequence (`kv_unified` off): a row attends over its
@@ -105,6 +106,8 @@ def init_backend() -> None:
         libggml.ggml_backend_load_all_from_path(str(Path(llama_cpp.__file__).parent / "lib").encode())
     if "CPU" not in reg_names(libggml):
         raise RuntimeError("llama.cpp found no CPU backend for this CPU in its lib directory (a bad build?)")
+    if not has_marker(libggml):  # another build: its tiled K-quant products (read at first use) are off
+        os.environ.setdefault("GGML_CPU_TILED_MM", "0")
     llama_cpp.llama_backend_init()
     _ready = True
 
@@ -119,16 +122,20 @@ def ggml_library() -> ctypes.CDLL:
     return ctypes.CDLL(str(Path(_bindings().__file__).parent / "lib" / "libggml.so.0"))
 
 
-def batch_invariant_flash_attention() -> bool:
-    """Whether the CPU backend loaded has the project's flash attention patch
-    (scripts/llama-cpp-batch-invariant-fa.patch), under which a token's attention is computed the same
-    alone and inside a batch: the backend registry answers for the patch's marker by name."""
+def batch_invariant_build() -> bool:
+    """Whether the CPU backend loaded has the project's patch (scripts/llama-cpp-batch-invariant.patch),
+    under which flash attention, and a K-quant product from 8 rows, compute a token the same alone and
+    inside a batch: the backend registry answers for the patch's marker by name."""
     init_backend()
-    libggml = ggml_library()
+    return has_marker(ggml_library())
+
+
+def has_marker(libggml: ctypes.CDLL) -> bool:
+    """Whether the registered CPU backend answers for the patch's marker (`batch_invariant_build`)."""
     libggml.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
     libggml.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     cpu = [reg for reg, name in zip(regs(libggml), reg_names(libggml)) if name == "CPU"]
-    return bool(cpu) and bool(libggml.ggml_backend_reg_get_proc_address(cpu[0], b"specsample_batch_invariant_flash_attn"))
+    return bool(cpu) and bool(libggml.ggml_backend_reg_get_proc_address(cpu[0], b"specsample_batch_invariant_v2"))
 
 
 def reg_names(libggml: ctypes.CDLL) -> list[str]:
@@ -345,7 +352,7 @@ class LlamaCppTarget:
         if self.batch_invariant:
             # flash attention where the build's is batch invariant, over an F16 cache: llama.cpp casts
             # an F32 cache's keys and values to F16 for it, which an F32 cache is chosen to avoid
-            flash = self.cache_type == "f16" and batch_invariant_flash_attention()
+            flash = self.cache_type == "f16" and batch_invariant_build()
             params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         _errors.clear()
         ctx = lib.llama_init_from_model(self.model, params)
