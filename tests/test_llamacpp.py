@@ -24,7 +24,7 @@ from specsample.drafters import DraftModelDrafter, NoDrafter
 from specsample.drafters.quantized import QuantizedDrafter
 from specsample.engine import decode
 from specsample.models import load_target, make_target
-from specsample.models.llamacpp import LlamaCppTarget, batch_invariant_build, quantize, system_info
+from specsample.models.llamacpp import LlamaCppTarget, batch_invariant_build, quantize, repack_is_batch_invariant, system_info
 from specsample.models.loading import bundled_gguf, load_model
 from specsample.policy import FixedK
 from specsample.sampling import GeneratorSource, SamplingParams
@@ -213,12 +213,16 @@ def test_the_build_is_patched_for_batch_invariance():
     assert batch_invariant_build()
 
 
-def test_k_quant_products_are_batch_invariant(tmp_path):
-    """A Q4_K_M copy of the bundled model: upstream's tiled K-quant products take batches from 8 rows
-    (max |logit difference| 0.7 to 0.9 against the same positions alone); the patch starts them at 64."""
-    path = quantize(bundled_gguf(), tmp_path / "q4_k_m.gguf", "Q4_K_M", threads=2)
+@pytest.mark.parametrize("file_type, repacked", [("Q4_K_M", False), ("Q4_0", True)])
+def test_quantized_copies_are_batch_invariant(tmp_path, file_type, repacked):
+    """Copies of the bundled model. Q4_K_M: upstream's tiled K-quant products take batches from 8 rows
+    (max |logit difference| 0.7 to 0.9 against the same positions alone; the patch starts them at 64),
+    and its repacked Q4_K layout is batch-dependent too, so it runs unrepacked. Q4_0: its repacked
+    layout (gemm for 4 rows at a time, gemv for the rest) is batch invariant, and the backend uses it."""
+    path = quantize(bundled_gguf(), tmp_path / f"{file_type}.gguf", file_type, threads=2)
+    assert repack_is_batch_invariant(path) == repacked
     target = LlamaCppTarget(path, n_threads=2)
-    alone, batched = scored_one_by_one_and_batched(target, random_ids(30, seed=8, vocab=49152), random_ids(12, seed=6, vocab=49152))
+    alone, batched = scored_one_by_one_and_batched(target, random_ids(30, seed=8, vocab=49152), random_ids(16, seed=6, vocab=49152))
     assert_batch_invariant(alone, batched)
 
 

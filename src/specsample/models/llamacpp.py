@@ -17,9 +17,10 @@ of a single token's pass over the cache), so its logits would differ in the last
 speculation could leave plain decoding's path at a near-tie. `scripts/install.sh` builds
 llama.cpp without llamafile and with `scripts/llama-cpp-batch-invariant.patch`, under which
 flash attention splits every small batch's rows over the cache as it splits a single token's,
-and the tiled K-quant products start at 64 rows. This backend never enables the extra weight
-buffer types (repacking, and AMX, which dies with an illegal instruction in batched passes on
-this project's AMX machine), and turns flash attention on only where the build has that patch
+and the tiled K-quant products start at 64 rows. This backend enables the extra weight buffer
+types (repacking) only for files whose repacked layouts are batch invariant, and never on an AMX
+machine (its buffer type dies with an illegal instruction in batched passes on this project's
+AMX machine: `repack_is_batch_invariant`), and turns flash attention on only where the build has that patch
 (`batch_invariant_build`; another build also gets its tiled products turned off). Then a
 position's logits are bitwise the same scored alone or in a batch of any size below 64
 (tests/test_llamacpp.py checks it; docs/llamacpp-backend.md has the figures and what it costs).
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import re
 import tempfile
 from collections import deque
@@ -281,6 +283,27 @@ def quantize(source: Path, out: Path, type_name: str, threads: int) -> Path:
     return out
 
 
+# GGUF tensor types that ggml's x86 CPU backend either leaves in place or repacks into a layout whose
+# product gives a row the same output alone and in a batch: Q4_0's 8x8 gemm and gemv (max |logit
+# difference| 0 at batches 2..16 on the bundled model's Q4_0 copy and the 1B Q4_0 file, on the
+# AVX-512 and AVX2 variants). Q4_K, Q2_K, IQ4_NL and MXFP4 are repacked into gemms that are not
+# (Q4_K_M copy: 0.4 to 0.9 from 4 or 8 rows), so a file holding any of them runs unrepacked.
+REPACK_INVARIANT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q5_K", "Q6_K"})
+
+
+def repack_is_batch_invariant(path: Path) -> bool:
+    """Whether llama.cpp may repack `path`'s weights (its extra buffer types) and keep a position's
+    logits independent of the batch: on x86 without AMX (whose buffer type crashed in batched passes
+    on this project's AMX machine), for a file of REPACK_INVARIANT_TYPES only. Repacked Q4_0 decodes
+    1.4-1.7x as fast on the 1B Q4_0 file (docs/llamacpp-backend.md)."""
+    from specsample.models.gguf_blocks import TensorIndex
+
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
+    if platform.machine().lower() not in ("x86_64", "amd64") or "amx_tile" in flags:
+        return False
+    return {kind.name for _dims, kind, _offset in TensorIndex(path).tensors.values()} <= REPACK_INVARIANT_TYPES
+
+
 class LlamaCppTarget:
     """A GGUF model in a llama.cpp context: the Target protocol on the low-level C API.
 
@@ -321,7 +344,7 @@ class LlamaCppTarget:
 
         model_params = lib.llama_model_default_params()
         model_params.n_gpu_layers = 0
-        model_params.use_extra_bufts = False  # repacked and AMX weights: batch-dependent, and AMX crashes
+        model_params.use_extra_bufts = repack_is_batch_invariant(self.path)
         _errors.clear()
         self.model = lib.llama_model_load_from_file(str(self.path).encode(), model_params)
         if not self.model:
