@@ -227,8 +227,8 @@ def test_quantized_copies_are_batch_invariant(tmp_path, file_type, repacked):
 
 
 def test_flash_attention_splits_the_cache_over_the_threads():
-    """Why the test above is not vacuous: two threads split each row's pass over the cache (one
-    thread's logits differ in rounding), and the split is the same alone and in a batch."""
+    """Why the two-thread test over a long cache is not vacuous: two threads split each row's pass
+    over the cache, so their logits differ from one thread's in rounding."""
     prefix, ids = random_ids(600, seed=8, vocab=49152), random_ids(4, seed=6, vocab=49152)
     logits = []
     for threads in (1, 2):

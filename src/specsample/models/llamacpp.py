@@ -18,9 +18,9 @@ speculation could leave plain decoding's path at a near-tie. `scripts/install.sh
 llama.cpp without llamafile and with `scripts/llama-cpp-batch-invariant.patch`, under which
 flash attention splits every small batch's rows over the cache as it splits a single token's,
 and the tiled K-quant products start at 64 rows. This backend enables the extra weight buffer
-types (repacking) only for files whose repacked layouts are batch invariant, and never on an AMX
-machine (its buffer type dies with an illegal instruction in batched passes on this project's
-AMX machine: `repack_is_batch_invariant`), and turns flash attention on only where the build has that patch
+types (repacking) only for files whose repacked layouts are batch invariant, never on an AMX
+machine (whose buffer type dies with an illegal instruction in batched passes here:
+`repack_is_batch_invariant`), and turns flash attention on only where the build has that patch
 (`batch_invariant_build`; another build also gets its tiled products turned off). Then a
 position's logits are bitwise the same scored alone or in a batch of any size below 64
 (tests/test_llamacpp.py checks it; docs/llamacpp-backend.md has the figures and what it costs).
