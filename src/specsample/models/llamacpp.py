@@ -44,6 +44,7 @@ import ctypes
 import os
 import platform
 import re
+import struct
 import tempfile
 from collections import deque
 from collections.abc import Sequence
@@ -301,7 +302,11 @@ def repack_is_batch_invariant(path: Path) -> bool:
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
     if platform.machine().lower() not in ("x86_64", "amd64") or "amx_tile" in flags:
         return False
-    return {kind.name for _dims, kind, _offset in TensorIndex(path).tensors.values()} <= REPACK_INVARIANT_TYPES
+    try:
+        types = {kind.name for _dims, kind, _offset in TensorIndex(path).tensors.values()}
+    except (ValueError, struct.error, OSError):  # not a GGUF file we can read: llama.cpp says why in one line
+        return False
+    return types <= REPACK_INVARIANT_TYPES
 
 
 class LlamaCppTarget:
