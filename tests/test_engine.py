@@ -221,3 +221,43 @@ def test_the_drafters_look_at_the_logits_counts_as_drafting_not_as_the_pass(targ
     run(make_target_of(target_model), drafter, k=2, max_new_tokens=5, stats=stats)
     assert drafter.shown == stats.steps - 1 == 4  # the last step, one token short of the limit, asks for none
     assert stats.draft_seconds >= 4 * 0.02 > stats.verify_seconds
+
+
+class SlowPrefill:
+    """A target whose prefill takes `seconds` more, counting its prefills."""
+
+    def __init__(self, target, seconds: float) -> None:
+        self.target, self.seconds, self.prefills = target, seconds, 0
+        self.vocab_size, self.max_length = target.vocab_size, target.max_length
+
+    @property
+    def length(self) -> int:
+        return self.target.length
+
+    def prefill(self, token_ids):
+        import time
+
+        self.prefills += 1
+        time.sleep(self.seconds)
+        self.target.prefill(token_ids)
+
+    def score(self, token_ids):
+        return self.target.score(token_ids)
+
+    def rollback(self, length: int) -> None:
+        self.target.rollback(length)
+
+
+def test_a_draft_model_is_prefilled_at_its_first_draft_and_never_if_it_never_drafts(target_model, draft_model):
+    """A K policy that never drafts never pays for the draft model's prefill; one that drafts pays it once
+    a request, at its first draft, counted as prefill and not as drafting (`Draft.setup_seconds`), so the
+    policy does not price draft tokens with it."""
+    slow = SlowPrefill(make_target_of(draft_model), 0.3)
+    idle, drafting = Stats(), Stats()
+    plain = run(make_target_of(target_model), DraftModelDrafter(slow), k=0, max_new_tokens=6, stats=idle)
+    assert slow.prefills == 0 and idle.prefill_seconds < 0.3
+    tokens = run(make_target_of(target_model), DraftModelDrafter(slow), k=3, max_new_tokens=6, stats=drafting)
+    assert tokens == plain
+    assert slow.prefills == 1
+    assert drafting.prefill_seconds >= 0.3 > drafting.draft_seconds
+    assert drafting.decode_seconds < 0.3

@@ -84,7 +84,7 @@ def decode(
                 len(draft),
                 verdict.accepted,
                 len(new),
-                t_verify - t_draft + observing,
+                t_verify - t_draft + observing - draft.setup_seconds,
                 t_other - t_verify - observing,
                 draft.parents,
                 verdict.path,
@@ -93,7 +93,8 @@ def decode(
             stats.record(step)
             policy.observe(step)
             tell_peek(policy, peeked, emitted)
-            stats.decode_seconds += perf_counter() - t_draft
+            stats.decode_seconds += perf_counter() - t_draft - draft.setup_seconds
+            stats.prefill_seconds += draft.setup_seconds  # the drafter's prefill (`Draft.setup_seconds`)
             produced += len(new)
             yield new
             if new[-1] in eos_token_ids:

@@ -52,6 +52,10 @@ class Draft:
     # logits [k + 1, vocab] (of the draft as verified: the K policy may have left nodes out), for
     # drafters that learn from them (drafters/recycle.py).
     observe_logits: Callable[[Tensor, Tensor], None] | None = None
+    # Seconds of the proposal spent bringing the drafter's own cache up to the context (a draft model's
+    # prefill, made at its first draft of a request), not drafting: the engine counts them as prefill,
+    # so the K policy does not price draft tokens with them, and a request it never drafts in pays none.
+    setup_seconds: float = 0.0
 
     @staticmethod
     def empty() -> "Draft":
@@ -70,7 +74,7 @@ class Draft:
         def cut(t: Tensor | None) -> Tensor | None:
             return None if t is None else t[:n]
 
-        return Draft(self.tokens[:n], cut(self.probs), cut(self.confidence), cut(self.parents), self.observe_logits)
+        return replace(self, tokens=self.tokens[:n], probs=cut(self.probs), confidence=cut(self.confidence), parents=cut(self.parents))
 
     def select(self, nodes: Tensor) -> "Draft":
         """The draft of the nodes `nodes` [m] (ascending indices, each node's parent among them), their
@@ -84,7 +88,7 @@ class Draft:
             return None if t is None else t[nodes]
 
         parents = index[self.parents[nodes] + 1]
-        return Draft(self.tokens[nodes], pick(self.probs), pick(self.confidence), parents, self.observe_logits)
+        return replace(self, tokens=self.tokens[nodes], probs=pick(self.probs), confidence=pick(self.confidence), parents=parents)
 
     def trunk(self) -> "Draft":
         """A tree of point masses as the chain of its first children (the most likely continuation, as
@@ -99,7 +103,7 @@ class Draft:
             if p == parent:
                 nodes.append(i)
                 parent = i
-        return Draft(self.tokens[nodes], None, observe_logits=self.observe_logits)
+        return replace(self, tokens=self.tokens[nodes], confidence=None, parents=None)
 
     @property
     def is_tree(self) -> bool:

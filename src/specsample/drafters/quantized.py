@@ -12,17 +12,16 @@ quarter of the float32 target's bytes, or a GGUF file's 4- to 8-bit blocks. On t
 torch fallback it is not (see BENCHMARKS.md).
 
 The copy is made by the target's backend (the `QuantizedCopies` capability;
-the fast backend's is an int8 copy on its own kernels). It fills its cache at
-the first draft of a request, not at its start, so a K policy that settles on
-K = 0 never pays for it. Where the copy can adopt the target's K and V of the
-context (`AdoptsCache`: same layout), a copy that costs next to nothing, it
-does so instead of a prefill of its own, which costs about as much
-as the target's (many rows are bound by arithmetic, not by the weights' bytes)
-and which a K policy would count as the cost of that first draft. So it does
-at every later draft for the tokens it did not draft (`catch_up`): after a run
-of plain steps, or of steps a lookup drafter drafted (`suffix+quantized`),
-feeding them would cost a pass over all of them, which the K policy would
-count against drafting too, and under-draft.
+the fast backend's is an int8 copy on its own kernels). Like every draft model
+it fills its cache at the first draft of a request, not at its start, so a K
+policy that settles on K = 0 never pays for it. Where the copy can adopt the
+target's K and V of the context (`AdoptsCache`: same layout), a copy that costs
+next to nothing, it does so instead of a prefill of its own, which costs about as
+much as the target's (many rows are bound by arithmetic, not by the weights'
+bytes). So it does at every later draft for the tokens it did not draft
+(`catch_up`): after a run of plain steps, or of steps a lookup drafter drafted
+(`suffix+quantized`), feeding them would cost a pass over all of them, which the
+K policy would count against drafting, and under-draft.
 Drafts then condition on the target's view of the context, which only brings
 them closer to the target's; they stay exact, since the drafter returns the
 distributions it sampled from.
@@ -30,29 +29,15 @@ distributions it sampled from.
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
-
-from specsample.drafters.base import Draft
 from specsample.drafters.draft_model import DraftModelDrafter
 from specsample.models import LoadedModel, Target
 from specsample.models.target import AdoptsCache, QuantizedCopies, require
-from specsample.sampling import RandomSource, SamplingParams
 
 
 class QuantizedDrafter(DraftModelDrafter):
     def __init__(self, model: Target, target: Target | None = None, width: int = 1) -> None:
         super().__init__(model, width=width)
         self.target = target  # whose cache the copy adopts, if the layouts agree
-
-    def begin(self, prompt_ids: Tensor, params: SamplingParams) -> None:
-        self.context = prompt_ids.tolist()
-        self.params = params
-        self.model.rollback(0)
-
-    def propose(self, k: int, random: RandomSource) -> Draft:
-        self.catch_up()
-        return super().propose(k, random)
 
     def catch_up(self) -> None:
         """Cache the context but its last token. The positions the copy lacks (all of them at a request's
@@ -68,8 +53,8 @@ class QuantizedDrafter(DraftModelDrafter):
             and self.target.length == cached
             and self.model.adopt_cache(self.target, cached, start=self.model.length)
         )
-        if not adopted and self.model.length == 0:
-            self.model.prefill(torch.tensor(self.context[:-1]))
+        if not adopted:
+            super().catch_up()
 
 
 def quantized_drafter(model: LoadedModel, target: Target, width: int = 1) -> QuantizedDrafter:
