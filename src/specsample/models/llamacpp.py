@@ -73,6 +73,7 @@ _errors: deque[tuple[int, str]] = deque(maxlen=32)  # llama.cpp's latest (level,
 LOG_WARN, LOG_ERROR = 3, 4  # ggml_log_level
 _log_callback = None  # the ctypes callback must outlive every call into llama.cpp
 _ready = False
+_patched = False  # whether the CPU backend loaded has the batch-invariance patch (`batch_invariant_build`)
 
 
 def _bindings():
@@ -92,7 +93,7 @@ def init_backend() -> None:
     llama.cpp would look for the variants next to the Python executable and in the working
     directory only, so they are loaded from where the build installed them.
     """
-    global _ready, _log_callback
+    global _ready, _log_callback, _patched
     if _ready:
         return
     llama_cpp = _bindings()
@@ -109,7 +110,8 @@ def init_backend() -> None:
         libggml.ggml_backend_load_all_from_path(str(Path(llama_cpp.__file__).parent / "lib").encode())
     if "CPU" not in reg_names(libggml):
         raise RuntimeError("llama.cpp found no CPU backend for this CPU in its lib directory (a bad build?)")
-    if not has_marker(libggml):  # another build: its tiled K-quant products (read at first use) are off
+    _patched = has_marker(libggml)
+    if not _patched:  # another build: its tiled K-quant products (read at first use) are off
         os.environ.setdefault("GGML_CPU_TILED_MM", "0")
     llama_cpp.llama_backend_init()
     _ready = True
@@ -130,7 +132,7 @@ def batch_invariant_build() -> bool:
     under which flash attention, and a K-quant product from 8 rows, compute a token the same alone and
     inside a batch: the backend registry answers for the patch's marker by name."""
     init_backend()
-    return has_marker(ggml_library())
+    return _patched
 
 
 def has_marker(libggml: ctypes.CDLL) -> bool:
