@@ -241,3 +241,20 @@ def test_bad_draft_model_gives_one_line_and_exit_2(capsys, monkeypatch, tiny_dir
         main([*args, "--model", str(tiny_dir), "--drafter", str(bad_drafts[draft])])
     err = capsys.readouterr().err
     assert done.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize("method", ["text", "intersection"])
+def test_the_draft_models_prefill_counts_as_prefill_not_as_drafting(rich, method):
+    """The draft model fills its cache at the first draft (`DraftText.sync`); that prefill is the draft's
+    `setup_seconds`, so the K policy does not price draft tokens with it."""
+    from test_engine import SlowPrefill
+
+    slow = SlowPrefill(lossless.as_target(rich.draft_model), 0.3)
+    drafter = cross_vocab_drafter(method, loaded(rich.target_model, rich.target_tokenizer),
+                                  lossless.as_target(rich.target_model), loaded(rich.draft_model, rich.draft_tokenizer), slow)
+    slow.prefills = 0  # the factory timed the draft model's pass (`drafters.cost`)
+    prompt = torch.tensor(rich.target_tokenizer.encode(PROMPT_TEXT))
+    stats = Stats()
+    assert greedy(rich, drafter, prompt, stats) == greedy(rich, NoDrafter(), prompt, Stats())
+    assert slow.prefills == 1 and stats.drafted_tokens > 0
+    assert stats.prefill_seconds >= 0.3 > stats.draft_seconds

@@ -74,7 +74,9 @@ class Draft:
         def cut(t: Tensor | None) -> Tensor | None:
             return None if t is None else t[:n]
 
-        return replace(self, tokens=self.tokens[:n], probs=cut(self.probs), confidence=cut(self.confidence), parents=cut(self.parents))
+        return replace(
+            self, tokens=self.tokens[:n], probs=cut(self.probs), confidence=cut(self.confidence), parents=cut(self.parents)
+        )
 
     def select(self, nodes: Tensor) -> "Draft":
         """The draft of the nodes `nodes` [m] (ascending indices, each node's parent among them), their
@@ -88,7 +90,9 @@ class Draft:
             return None if t is None else t[nodes]
 
         parents = index[self.parents[nodes] + 1]
-        return replace(self, tokens=self.tokens[nodes], probs=pick(self.probs), confidence=pick(self.confidence), parents=parents)
+        return replace(
+            self, tokens=self.tokens[nodes], probs=pick(self.probs), confidence=pick(self.confidence), parents=parents
+        )
 
     def trunk(self) -> "Draft":
         """A tree of point masses as the chain of its first children (the most likely continuation, as

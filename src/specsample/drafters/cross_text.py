@@ -46,7 +46,7 @@ class TextDrafter:
             self.text.push(token)
         continuation = self.text.continuation(start)
         tokens = retokenized_draft(self.target_tokenizer, self.text.target_ids[-TAIL:], continuation)[:k]
-        return Draft(torch.tensor(tokens, dtype=torch.long), None)
+        return Draft(torch.tensor(tokens, dtype=torch.long), None, setup_seconds=self.text.prefill_seconds)
 
     def observe(self, tokens: list[int]) -> None:
         self.text.observe(tokens)

@@ -18,6 +18,8 @@ target_probs[argmax].
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
@@ -64,9 +66,10 @@ class IntersectionDrafter:
             probs.append(step_probs)
             confidence.append(draft_confidence(logits, step_probs, self.params))
             self.text.push(int(self.shared.to_draft[token]))
+        setup = self.text.prefill_seconds
         if not tokens:
-            return Draft.empty()
-        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs), torch.tensor(confidence))
+            return replace(Draft.empty(), setup_seconds=setup)
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs), torch.tensor(confidence), setup_seconds=setup)
 
     def observe(self, tokens: list[int]) -> None:
         self.text.observe(tokens)

@@ -12,6 +12,8 @@ text ends inside a UTF-8 character (a target token holding part of one), there i
 
 from __future__ import annotations
 
+from time import perf_counter
+
 import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
@@ -35,6 +37,7 @@ class DraftText:
         self.stops = frozenset(draft_tokenizer.all_special_ids)  # a draft ends at one
         self.target_ids: list[int] = []  # the target's text as its tokens
         self.ids: list[int] = []  # the draft model's tokens: the text's encoding, then the tokens drafted
+        self.prefill_seconds = 0.0  # of the last `sync`: its prefill of the draft model's cache, if it made one
 
     def begin(self, prompt_ids: list[int]) -> None:
         """Start on the prompt. The draft model's cache is filled at the first draft (`sync`), not here:
@@ -47,8 +50,10 @@ class DraftText:
 
     def sync(self, k: int) -> bool:
         """Encode the text for the draft model and roll its cache back to the tokens it still holds (or
-        prefill it, where it holds none of them); False when there is nothing to draft from (the text
-        ends inside a character, or k more tokens would not fit the draft model's context)."""
+        prefill it, where it holds none of them, timed as `prefill_seconds`: the draft's `setup_seconds`);
+        False when there is nothing to draft from (the text ends inside a character, or k more tokens
+        would not fit the draft model's context)."""
+        self.prefill_seconds = 0.0
         ids = self.encoding()
         if not ids or len(ids) + k > self.model.max_length:
             return False
@@ -56,7 +61,9 @@ class DraftText:
         if kept:
             self.model.rollback(kept)
         else:  # nothing cached for this text (the request's first draft): all but its last token, as the target's
+            start = perf_counter()
             self.model.prefill(torch.tensor(ids[:-1], dtype=torch.long))
+            self.prefill_seconds = perf_counter() - start
         self.ids = ids
         return True
 
