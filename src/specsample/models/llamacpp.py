@@ -137,10 +137,20 @@ def batch_invariant_build() -> bool:
 
 def has_marker(libggml: ctypes.CDLL) -> bool:
     """Whether the registered CPU backend answers for the patch's marker (`batch_invariant_build`)."""
+    reg = cpu_reg(libggml)
+    return reg is not None and bool(proc_address(libggml, reg, b"specsample_batch_invariant_v2"))
+
+
+def cpu_reg(libggml: ctypes.CDLL) -> int | None:
+    """The registered CPU backend (an opaque pointer), or None before one is loaded."""
+    return next((reg for reg, name in zip(regs(libggml), reg_names(libggml)) if name == "CPU"), None)
+
+
+def proc_address(libggml: ctypes.CDLL, reg: int, name: bytes) -> int:
+    """The address of a backend's function by name (ggml_backend_reg_get_proc_address); 0 if it has none."""
     libggml.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
     libggml.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-    cpu = [reg for reg, name in zip(regs(libggml), reg_names(libggml)) if name == "CPU"]
-    return bool(cpu) and bool(libggml.ggml_backend_reg_get_proc_address(cpu[0], b"specsample_batch_invariant_v2"))
+    return libggml.ggml_backend_reg_get_proc_address(reg, name) or 0
 
 
 def reg_names(libggml: ctypes.CDLL) -> list[str]:
@@ -167,19 +177,16 @@ def cpu_features() -> dict[str, str]:
     which of the build's variants ggml picked for this CPU."""
     init_backend()
     libggml = ggml_library()
-    libggml.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
-    libggml.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    reg = cpu_reg(libggml)
+    if reg is None:
+        return {}
     get_features = ctypes.CFUNCTYPE(ctypes.POINTER(_Feature), ctypes.c_void_p)
-    for reg in regs(libggml):
-        if libggml.ggml_backend_reg_name(reg) == b"CPU":
-            address = libggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_get_features")
-            features = get_features(address)(reg)
-            out, i = {}, 0
-            while features[i].name:
-                out[features[i].name.decode()] = features[i].value.decode()
-                i += 1
-            return out
-    return {}
+    features = get_features(proc_address(libggml, reg, b"ggml_backend_get_features"))(reg)
+    out, i = {}, 0
+    while features[i].name:
+        out[features[i].name.decode()] = features[i].value.decode()
+        i += 1
+    return out
 
 
 def system_info() -> str:
