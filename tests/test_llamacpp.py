@@ -9,6 +9,7 @@ there) and batch invariance on a real quantized file.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import gguf
@@ -24,7 +25,7 @@ from specsample.drafters import DraftModelDrafter, NoDrafter
 from specsample.drafters.quantized import QuantizedDrafter
 from specsample.engine import decode
 from specsample.models import load_target, make_target
-from specsample.models.llamacpp import LlamaCppTarget, batch_invariant_build, quantize, repack_is_batch_invariant, system_info
+from specsample.models.llamacpp import VARIANT_VARIABLE, LlamaCppTarget, batch_invariant_build, quantize, repack_is_batch_invariant, system_info
 from specsample.models.loading import bundled_gguf, load_model
 from specsample.policy import FixedK
 from specsample.sampling import GeneratorSource, SamplingParams
@@ -177,11 +178,20 @@ def bundled_target() -> LlamaCppTarget:
     return LlamaCppTarget(bundled_gguf(), n_threads=1)
 
 
+# What a variant named in SPECSAMPLE_LLAMACPP_VARIANT must show: (a feature it has, a feature it has not).
+VARIANT_FEATURES = {"haswell": ("AVX2", "AVX512"), "x64": ("SSE3", "AVX")}
+
+
 def test_the_cpu_backend_matches_this_cpu():
-    """The build dispatches at run time: the CPU backend loaded uses this CPU's widest vectors."""
+    """The build dispatches at run time: the CPU backend loaded uses this CPU's widest vectors, or is
+    the variant SPECSAMPLE_LLAMACPP_VARIANT names (tests/test_llamacpp_variants.py runs this file so)."""
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
     info = system_info()
-    if "avx512f" in flags:
+    variant = os.environ.get(VARIANT_VARIABLE)
+    if variant:
+        has, lacks = VARIANT_FEATURES[variant]
+        assert has in info.split() and lacks not in info.split(), info
+    elif "avx512f" in flags:
         assert "AVX512" in info.split(), info
     elif "avx2" in flags:
         assert "AVX2" in info.split() and "AVX512" not in info.split(), info

@@ -35,7 +35,10 @@ lowest free slot first.
 
 The build dispatches on the CPU at run time: ggml's CPU backend is built once per x86
 feature level (GGML_BACKEND_DL, GGML_CPU_ALL_VARIANTS) into the package's lib
-directory, and `init_backend` loads the best one this CPU runs.
+directory, and `init_backend` loads the best one this CPU runs, or the one named by
+SPECSAMPLE_LLAMACPP_VARIANT (`haswell` is the AVX2 one): so an AVX-512 machine can run, test
+and measure the code an AVX2-only machine would, as SPECSAMPLE_KERNEL_ISA does for the
+project's own kernels.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ LOG_WARN, LOG_ERROR = 3, 4  # ggml_log_level
 _log_callback = None  # the ctypes callback must outlive every call into llama.cpp
 _ready = False
 _patched = False  # whether the CPU backend loaded has the batch-invariance patch (`batch_invariant_build`)
+VARIANT_VARIABLE = "SPECSAMPLE_LLAMACPP_VARIANT"  # a ggml CPU variant to load instead of the best (`load_cpu_backend`)
 
 
 def _bindings():
@@ -105,9 +109,8 @@ def init_backend() -> None:
     _log_callback = llama_cpp.llama_log_callback(log)
     llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
     libggml = ggml_library()
-    libggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
     if not reg_names(libggml):
-        libggml.ggml_backend_load_all_from_path(str(Path(llama_cpp.__file__).parent / "lib").encode())
+        load_cpu_backend(libggml, Path(llama_cpp.__file__).parent / "lib", os.environ.get(VARIANT_VARIABLE))
     if "CPU" not in reg_names(libggml):
         raise RuntimeError("llama.cpp found no CPU backend for this CPU in its lib directory (a bad build?)")
     _patched = has_marker(libggml)
@@ -115,6 +118,23 @@ def init_backend() -> None:
         os.environ.setdefault("GGML_CPU_TILED_MM", "0")
     llama_cpp.llama_backend_init()
     _ready = True
+
+
+def load_cpu_backend(libggml: ctypes.CDLL, lib: Path, variant: str | None) -> None:
+    """Register ggml's CPU backend from `lib`: the variant best for this CPU, or the one named
+    `variant` (the X of libggml-cpu-X.so), which must exist and run on this CPU."""
+    if not variant:
+        libggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+        libggml.ggml_backend_load_all_from_path(str(lib).encode())
+        return
+    path = lib / f"libggml-cpu-{variant}.so"
+    if not path.is_file():
+        known = sorted(p.name[len("libggml-cpu-") : -len(".so")] for p in lib.glob("libggml-cpu-*.so"))
+        raise ValueError(f"{VARIANT_VARIABLE}={variant!r}: this build has no such CPU variant (it has {', '.join(known)})")
+    libggml.ggml_backend_load.restype = ctypes.c_void_p
+    libggml.ggml_backend_load.argtypes = [ctypes.c_char_p]
+    if not libggml.ggml_backend_load(str(path).encode()):  # ggml refuses a variant whose score here is 0
+        raise ValueError(f"{VARIANT_VARIABLE}={variant!r}: this CPU lacks instructions that variant needs")
 
 
 def ggml_library() -> ctypes.CDLL:
