@@ -8,6 +8,12 @@
 #
 #     bash benchmarks/machine_figures.sh /tmp/figures            # all of it
 #     bash benchmarks/machine_figures.sh /tmp/figures curves     # only the steps whose names contain "curves"
+#
+# On an AVX-512 machine, the AVX2 code of the project's kernels, of llama.cpp (in-process runs; its tools
+# pick their own variant) and of torch, with the AVX-512 machine's caches and memory (a proxy for an
+# AVX2-only machine, not one):
+#
+#     SPECSAMPLE_KERNEL_ISA=avx2 SPECSAMPLE_LLAMACPP_VARIANT=haswell ATEN_CPU_CAPABILITY=avx2 bash benchmarks/machine_figures.sh /tmp/figures-avx2
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bash benchmarks/machine_figures.sh OUT [STEP-FILTER]}
@@ -29,7 +35,7 @@ step() {
   { echo "\$ $*"; "$@"; } >"$out/$name.log" 2>&1 || echo "  failed: see $out/$name.log"
 }
 
-{ lscpu; echo; date -u; git log --oneline -1; } >"$out/lscpu.txt"
+{ lscpu; echo; date -u; git log --oneline -1; env | grep -E '^(SPECSAMPLE_|ATEN_CPU_CAPABILITY)' || true; } >"$out/lscpu.txt"
 [[ -f "$formats/SmolLM2-135M-Instruct.Q8_0.gguf" ]] || python benchmarks/format_copies.py --out "$formats"
 [[ -f "$big/random-1b-Q8_0.gguf" ]] || python benchmarks/make_random_llama_gguf.py --out "$big"
 python -c "from specsample.bench.llamacpp_baselines import tool_path; tool_path('llama-lookup')" 2>/dev/null \
