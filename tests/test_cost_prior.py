@@ -83,6 +83,16 @@ def test_the_remembered_curve_is_kept_per_kernel_build(tmp_path, monkeypatch):
     assert ratios_path("tiny|fast|1") != native
 
 
+def test_the_remembered_curve_is_kept_per_llamacpp_variant(tmp_path, monkeypatch):
+    """A curve (and a backend choice: the same key) measured on llama.cpp's best CPU variant is not the one
+    SPECSAMPLE_LLAMACPP_VARIANT asks for."""
+    monkeypatch.setenv("SPECSAMPLE_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECSAMPLE_LLAMACPP_VARIANT", raising=False)
+    best = ratios_path("tiny|llamacpp|1")
+    monkeypatch.setenv("SPECSAMPLE_LLAMACPP_VARIANT", "haswell")
+    assert ratios_path("tiny|llamacpp|1") != best
+
+
 def test_the_remembered_curve_is_keyed_by_the_named_backend(tmp_path, monkeypatch):
     """The fast and gguf backends both run a LlamaTarget: a sampler given its target directly remembers no
     curve (it once keyed both by the type, so `bench run --backend fast` priced its passes by the curve a

@@ -313,9 +313,13 @@ def build_key() -> str:
 
 
 def machine_digest(*parts: object) -> str:
-    """A short key for what is remembered per machine: `parts`, this CPU (`_cpu_id`) and the kernel build
-    (`build_key`)."""
-    return hashlib.sha256("|".join(map(str, [*parts, _cpu_id(), build_key()])).encode()).hexdigest()[:16]
+    """A short key for what is remembered per machine: `parts`, this CPU (`_cpu_id`), the kernel build
+    (`build_key`) and the llama.cpp CPU variant asked for (SPECSAMPLE_LLAMACPP_VARIANT: its passes cost
+    otherwise than the best variant's)."""
+    from specsample.models.llamacpp import VARIANT_VARIABLE
+
+    variant = os.environ.get(VARIANT_VARIABLE) or "best"
+    return hashlib.sha256("|".join(map(str, [*parts, _cpu_id(), build_key(), variant])).encode()).hexdigest()[:16]
 
 
 GGUF_STACKED = 1000  # kernels_gguf.cpp's STACKED: a matrix of parts of different GGML types
