@@ -9,8 +9,8 @@
 #     bash benchmarks/machine_figures.sh /tmp/figures            # all of it
 #     bash benchmarks/machine_figures.sh /tmp/figures curves     # only the steps whose names contain "curves"
 #
-# On an AVX-512 machine, the AVX2 code of the project's kernels, of llama.cpp (in-process runs; its tools
-# pick their own variant) and of torch, with the AVX-512 machine's caches and memory (a proxy for an
+# On an AVX-512 machine, the AVX2 code of the project's kernels, of llama.cpp (the backend and the baselines'
+# tools) and of torch, with the AVX-512 machine's caches and memory (a proxy for an
 # AVX2-only machine, not one):
 #
 #     SPECSAMPLE_KERNEL_ISA=avx2 SPECSAMPLE_LLAMACPP_VARIANT=haswell ATEN_CPU_CAPABILITY=avx2 bash benchmarks/machine_figures.sh /tmp/figures-avx2

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from specsample.bench import llamacpp_baselines
 from specsample.models.llamacpp import VARIANT_VARIABLE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,3 +62,47 @@ def test_a_variant_this_cpu_cannot_run_is_a_one_line_error():
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "lacks instructions" in lines[0], result.stderr
+
+
+def fake_tools(root: Path) -> Path:
+    """A tools directory as scripts/build_llamacpp_tools.sh lays it out: tools, libraries, CPU variants."""
+    bin_dir = root / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("libllama.so", "libggml-base.so", "libggml-cpu-haswell.so", "libggml-cpu-zen4.so", "libggml-cpu-x64.so"):
+        (bin_dir / name).write_bytes(b"\x7fELF")
+    tool = bin_dir / llamacpp_baselines.LOOKUP_TOOL
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    return root
+
+
+def test_the_tools_run_from_a_directory_with_only_the_variant_asked_for(tmp_path, monkeypatch):
+    """ggml loads the best CPU variant beside the running executable (/proc/self/exe, which names a
+    symbolic link's target): the tool is copied, the libraries linked, the other variants left out."""
+    monkeypatch.setenv(llamacpp_baselines.TOOLS_ENV, str(fake_tools(tmp_path / "tools")))
+    monkeypatch.delenv(VARIANT_VARIABLE, raising=False)
+    original = llamacpp_baselines.tool_path(llamacpp_baselines.LOOKUP_TOOL)
+    assert original.parent == tmp_path / "tools" / "bin"
+    monkeypatch.setenv(VARIANT_VARIABLE, "haswell")
+    tool = llamacpp_baselines.tool_path(llamacpp_baselines.LOOKUP_TOOL)
+    assert tool.parent != original.parent and tool.is_file() and not tool.is_symlink() and os.access(tool, os.X_OK)
+    assert sorted(p.name for p in tool.parent.glob("libggml-cpu-*.so")) == ["libggml-cpu-haswell.so"]
+    assert (tool.parent / "libllama.so").resolve() == original.parent / "libllama.so"
+    assert "CPU variant haswell" in llamacpp_baselines.variant_label()
+    monkeypatch.setenv(VARIANT_VARIABLE, "no-such-cpu")
+    with pytest.raises(llamacpp_baselines.Unavailable, match="no such CPU variant"):
+        llamacpp_baselines.tool_path(llamacpp_baselines.LOOKUP_TOOL)
+
+
+TOOL = llamacpp_baselines.tools_dir() / "bin" / "llama-simple"
+
+
+@pytest.mark.skipif(not (TOOL.is_file() and HASWELL <= FLAGS), reason="llama.cpp's tools are not built here (scripts/build_llamacpp_tools.sh)")
+def test_a_real_tool_loads_the_variant_asked_for(monkeypatch):
+    from specsample.models.loading import bundled_gguf
+
+    monkeypatch.setenv(VARIANT_VARIABLE, "haswell")
+    tool = llamacpp_baselines.tool_path("llama-simple")
+    result = subprocess.run([str(tool), "-m", str(bundled_gguf()), "-n", "2", "Hello"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"loaded CPU backend from {tool.parent / 'libggml-cpu-haswell.so'}" in result.stderr, result.stderr[-2000:]

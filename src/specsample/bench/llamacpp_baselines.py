@@ -41,9 +41,12 @@ re-tokenization artifact is not counted as a mismatch.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,6 +59,7 @@ import numpy as np
 
 from specsample.bench.baselines import Output
 from specsample.models import LoadedModel
+from specsample.models.llamacpp import VARIANT_VARIABLE
 from specsample.sampling import SamplingParams
 from specsample.stats import Stats
 from specsample.text import Message, encode_prompt
@@ -82,11 +86,42 @@ def tools_dir() -> Path:
 
 
 def tool_path(name: str) -> Path:
-    """The executable of a llama.cpp tool, or Unavailable naming the build command."""
+    """The executable of a llama.cpp tool, or Unavailable naming the build command; under
+    SPECSAMPLE_LLAMACPP_VARIANT, a copy that loads that CPU variant (`variant_bin`), as the
+    backend and `llamacpp-plain` in this process do."""
     path = tools_dir() / "bin" / name
     if not (path.is_file() and os.access(path, os.X_OK)):
         raise Unavailable(f"{name} is not built (no {path}): run {BUILD_COMMAND}")
-    return path
+    variant = os.environ.get(VARIANT_VARIABLE)
+    return variant_bin(path.parent, variant) / name if variant else path
+
+
+def variant_label() -> str:
+    """What a baseline's label adds under SPECSAMPLE_LLAMACPP_VARIANT: the CPU variant it ran."""
+    variant = os.environ.get(VARIANT_VARIABLE)
+    return f", CPU variant {variant}" if variant else ""
+
+
+@functools.cache
+def variant_bin(bin_dir: Path, variant: str) -> Path:
+    """A directory, for this process, that holds copies of the tools of `bin_dir` and links to its
+    libraries but of its CPU variants only `variant`. ggml loads the best CPU variant it finds in the
+    directory of the running executable, which it reads from /proc/self/exe: a symbolic link to a
+    tool would name `bin_dir` itself, so the tools (tens of kB each) are copied, and their libraries,
+    found through their rpath ($ORIGIN), linked."""
+    chosen = f"libggml-cpu-{variant}.so"
+    if not (bin_dir / chosen).is_file():
+        raise Unavailable(f"{VARIANT_VARIABLE}={variant!r}: the llama.cpp tools have no such CPU variant")
+    out = Path(tempfile.mkdtemp(prefix=f"specsample-tools-{variant}-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    for entry in bin_dir.iterdir():
+        if entry.name.startswith("libggml-cpu-") and entry.name != chosen:
+            continue
+        if entry.name.startswith("lib"):
+            (out / entry.name).symlink_to(entry)
+        else:
+            shutil.copy2(entry, out / entry.name)
+    return out
 
 
 def prompt_text(tokenizer, messages: Sequence[Message]) -> str:
@@ -165,7 +200,7 @@ class LlamaCppPlainRunner:
         self.vocab = lib.llama_model_get_vocab(self.llama)
         self.sampler = self._sampler(params, seed)
         self.label = ("llama.cpp plain, " + ("extra buffer types (repacked/AMX weights) on" if self.extra_bufts
-                      else "extra buffer types off (they crash a batched pass here)"))
+                      else "extra buffer types off (they crash a batched pass here)") + variant_label())
 
     def _sampler(self, params: SamplingParams, seed: int):
         lib = self.lib
@@ -353,7 +388,7 @@ class LlamaCppToolRunner:
     @property
     def label(self) -> str:
         return f"{self.tool}, " + ("--no-repack (repacked weights crashed here)" if self.no_repack
-                                   else "extra buffer types (repacked/AMX weights) on")
+                                   else "extra buffer types (repacked/AMX weights) on") + variant_label()
 
     def call(self, prompt: bytes) -> subprocess.CompletedProcess:
         with tempfile.NamedTemporaryFile("wb", suffix=".txt") as f:
