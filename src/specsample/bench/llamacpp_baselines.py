@@ -59,7 +59,7 @@ import numpy as np
 
 from specsample.bench.baselines import Output
 from specsample.models import LoadedModel
-from specsample.models.llamacpp import VARIANT_VARIABLE
+from specsample.models.llamacpp import VARIANT_VARIABLE, requested_variant
 from specsample.sampling import SamplingParams
 from specsample.stats import Stats
 from specsample.text import Message, encode_prompt
@@ -92,13 +92,13 @@ def tool_path(name: str) -> Path:
     path = tools_dir() / "bin" / name
     if not (path.is_file() and os.access(path, os.X_OK)):
         raise Unavailable(f"{name} is not built (no {path}): run {BUILD_COMMAND}")
-    variant = os.environ.get(VARIANT_VARIABLE)
+    variant = requested_variant()
     return variant_bin(path.parent, variant) / name if variant else path
 
 
 def variant_label() -> str:
     """What a baseline's label adds under SPECSAMPLE_LLAMACPP_VARIANT: the CPU variant it ran."""
-    variant = os.environ.get(VARIANT_VARIABLE)
+    variant = requested_variant()
     return f", CPU variant {variant}" if variant else ""
 
 

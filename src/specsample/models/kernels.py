@@ -316,9 +316,9 @@ def machine_digest(*parts: object) -> str:
     """A short key for what is remembered per machine: `parts`, this CPU (`_cpu_id`), the kernel build
     (`build_key`) and the llama.cpp CPU variant asked for (SPECSAMPLE_LLAMACPP_VARIANT: its passes cost
     otherwise than the best variant's)."""
-    from specsample.models.llamacpp import VARIANT_VARIABLE
+    from specsample.models.llamacpp import requested_variant
 
-    variant = os.environ.get(VARIANT_VARIABLE) or "best"
+    variant = requested_variant() or "best"
     return hashlib.sha256("|".join(map(str, [*parts, _cpu_id(), build_key(), variant])).encode()).hexdigest()[:16]
 
 

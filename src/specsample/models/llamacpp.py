@@ -110,7 +110,7 @@ def init_backend() -> None:
     llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
     libggml = ggml_library()
     if not reg_names(libggml):
-        load_cpu_backend(libggml, Path(llama_cpp.__file__).parent / "lib", os.environ.get(VARIANT_VARIABLE))
+        load_cpu_backend(libggml, Path(llama_cpp.__file__).parent / "lib", requested_variant())
     if "CPU" not in reg_names(libggml):
         raise RuntimeError("llama.cpp found no CPU backend for this CPU in its lib directory (a bad build?)")
     _patched = has_marker(libggml)
@@ -118,6 +118,11 @@ def init_backend() -> None:
         os.environ.setdefault("GGML_CPU_TILED_MM", "0")
     llama_cpp.llama_backend_init()
     _ready = True
+
+
+def requested_variant() -> str | None:
+    """The ggml CPU variant SPECSAMPLE_LLAMACPP_VARIANT names, or None: the best this CPU runs."""
+    return os.environ.get(VARIANT_VARIABLE) or None
 
 
 def load_cpu_backend(libggml: ctypes.CDLL, lib: Path, variant: str | None) -> None:
