@@ -179,7 +179,7 @@ def bundled_target() -> LlamaCppTarget:
 
 
 # What a variant named in SPECSAMPLE_LLAMACPP_VARIANT must show: (a feature it has, a feature it has not).
-VARIANT_FEATURES = {"haswell": ("AVX2", "AVX512"), "x64": ("SSE3", "AVX")}
+VARIANT_FEATURES = {"haswell": ("AVX2", "AVX512"), "sse42": ("SSSE3", "AVX"), "skylakex": ("AVX512", "AVX512_VNNI")}
 
 
 def test_the_cpu_backend_matches_this_cpu():
