@@ -9,7 +9,6 @@ there) and batch invariance on a real quantized file.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import gguf
@@ -25,7 +24,7 @@ from specsample.drafters import DraftModelDrafter, NoDrafter
 from specsample.drafters.quantized import QuantizedDrafter
 from specsample.engine import decode
 from specsample.models import load_target, make_target
-from specsample.models.llamacpp import VARIANT_VARIABLE, LlamaCppTarget, batch_invariant_build, quantize, repack_is_batch_invariant, system_info
+from specsample.models.llamacpp import LlamaCppTarget, batch_invariant_build, quantize, repack_is_batch_invariant, requested_variant, system_info
 from specsample.models.loading import bundled_gguf, load_model
 from specsample.policy import FixedK
 from specsample.sampling import GeneratorSource, SamplingParams
@@ -187,7 +186,7 @@ def test_the_cpu_backend_matches_this_cpu():
     the variant SPECSAMPLE_LLAMACPP_VARIANT names (tests/test_llamacpp_variants.py runs this file so)."""
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
     info = system_info()
-    variant = os.environ.get(VARIANT_VARIABLE)
+    variant = requested_variant()
     if variant:
         has, lacks = VARIANT_FEATURES[variant]
         assert has in info.split() and lacks not in info.split(), info

@@ -59,7 +59,7 @@ import numpy as np
 
 from specsample.bench.baselines import Output
 from specsample.models import LoadedModel
-from specsample.models.llamacpp import VARIANT_VARIABLE, requested_variant
+from specsample.models.llamacpp import VARIANT_PREFIX, VARIANT_VARIABLE, requested_variant, variant_library
 from specsample.sampling import SamplingParams
 from specsample.stats import Stats
 from specsample.text import Message, encode_prompt
@@ -109,13 +109,13 @@ def variant_bin(bin_dir: Path, variant: str) -> Path:
     directory of the running executable, which it reads from /proc/self/exe: a symbolic link to a
     tool would name `bin_dir` itself, so the tools (tens of kB each) are copied, and their libraries,
     found through their rpath ($ORIGIN), linked."""
-    chosen = f"libggml-cpu-{variant}.so"
+    chosen = variant_library(variant)
     if not (bin_dir / chosen).is_file():
         raise Unavailable(f"{VARIANT_VARIABLE}={variant!r}: the llama.cpp tools have no such CPU variant")
     out = Path(tempfile.mkdtemp(prefix=f"specsample-tools-{variant}-"))
     atexit.register(shutil.rmtree, out, ignore_errors=True)
     for entry in bin_dir.iterdir():
-        if entry.name.startswith("libggml-cpu-") and entry.name != chosen:
+        if entry.name.startswith(VARIANT_PREFIX) and entry.name != chosen:
             continue
         if entry.name.startswith("lib"):
             (out / entry.name).symlink_to(entry)

@@ -78,6 +78,7 @@ _log_callback = None  # the ctypes callback must outlive every call into llama.c
 _ready = False
 _patched = False  # whether the CPU backend loaded has the batch-invariance patch (`batch_invariant_build`)
 VARIANT_VARIABLE = "SPECSAMPLE_LLAMACPP_VARIANT"  # a ggml CPU variant to load instead of the best (`load_cpu_backend`)
+VARIANT_PREFIX = "libggml-cpu-"  # of each CPU variant's library (`variant_library`)
 
 
 def _bindings():
@@ -120,6 +121,11 @@ def init_backend() -> None:
     _ready = True
 
 
+def variant_library(variant: str) -> str:
+    """The file name of ggml's CPU variant `variant` (libggml-cpu-haswell.so for haswell)."""
+    return f"{VARIANT_PREFIX}{variant}.so"
+
+
 def requested_variant() -> str | None:
     """The ggml CPU variant SPECSAMPLE_LLAMACPP_VARIANT names, or None: the best this CPU runs."""
     return os.environ.get(VARIANT_VARIABLE) or None
@@ -132,9 +138,9 @@ def load_cpu_backend(libggml: ctypes.CDLL, lib: Path, variant: str | None) -> No
         libggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
         libggml.ggml_backend_load_all_from_path(str(lib).encode())
         return
-    path = lib / f"libggml-cpu-{variant}.so"
+    path = lib / variant_library(variant)
     if not path.is_file():
-        known = sorted(p.name[len("libggml-cpu-") : -len(".so")] for p in lib.glob("libggml-cpu-*.so"))
+        known = sorted(p.name[len(VARIANT_PREFIX) : -len(".so")] for p in lib.glob(variant_library("*")))
         raise ValueError(f"{VARIANT_VARIABLE}={variant!r}: this build has no such CPU variant (it has {', '.join(known)})")
     libggml.ggml_backend_load.restype = ctypes.c_void_p
     libggml.ggml_backend_load.argtypes = [ctypes.c_char_p]
