@@ -18,6 +18,7 @@ from specsample.tree import depths, reached
 CONFIDENCE_BINS = 10  # a drafter's confidence is calibrated per tenth of its range
 CALIBRATION_PRIOR = 4.0  # pseudo-observations behind each calibration: of a bin, on the line; of the line, on identity
 COST_EVIDENCE_STEPS = 2  # drafting steps before the drafter's cheapest one bounds the optimism about its cost
+FLOOR_HALF_LIFE = 128  # steps without a draft over which that bound first halves (`draft_floor`)
 RANK_DECAY = 0.5  # a tree node's prior acceptance: prior_acceptance * RANK_DECAY ** (its sibling rank)
 PRIOR_COST_WEIGHT = 3  # the machine's measured f(n)/f(1) (`see_cost_curve`) counts as this many passes
 IDLE_RECHECK = 8  # while K = 0, the model is re-evaluated once in this many plain steps
@@ -69,6 +70,29 @@ class Peeks(Protocol):
     token (`engine.peek`, greedy requests), which costs no verification: whether the target then emitted
     that token is exactly whether a draft of it would have been accepted (at any temperature: a point
     mass on x is accepted with probability target_prob(x), the probability that the target emits x)."""
+
+    def observe_draft_cost(self, drafted: int, seconds: float) -> None:
+        """A step drafted `drafted` tokens in `seconds`: the cheapest draft token so far, and how fast its
+        bound fades (class docstring: a return after FLOOR_HALF_LIFE / 2 or more steps without a draft
+        that finds no cheaper token doubles the half-life; a cheaper token resets it)."""
+        if not drafted:
+            self.undrafted_steps += 1
+            return
+        per_token = seconds / drafted
+        if per_token < self.cheapest_draft_token:
+            self.cheapest_draft_token, self.floor_half_life = per_token, FLOOR_HALF_LIFE
+        elif self.undrafted_steps >= FLOOR_HALF_LIFE // 2:
+            self.floor_half_life *= 2
+        self.drafting_steps += 1
+        self.undrafted_steps = 0
+
+    def draft_floor(self) -> float:
+        """The least seconds per draft token the estimate may fade to: none until COST_EVIDENCE_STEPS
+        steps have drafted, then the cheapest draft token seen, halving over `floor_half_life` steps
+        without a draft."""
+        if self.drafting_steps < COST_EVIDENCE_STEPS:
+            return 0.0
+        return self.cheapest_draft_token * 0.5 ** (self.undrafted_steps / self.floor_half_life)
 
     def wants_peek(self) -> bool:
         """At a plain step: whether to look at the drafter's next token this time."""
@@ -186,6 +210,16 @@ class CostModelK:
     IDLE_RECHECK steps that draft nothing, while each still counts as a step
     that asked for K; a step that drafts is always followed by a new choice.
 
+    The drafting's measured cost fades while K = 0, toward a floor: the cheapest
+    cost per draft token of any step, so that a drafter whose every draft token
+    cost a target pass is not tried again at each re-evaluation. The floor fades
+    too, slower, halving over FLOOR_HALF_LIFE steps without a draft: a process
+    whose first drafts all paid for cold caches (the drafter's weights read from
+    disk, its buffers first touched) would otherwise keep K at 0 for good (two
+    such drafts did, whatever came after). A return that finds no cheaper draft
+    token doubles the half-life; one that does resets it. So a drafter that
+    never pays costs a draft every 128, 256, 512, ... plain steps.
+
     Trying costs: before a drafter's cost and acceptance are known, a long draft
     may waste many target passes' worth of time (a draft model's K forwards). So
     K grows at most to twice the largest K asked so far (1, 2, 4, ...): each
@@ -274,6 +308,8 @@ class CostModelK:
         self.empty_seconds = 0.0  # and their drafting seconds: what asking costs (`ask_seconds`)
         self.cheapest_draft_token = math.inf  # the lowest seconds per draft token of any step so far
         self.drafting_steps = 0  # steps that drafted a token, ever
+        self.undrafted_steps = 0  # steps since the last one that drafted a token
+        self.floor_half_life = FLOOR_HALF_LIFE  # of the cheapest draft token's bound, in those steps
         self.declared_draft_cost: float | None = None  # a draft token's seconds over f(1), as the drafter declares
         self.largest_k = 0  # the largest K asked so far
         # [tenth of the confidence range] verified draft tokens there, and of them accepted
@@ -403,19 +439,17 @@ class CostModelK:
             self.observe_tree(step)
         self.observe_cost(step.drafted + 1, step.verify_seconds)
         self.idle = step.drafted == 0
+        drafted = step.drafted + step.cut  # each paid for, verified or not
+        self.observe_draft_cost(drafted, step.draft_seconds)
         if self.k == 0:
             self.idle_pending += 1  # forgotten at the next evaluation (`forget_idle`)
             return
         self.forget_idle()
         self.scale_counts(self.decay)
         self.largest_k = max(self.largest_k, self.k)
-        drafted = step.drafted + step.cut  # each paid for, verified or not
         # Every verified position accepted and some cut: the first cut one was not verified, so not rejected
         # either. A tree's positions are its depths: its verified subtree fully accepted is its deepest path.
         seen = step.accepted if step.cut and step.accepted == verified_positions(step) else step.accepted + 1
-        if drafted:
-            self.cheapest_draft_token = min(self.cheapest_draft_token, step.draft_seconds / drafted)
-            self.drafting_steps += 1
         self.draft_seconds = self.decay * self.draft_seconds + step.draft_seconds
         self.drafted_tokens = self.decay * self.drafted_tokens + drafted
         self.asking_steps = self.decay * self.asking_steps + 1
@@ -430,6 +464,29 @@ class CostModelK:
             self.uncut_ge[i] += i < step.drafted
             self.accepted_reached[i] += i < seen
             self.accepted_ge[i] += i < step.accepted
+
+    def observe_draft_cost(self, drafted: int, seconds: float) -> None:
+        """A step drafted `drafted` tokens in `seconds`: the cheapest draft token so far, and how fast its
+        bound fades (class docstring: a return after FLOOR_HALF_LIFE / 2 or more steps without a draft
+        that finds no cheaper token doubles the half-life; a cheaper token resets it)."""
+        if not drafted:
+            self.undrafted_steps += 1
+            return
+        per_token = seconds / drafted
+        if per_token < self.cheapest_draft_token:
+            self.cheapest_draft_token, self.floor_half_life = per_token, FLOOR_HALF_LIFE
+        elif self.undrafted_steps >= FLOOR_HALF_LIFE // 2:
+            self.floor_half_life *= 2
+        self.drafting_steps += 1
+        self.undrafted_steps = 0
+
+    def draft_floor(self) -> float:
+        """The least seconds per draft token the estimate may fade to: none until COST_EVIDENCE_STEPS
+        steps have drafted, then the cheapest draft token seen, halving over `floor_half_life` steps
+        without a draft."""
+        if self.drafting_steps < COST_EVIDENCE_STEPS:
+            return 0.0
+        return self.cheapest_draft_token * 0.5 ** (self.undrafted_steps / self.floor_half_life)
 
     def wants_peek(self) -> bool:
         """Whether this plain step looks at the drafter's next token (`Peeks`): after a hit every step,
@@ -519,8 +576,8 @@ class CostModelK:
         self.verified_length = self.cumulative(self.verified_ge, self.verified_reached, 1.0)  # [K]
         # prior_weight pseudo-tokens stand for what has not been measured: at the declared cost where
         # the drafter declares one, else free until the drafter has drafted in COST_EVIDENCE_STEPS
-        # steps; then never below the cheapest cost per token seen.
-        floor = self.cheapest_draft_token if self.drafting_steps >= COST_EVIDENCE_STEPS else 0.0
+        # steps; then never below the cheapest cost per token seen, as it fades (`draft_floor`).
+        floor = self.draft_floor()
         if self.declared_draft_cost is not None and self.f1 is not None:
             floor = max(floor, self.declared_draft_cost * self.f1)
         prior_seconds = self.prior_weight * floor
@@ -604,6 +661,7 @@ class CostModelK:
             "expected_tokens_per_second": self.rates[k],
             "target_ms": {n: 1e3 * float(f) for n, f in zip(*self.cost_curve())} if self.relative_cost else {},
             "draft_ms_per_token": 1e3 * self.seconds_per_draft_token,
+            "draft_floor_ms": 1e3 * self.draft_floor(),  # the least it may fade to while K = 0
             "ask_ms": 1e3 * self.ask_cost,  # what a step that asks for a draft pays whether or not it gets one
             "declared_draft_cost": self.declared_draft_cost,  # a draft token over f(1), as the drafter declares it
             "p_accepted_through": np.diff(self.tokens_per_step).tolist(),  # [i - 1]: P(first i accepted | K >= i)
