@@ -13,6 +13,7 @@ from specsample.models.llamacpp import LlamaCppTarget
 
 from conftest import needs_kernels
 from test_llamacpp import tiny_gguf, tiny_model  # noqa: F401  (fixtures)
+from test_qwen3_gguf import files, qwen3  # noqa: F401  (fixtures)
 
 
 @pytest.fixture
@@ -85,3 +86,13 @@ def test_the_bundled_model_on_its_blocks_defaults_to_a_lookup_drafter():
     assert sampler.target.copy_cost is None and sampler.target.lm_head.qtype
     assert sampler.configuration.drafter == "suffix" and sampler.backend_reason == "given"
     assert SpecSampler.load(None, backend="fast").configuration.drafter in ("suffix+quantized", "none")
+
+
+@needs_kernels
+def test_a_file_transformers_cannot_convert_is_measured_on_the_other_backends(files, cache):
+    """transformers' GGUF converter refuses the tiny Qwen3 (its head size is not Qwen3's default): the
+    choice is made between llama.cpp and the blocks built from the file alone, and the file runs."""
+    backend, reason = choice.resolve(files[1], "auto", threads=1)
+    assert backend in ("gguf", "llamacpp") and "float32" not in reason and "GGUF blocks" in reason, reason
+    sampler = SpecSampler.load(str(files[1]), "suffix", threads=1)
+    assert 1 <= len(sampler.generate("abba cafe", max_new_tokens=8, temperature=0).token_ids) <= 8

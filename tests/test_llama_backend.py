@@ -1,7 +1,7 @@
 """The fast Llama-family backend reproduces transformers: logits, cache rollback, greedy decoding.
 
-Tiny random Llama, Qwen2 and Mistral models (grouped-query attention, tied and
-untied heads, biases, llama3 rope scaling) are compared with the transformers
+Tiny random Llama, Qwen2, Qwen3 and Mistral models (grouped-query attention, tied and
+untied heads, biases, Qwen3's per-head query and key norms, llama3 rope scaling) are compared with the transformers
 model they were copied from, with the packed-weight kernel and with the
 torch.mm fallback. The slow test does the same on the bundled SmolLM2.
 """
@@ -19,6 +19,8 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from specsample.models import kernels, llama
@@ -38,6 +40,7 @@ def tiny(kind: str = "llama", seed: int = 0, **overrides):
     config_cls, model_cls = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
     }[kind]
     model = model_cls(config_cls(**{**COMMON, **overrides})).eval()
@@ -46,6 +49,11 @@ def tiny(kind: str = "llama", seed: int = 0, **overrides):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if kind == "qwen3":  # and the per-head norms' weights to one: make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 2.0)
     return model
 
 
@@ -69,6 +77,8 @@ MODELS = {
     ),
     "linear-rope": lambda: tiny("llama", seed=7, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
     "qwen2-bias": lambda: tiny("qwen2", seed=4, tie_word_embeddings=True),
+    # head_dim 24 against hidden / heads 16: the query heads are wider than the residual stream
+    "qwen3-qk-norm": lambda: tiny("qwen3", seed=8, head_dim=24, tie_word_embeddings=True),
     "mistral": lambda: tiny("mistral", seed=5, sliding_window=None),
 }
 
@@ -116,7 +126,7 @@ def test_score_in_chunks_matches_transformers(name, packed):
     torch.testing.assert_close(torch.cat(chunks), ref[5:], rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias"])
+@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "qwen3-qk-norm"])
 def test_rollback_and_rescore(name, packed):
     model = MODELS[name]()
     ids = prompt()
@@ -223,7 +233,7 @@ def test_forward_with_skipped_layers_equals_truncated_model():
     assert target.forward(ids[:2], logits=False) is None and target.length == 14
 
 
-@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "llama3-rope"])
+@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "qwen3-qk-norm", "llama3-rope"])
 def test_greedy_decoding_is_token_identical(name, packed):
     model = MODELS[name]()
     ids = prompt(9, seed=3)
@@ -240,8 +250,8 @@ def test_greedy_decoding_is_token_identical(name, packed):
 
 
 def test_supports():
-    assert llama.SUPPORTED_MODEL_TYPES == {"llama", "qwen2", "mistral"}
-    for name in ("llama-untied", "qwen2-bias", "mistral", "llama3-rope"):
+    assert llama.SUPPORTED_MODEL_TYPES == {"llama", "qwen2", "qwen3", "mistral"}
+    for name in ("llama-untied", "qwen2-bias", "qwen3-qk-norm", "mistral", "llama3-rope"):
         assert llama.supports(MODELS[name]().config)
     assert not llama.supports(LlamaConfig(**{**COMMON, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}))
     assert not llama.supports(LlamaConfig(**{**COMMON, "hidden_act": "gelu"}))
@@ -334,7 +344,7 @@ def test_tied_embedding_equals_the_lm_heads_rows(packed):
 F16_KV_ATOL = 2e-2  # logits about 5 in size: float16 keys and values (11-bit significands) moved them by at most 8e-3
 
 
-@pytest.mark.parametrize("name", ["llama-untied", "llama-mha-odd-sizes", "qwen2-bias", "mistral"])
+@pytest.mark.parametrize("name", ["llama-untied", "llama-mha-odd-sizes", "qwen2-bias", "qwen3-qk-norm", "mistral"])
 def test_float16_keys_and_values_match_transformers_to_their_rounding(name, packed):
     """On the kernels, `kv_dtype=float16` keeps the cache in float16 (as the GGUF blocks' targets do): the
     logits stay within F16_KV_ATOL of transformers' and are not float32's; torch ops keep float32."""

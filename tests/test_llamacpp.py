@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import test_lossless
@@ -52,18 +52,23 @@ def permute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(model: LlamaForCausalLM, path: Path) -> Path:
-    """`model`'s float32 weights and a byte-level vocabulary as an F32 GGUF file of architecture llama."""
+def write_gguf(model: LlamaForCausalLM | Qwen3ForCausalLM, path: Path) -> Path:
+    """`model`'s float32 weights and a byte-level vocabulary as an F32 GGUF file of its architecture,
+    llama or qwen3, as llama.cpp's converter writes it: a Llama's Q and K rows permuted, Qwen3's not,
+    with its per-head query and key norms and its head size (which need not be hidden / heads)."""
     config = model.config
-    head_dim = config.hidden_size // config.num_attention_heads
+    arch = config.model_type
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     tokens, merges = byte_level_vocab(config.vocab_size)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
@@ -79,17 +84,19 @@ def write_gguf(model: LlamaForCausalLM, path: Path) -> Path:
         "embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output", "input_layernorm": "attn_norm",
         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+        "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
     }
+    permuted = {"self_attn.q_proj": config.num_attention_heads, "self_attn.k_proj": config.num_key_value_heads}
     for name, tensor in model.state_dict().items():
         parts = name.removeprefix("model.").removesuffix(".weight")
         data = tensor.detach().float().numpy()
+        if parts == "lm_head" and config.tie_word_embeddings:
+            continue
         if parts.startswith("layers."):
             _, layer, rest = parts.split(".", 2)
-            if rest == "self_attn.q_proj":
-                data = permute_rotary(data, config.num_attention_heads)
-            elif rest == "self_attn.k_proj":
-                data = permute_rotary(data, config.num_key_value_heads)
+            if arch == "llama" and rest in permuted:
+                data = permute_rotary(data, permuted[rest])
             writer.add_tensor(f"blk.{layer}.{names[rest]}.weight", np.ascontiguousarray(data))
         else:
             writer.add_tensor(f"{names[parts]}.weight", data)

@@ -105,27 +105,45 @@ def resolve(path: str | Path | None, backend: str, *, threads: int | None = None
 
 
 def measure(path: str | Path | None, gguf: Path, threads: int | None, trust_remote_code: bool) -> dict[str, float]:
-    """Seconds per single-token pass of `gguf` on llama.cpp (where installed), on its blocks (where the
-    fast backend runs the model: `UnsupportedModel` otherwise) and on the float32 path."""
-    from specsample.models import load_model, make_target
-    from specsample.models.llama import UnsupportedModel
-
+    """Seconds per single-token pass of `gguf` on llama.cpp (where installed), on its blocks and on the
+    float32 path (where each runs the model: `project_targets`)."""
     targets: dict[str, Target] = {}
     if llamacpp_installed():
         from specsample.models.llamacpp import LlamaCppTarget
 
         targets["llamacpp"] = LlamaCppTarget(gguf, n_threads=threads)
     try:
-        loaded = load_model(path, trust_remote_code=trust_remote_code)
-        targets["auto"] = make_target(loaded, "auto")
-        try:
-            targets["gguf"] = make_target(loaded, "gguf")
-        except UnsupportedModel:
-            pass
+        targets.update(project_targets(path, gguf, trust_remote_code))
+        if not targets:
+            raise ValueError(f"no backend here runs {gguf.name}: llama-cpp-python is not installed, and neither "
+                             "transformers' converter nor the GGUF blocks take the file")
         return seconds_per_token(targets)
     finally:
         if "llamacpp" in targets:
             targets["llamacpp"].close()
+
+
+def project_targets(path: str | Path | None, gguf: Path, trust_remote_code: bool) -> dict[str, Target]:
+    """The file on the float32 path ("auto") and on its blocks ("gguf"), each where it runs the model
+    (`UnsupportedModel` otherwise). transformers' GGUF converter does not take every file llama.cpp
+    does (an architecture it lacks; a Qwen3 whose head size is not its default): then the blocks are
+    built from the file alone, as `--backend gguf` builds them, and the float32 path is no candidate."""
+    from specsample.models import load_model, make_target
+    from specsample.models.gguf_blocks import file_target
+    from specsample.models.llama import UnsupportedModel
+
+    targets: dict[str, Target] = {}
+    try:
+        loaded = load_model(path, trust_remote_code=trust_remote_code)
+    except (ValueError, RuntimeError):  # the converter's refusal, or its weights not fitting its config
+        loaded = None
+    else:
+        targets["auto"] = make_target(loaded, "auto")
+    try:
+        targets["gguf"] = make_target(loaded, "gguf") if loaded is not None else file_target(gguf)
+    except UnsupportedModel:
+        pass
+    return targets
 
 
 def seconds_per_token(targets: dict[str, Target], context: int = CONTEXT, passes: int = PASSES) -> dict[str, float]:

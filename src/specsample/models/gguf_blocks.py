@@ -474,9 +474,10 @@ def fused_linear(parts: list[BlockMatrix], bias: Tensor | None):
     return block_linear(pack_blocks(raw, kinds.pop()), bias)
 
 
-# GGUF architectures `file_target` builds (llama covers Mistral and SmolLM2 too), and those whose
-# converter permutes the Q and K rows (llama.cpp's LlamaModel: rotary pairs interleaved).
-ARCHITECTURES = {"llama", "qwen2"}
+# GGUF architectures `file_target` builds (llama covers Mistral and SmolLM2 too; qwen3 adds a norm of
+# each query and key head), and those whose converter permutes the Q and K rows (llama.cpp's
+# LlamaModel: rotary pairs interleaved).
+ARCHITECTURES = {"llama", "qwen2", "qwen3"}
 PERMUTED_QK = {"llama", "mistral"}
 DEFAULT_MAX_LENGTH = 8192  # as the fast backend's (llama.DEFAULT_MAX_LENGTH)
 
@@ -511,6 +512,8 @@ def file_shape(index: TensorIndex) -> FileShape:
         raise UnsupportedModel("a partial rotary embedding is not supported")
     if any(name.endswith(("ffn_up.bias", "ffn_down.bias")) for name in index.tensors):
         raise UnsupportedModel("MLP biases are not supported")
+    if arch in PERMUTED_QK and any(name.endswith("attn_q_norm.weight") for name in index.tensors):
+        raise UnsupportedModel("norms of query and key heads are not supported on permuted Q and K rows")
     return FileShape(
         arch, meta[f"{arch}.block_count"], heads, meta.get(f"{arch}.attention.head_count_kv", heads), head_dim,
         meta[f"{arch}.attention.layer_norm_rms_epsilon"], meta.get(f"{arch}.context_length", DEFAULT_MAX_LENGTH),
@@ -610,6 +613,8 @@ def file_layer(index: TensorIndex, p: str, heads: list[int | None] | None):
         mlp_norm=vector(index, p + "ffn_norm.weight"),
         gate_up=file_linear(index, [p + "ffn_gate.weight", p + "ffn_up.weight"], None, None),
         down=file_linear(index, [p + "ffn_down.weight"], None, None),
+        q_norm=optional_vector(index, p + "attn_q_norm.weight"),
+        k_norm=optional_vector(index, p + "attn_k_norm.weight"),
     )
 
 

@@ -639,6 +639,7 @@ static void silu_mul(const float* gu, long M, long I, float* act) {
 // Weights and cache of one decoder layer; matrices packed as by `pack` (scales null), by
 // `pack_int8` (each with its column scales), or, where its GGML type fqkv, fo, fgu or fdown is not
 // 0, in GGUF blocks (gguf_blocks.pack_blocks: the blocks, and their fp16 scales as the "scales").
+// q_norm and k_norm [d] (Qwen3; null for none): an RMSNorm of each query and key head before the rotation.
 struct Layer {
   long hidden, heads, kv_heads, d, inter, cap;
   float eps;
@@ -650,6 +651,7 @@ struct Layer {
   const void *wgu, *wdown;
   const float *sqkv, *so, *sgu, *sdown, *cos, *sin;
   void *keys, *values;  // float, or _Float16 where kv_half
+  const float *q_norm, *k_norm;
   int fqkv, fo, fgu, fdown;
   int kv_half;
 };
@@ -678,10 +680,17 @@ struct Scratch {
   }
 };
 
-// Before attention: h = norm(x), qkv = h @ wqkv (+ bias).
+// Before attention: h = norm(x), qkv = h @ wqkv (+ bias), then with q_norm and k_norm each query
+// and key head normed in place (a row's norm reads the row before writing it).
 static void attention_input(const Layer* L, const float* x, long M, const Scratch& s) {
   rms_norm(x, L->attn_norm, M, L->hidden, L->eps, s.h);
   linear(L->fqkv, s.h, M, L->hidden, L->wqkv, L->sqkv, s.qkv_width, s.qkv, L->bqkv, 0);
+  if (!L->q_norm) return;
+  for (long m = 0; m < M; m++) {
+    float* row = s.qkv + m * s.qkv_width;
+    rms_norm(row, L->q_norm, L->heads, L->d, L->eps, row);
+    rms_norm(row + L->heads * L->d, L->k_norm, L->kv_heads, L->d, L->eps, row + L->heads * L->d);
+  }
 }
 
 // After attention: x += att @ wo (+ bias), then the MLP block, x += down(silu(gate) * up) of norm(x).

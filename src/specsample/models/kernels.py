@@ -433,13 +433,14 @@ class LayerArgs(ctypes.Structure):
     sgu and sdown belong to int8 matrices (`pack_int8`) and are null for float32 ones (`pack`);
     a matrix whose GGML type fqkv, fo, fgu or fdown is set (not 0) is in GGUF blocks
     (`gguf_blocks.pack_blocks`: weight its qs, scales its fp16 scales). Keys and values are float32, or
-    float16 where kv_half is set."""
+    float16 where kv_half is set. q_norm and k_norm (Qwen3's norms of each query and key head) are
+    null where the model has none."""
 
     _fields_ = [(name, ctypes.c_long) for name in ("hidden", "heads", "kv_heads", "d", "inter", "cap")] + [
         ("eps", ctypes.c_float)
     ] + [(name, ctypes.c_void_p) for name in (
         "attn_norm", "mlp_norm", "wqkv", "bqkv", "wo", "bo", "wgu", "wdown", "sqkv", "so", "sgu", "sdown",
-        "cos", "sin", "keys", "values",
+        "cos", "sin", "keys", "values", "q_norm", "k_norm",
     )] + [(name, ctypes.c_int) for name in ("fqkv", "fo", "fgu", "fdown", "kv_half")]
 
 
@@ -467,7 +468,8 @@ def layers(table: ctypes.Array, x: Tensor, start: int, scratch: Tensor, parents:
     """The decoder layers of `table` (`layer_table`) in turn over the residual stream x [n, hidden]
     (updated in place) at positions start.., in one call into the library.
 
-    Each layer: RMSNorm, the fused QKV product, rotary embedding, K/V written into the
+    Each layer: RMSNorm, the fused QKV product (with q_norm and k_norm, each query and key head normed),
+    rotary embedding, K/V written into the
     cache, causal grouped-query attention, the output projection added into x, RMSNorm,
     the fused gate/up product, SiLU(gate) * up and the down projection added into x.
 

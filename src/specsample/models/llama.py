@@ -1,4 +1,4 @@
-"""A fast target backend for the Llama family (Llama 2/3, SmolLM2, Qwen2, Mistral).
+"""A fast target backend for the Llama family (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral).
 
 These models are one decoder: RMSNorm, rotary embeddings, grouped-query
 attention and a SwiGLU MLP. On a CPU, decoding a small model is bound by
@@ -41,7 +41,7 @@ from specsample.models.ops import rms_norm, rope_tables, rotate
 from specsample.models.target import FEATURE_EPS, FeatureStore, Target, normalized
 from specsample.tree import depths, visibility
 
-SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
+SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 # Rope types whose frequencies do not depend on the sequence length, so one
 # precomputed table serves every position.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
@@ -98,6 +98,8 @@ class Layer:
     mlp_norm: Tensor  # [hidden]
     gate_up: Linear  # hidden -> 2 * intermediate: gate, then up
     down: Linear  # intermediate -> hidden
+    q_norm: Tensor | None = None  # [head_dim] Qwen3: RMSNorm of each query head before the rotation
+    k_norm: Tensor | None = None  # [head_dim] and of each key head
 
 
 def rope_type(config) -> str:
@@ -108,7 +110,7 @@ def rope_type(config) -> str:
 
 def sliding_window(config) -> int | None:
     """The attention window if the config turns one on, else None."""
-    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
         return None
     return getattr(config, "sliding_window", None)
 
@@ -139,6 +141,12 @@ def _cat(tensors: Sequence[Tensor | None]) -> Tensor | None:
     return None if tensors[0] is None else torch.cat([t.detach() for t in tensors])
 
 
+def _norm_weight(attn, name: str, dtype: torch.dtype) -> Tensor | None:
+    """The weight of the attention's per-head norm `name` (Qwen3's q_norm, k_norm), None where it has none."""
+    norm = getattr(attn, name, None)
+    return None if norm is None else _copy(norm.weight, dtype)
+
+
 def _layer_from_hf(layer, dtype: torch.dtype, packed: bool) -> Layer:
     """Fuse the weights of one transformers decoder layer into this backend's layout."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -151,6 +159,8 @@ def _layer_from_hf(layer, dtype: torch.dtype, packed: bool) -> Layer:
         mlp_norm=_copy(layer.post_attention_layernorm.weight, dtype),
         gate_up=Linear.from_weight(_cat([p.weight for p in gate_up]), None, dtype, packed),
         down=Linear.from_weight(mlp.down_proj.weight, None, dtype, packed),
+        q_norm=_norm_weight(attn, "q_norm", dtype),
+        k_norm=_norm_weight(attn, "k_norm", dtype),
     )
 
 
@@ -180,6 +190,8 @@ class EmbeddingRows:
     def __call__(self, token_ids: Tensor) -> Tensor:
         """Rows `token_ids` [n] of the table, [n, hidden]."""
         ids = token_ids.tolist()
+        if not ids:  # an empty prefill (a prompt of one token): the table's shape of no rows
+            return self.unpack(token_ids)
         missing = sorted(set(ids) - self.rows.keys())
         if missing:
             for token, row in zip(missing, self.unpack(torch.tensor(missing, dtype=torch.long))):
@@ -274,7 +286,7 @@ class LlamaTarget:
         kv_dtype: torch.dtype | None = None,
         gguf: Path | None = None,
     ) -> LlamaTarget:
-        """Copy the weights of a transformers Llama/Qwen2/Mistral causal LM; keys and values in `kv_dtype` on the
+        """Copy the weights of a transformers Llama/Qwen2/Qwen3/Mistral causal LM; keys and values in `kv_dtype` on the
         kernels (None: `dtype`). `gguf`, the file the model was converted from, if any: on the kernels its own
         blocks become the quantized copy where they take it (`gguf_blocks.drafts_on_blocks`).
 
@@ -522,6 +534,7 @@ class LlamaTarget:
             wo=ptr(w.o.weight), bo=ptr(w.o.bias), wgu=ptr(w.gate_up.weight), wdown=ptr(w.down.weight),
             sqkv=ptr(w.qkv.scales), so=ptr(w.o.scales), sgu=ptr(w.gate_up.scales), sdown=ptr(w.down.scales),
             cos=ptr(self.cos), sin=ptr(self.sin), keys=ptr(self.k_cache[i]), values=ptr(self.v_cache[i]),
+            q_norm=ptr(w.q_norm), k_norm=ptr(w.k_norm),
             fqkv=w.qkv.qtype, fo=w.o.qtype, fgu=w.gate_up.qtype, fdown=w.down.qtype,
             kv_half=int(self.k_cache.dtype == torch.float16),
         )
@@ -575,7 +588,10 @@ class LlamaTarget:
         w = self.layers[i]
         n, h, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         qkv = w.qkv(x)  # [n, (h + 2 kvh) d]
-        qk = rotate(qkv[:, : (h + kvh) * d].view(n, h + kvh, d), cos, sin)  # [n, h + kvh, d]
+        qk = qkv[:, : (h + kvh) * d].view(n, h + kvh, d)
+        if w.q_norm is not None:
+            qk = torch.cat([rms_norm(qk[:, :h], w.q_norm, self.eps), rms_norm(qk[:, h:], w.k_norm, self.eps)], dim=1)
+        qk = rotate(qk, cos, sin)  # [n, h + kvh, d]
         q, k = qk[:, :h], qk[:, h:]  # [n, h, d], [n, kvh, d]
         v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
         end = start + n
