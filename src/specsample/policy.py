@@ -71,29 +71,6 @@ class Peeks(Protocol):
     that token is exactly whether a draft of it would have been accepted (at any temperature: a point
     mass on x is accepted with probability target_prob(x), the probability that the target emits x)."""
 
-    def observe_draft_cost(self, drafted: int, seconds: float) -> None:
-        """A step drafted `drafted` tokens in `seconds`: the cheapest draft token so far, and how fast its
-        bound fades (class docstring: a return after FLOOR_HALF_LIFE / 2 or more steps without a draft
-        that finds no cheaper token doubles the half-life; a cheaper token resets it)."""
-        if not drafted:
-            self.undrafted_steps += 1
-            return
-        per_token = seconds / drafted
-        if per_token < self.cheapest_draft_token:
-            self.cheapest_draft_token, self.floor_half_life = per_token, FLOOR_HALF_LIFE
-        elif self.undrafted_steps >= FLOOR_HALF_LIFE // 2:
-            self.floor_half_life *= 2
-        self.drafting_steps += 1
-        self.undrafted_steps = 0
-
-    def draft_floor(self) -> float:
-        """The least seconds per draft token the estimate may fade to: none until COST_EVIDENCE_STEPS
-        steps have drafted, then the cheapest draft token seen, halving over `floor_half_life` steps
-        without a draft."""
-        if self.drafting_steps < COST_EVIDENCE_STEPS:
-            return 0.0
-        return self.cheapest_draft_token * 0.5 ** (self.undrafted_steps / self.floor_half_life)
-
     def wants_peek(self) -> bool:
         """At a plain step: whether to look at the drafter's next token this time."""
         ...
