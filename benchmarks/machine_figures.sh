@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The per-machine figures of issues 22 and 28 (BENCHMARKS.md asks for them on each machine kind at hand),
 # in one run: cost curves f(n)/f(1) per GGUF type on the blocks and on llama.cpp, the summary table on the
-# blocks (t = 0 and 1) and on the llamacpp backend, plain decoding of the 1B files against llama.cpp's own,
-# and draft-model speculative decoding against llama-speculative-simple. About 45 minutes on 2 cores; run it
+# blocks (t = 0 and 1) and on the llamacpp backend, plain decoding of the 1B files (and of a Qwen3-0.6B-shaped
+# one) against llama.cpp's own, and draft-model speculative decoding against llama-speculative-simple. About 45 minutes on 2 cores; run it
 # on a quiet machine (nothing else running), then copy each figure into BENCHMARKS.md with its command,
 # which each log starts with, and the CPU, which OUT/lscpu.txt holds.
 #
@@ -23,6 +23,7 @@ mkdir -p "$out"
 
 formats=/tmp/formats
 big=/tmp/specsample-1b
+qwen3=/tmp/specsample-qwen3
 bundled=$(python -c "from specsample.models.loading import bundled_gguf; print(bundled_gguf())")
 held_out=(--split odd --skip 6)
 
@@ -38,6 +39,7 @@ step() {
 { lscpu; echo; date -u; git log --oneline -1; env | grep -E '^(SPECSAMPLE_|ATEN_CPU_CAPABILITY)' || true; } >"$out/lscpu.txt"
 [[ -f "$formats/SmolLM2-135M-Instruct.Q8_0.gguf" ]] || python benchmarks/format_copies.py --out "$formats"
 [[ -f "$big/random-1b-Q8_0.gguf" ]] || python benchmarks/make_random_llama_gguf.py --out "$big"
+[[ -f "$qwen3/random-qwen3-0.6b-Q8_0.gguf" ]] || python benchmarks/make_random_llama_gguf.py --shape qwen3-0.6b --out "$qwen3"
 python -c "from specsample.bench.llamacpp_baselines import tool_path; tool_path('llama-lookup')" 2>/dev/null \
   || bash scripts/build_llamacpp_tools.sh
 
@@ -49,6 +51,8 @@ done
 for type in Q4_0 Q8_0; do
   step "curves-1b-$type" specsample bench cost-curve --model "$big/random-1b-$type.gguf" --backends gguf,llamacpp \
     --max-n 8 --repeats 7
+  step "curves-qwen3-$type" specsample bench cost-curve --model "$qwen3/random-qwen3-0.6b-$type.gguf" \
+    --backends gguf,llamacpp --max-n 8 --repeats 7
 done
 
 step summary-gguf-t0 specsample bench run --config benchmarks/summary.toml --backend gguf --llamacpp-baselines \
@@ -64,6 +68,9 @@ for backend in llamacpp gguf; do
       --model "$big/random-1b-$type.gguf" --backend "$backend" --llamacpp-baselines --no-baselines \
       "${held_out[@]}" --limit 1 --max-new-tokens 64 --out "$out/plain-1b-$type-$backend"
   done
+  step "plain-qwen3-Q4_0-$backend" specsample bench run --config name=plain-again,drafter=none,k=0 \
+    --model "$qwen3/random-qwen3-0.6b-Q4_0.gguf" --backend "$backend" --llamacpp-baselines --no-baselines \
+    "${held_out[@]}" --limit 1 --max-new-tokens 64 --out "$out/plain-qwen3-Q4_0-$backend"
 done
 
 step draft-model-llamacpp specsample bench run --config benchmarks/draft_model_llamacpp.toml \

@@ -4,6 +4,12 @@ timing the llamacpp backend; timing needs no trained weights).
 
     python benchmarks/make_random_llama_gguf.py --out /tmp/specsample-1b            # write F32, Q4_0, Q8_0
     python benchmarks/make_random_llama_gguf.py --out /tmp/specsample-1b --measure Q4_0 --tokens 64
+    python benchmarks/make_random_llama_gguf.py --shape qwen3-0.6b --out /tmp/specsample-qwen3
+
+`--shape qwen3-0.6b` writes Qwen3-0.6B's shape instead (architecture qwen3: hidden 1024, 28 layers,
+intermediate 3072, 16 query heads and 8 KV heads of 128, a norm of each query and key head, tied
+output) with the bundled vocabulary of 49152 tokens against Qwen3's 151,936: 0.49B parameters
+against 0.60B, the tied head a third of its size. Files are named random-<shape>-<type>.gguf.
 
 The shape (defaults) is TinyLlama's width with 16 layers: hidden 2048, intermediate 5632, 32
 query heads and 4 KV heads of 64, vocabulary 49152, untied output: 0.91B parameters, 3.6 GB in
@@ -25,7 +31,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,42 +39,59 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Shape:
+    name: str = "1b"
+    arch: str = "llama"
     hidden: int = 2048
     layers: int = 16
     intermediate: int = 5632
     heads: int = 32
     kv_heads: int = 4
+    head_size: int | None = None  # None: hidden / heads
+    tied: bool = False  # the output is the token embedding (no output.weight)
     vocab: int = 49152
     context: int = 2048
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
     def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """GGUF tensor names and numpy shapes ([rows, columns] = [out, in]), in file order."""
-        kv = self.kv_heads * self.head_dim
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         out = [("token_embd.weight", (self.vocab, self.hidden))]
         for i in range(self.layers):
             out += [
                 (f"blk.{i}.attn_norm.weight", (self.hidden,)),
-                (f"blk.{i}.attn_q.weight", (self.hidden, self.hidden)),
+                (f"blk.{i}.attn_q.weight", (q, self.hidden)),
                 (f"blk.{i}.attn_k.weight", (kv, self.hidden)),
                 (f"blk.{i}.attn_v.weight", (kv, self.hidden)),
-                (f"blk.{i}.attn_output.weight", (self.hidden, self.hidden)),
+                (f"blk.{i}.attn_output.weight", (self.hidden, q)),
+            ]
+            if self.arch == "qwen3":
+                out += [(f"blk.{i}.attn_q_norm.weight", (self.head_dim,)), (f"blk.{i}.attn_k_norm.weight", (self.head_dim,))]
+            out += [
                 (f"blk.{i}.ffn_norm.weight", (self.hidden,)),
                 (f"blk.{i}.ffn_gate.weight", (self.intermediate, self.hidden)),
                 (f"blk.{i}.ffn_up.weight", (self.intermediate, self.hidden)),
                 (f"blk.{i}.ffn_down.weight", (self.hidden, self.intermediate)),
             ]
-        return out + [("output_norm.weight", (self.hidden,)), ("output.weight", (self.vocab, self.hidden))]
+        return out + [("output_norm.weight", (self.hidden,))] + ([] if self.tied else [("output.weight", (self.vocab, self.hidden))])
 
     def parameters(self) -> int:
         return sum(int(np.prod(shape)) for _, shape in self.tensors())
 
 
+SHAPES = {
+    "1b": Shape(),
+    "qwen3-0.6b": Shape(
+        name="qwen3-0.6b", arch="qwen3", hidden=1024, layers=28, intermediate=3072, heads=16, kv_heads=8,
+        head_size=128, tied=True, context=4096,
+    ),
+}
+
+
 def add_hyperparameters(writer, shape: Shape) -> None:
-    """The llama architecture's keys for `shape`, F32 file type."""
+    """The architecture's keys for `shape`, F32 file type."""
     import gguf
 
     writer.add_context_length(shape.context)
@@ -77,9 +100,11 @@ def add_hyperparameters(writer, shape: Shape) -> None:
     writer.add_feed_forward_length(shape.intermediate)
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
     writer.add_rope_dimension_count(shape.head_dim)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0 if shape.arch == "llama" else 1000000.0)
+    writer.add_layer_norm_rms_eps(1e-5 if shape.arch == "llama" else 1e-6)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_vocab_size(shape.vocab)
 
@@ -108,7 +133,7 @@ def write_f32(path: Path, shape: Shape, tokenizer_source: Path, seed: int) -> Pa
     """The random model as an F32 GGUF file, tensors streamed one at a time."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), shape.arch)
     add_hyperparameters(writer, shape)
     vocab = copy_tokenizer(writer, tokenizer_source)
     if vocab != shape.vocab:
@@ -132,7 +157,7 @@ def make(out: Path, shape: Shape, seed: int, types: list[str], threads: int | No
     from specsample.models.loading import bundled_gguf
 
     out.mkdir(parents=True, exist_ok=True)
-    f32 = out / "random-1b-F32.gguf"
+    f32 = out / f"random-{shape.name}-F32.gguf"
     files = {"F32": f32}
     if not f32.is_file():
         start = time.perf_counter()
@@ -140,7 +165,7 @@ def make(out: Path, shape: Shape, seed: int, types: list[str], threads: int | No
         print(f"wrote {f32}: {shape.parameters() / 1e9:.2f}B parameters, {f32.stat().st_size / 1e9:.2f} GB, "
               f"{time.perf_counter() - start:.0f} s", flush=True)
     for name in types:
-        path = files[name] = out / f"random-1b-{name}.gguf"
+        path = files[name] = out / f"random-{shape.name}-{name}.gguf"
         if not path.is_file():
             start = time.perf_counter()
             quantize(f32, path, name, threads or default_threads())
@@ -201,9 +226,10 @@ def measure(path: Path, tokens: int, threads: int | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/specsample-1b"))
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--types", default="Q4_0,Q8_0", help="comma-separated llama.cpp file types to quantize to")
-    parser.add_argument("--layers", type=int, default=Shape.layers)
+    parser.add_argument("--layers", type=int, default=None, help="default: the shape's")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--measure", default=None, help="after making the files, decode with this one (e.g. Q4_0)")
     parser.add_argument("--tokens", type=int, default=64)
@@ -212,7 +238,7 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(decode_in_this_process(args.child, args.tokens, args.threads)))
         return
-    files = make(args.out, Shape(layers=args.layers), args.seed, [t for t in args.types.split(",") if t], args.threads)
+    files = make(args.out, replace(SHAPES[args.shape], layers=args.layers or SHAPES[args.shape].layers), args.seed, [t for t in args.types.split(",") if t], args.threads)
     if args.measure:
         print(json.dumps(measure(files[args.measure], args.tokens, args.threads), indent=1))
 
