@@ -17,6 +17,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from specsample.drafters import DraftModelDrafter, NoDrafter
+from specsample.drafters.quantized import QuantizedDrafter
 from specsample.models import gguf_blocks, kernels
 from specsample.models.llamacpp import LlamaCppTarget, quantize
 from test_llamacpp import LOGIT_TOLERANCE, VOCAB, random_ids, run, write_gguf
@@ -88,9 +89,17 @@ def test_the_q8_0_qwen3_on_the_blocks_is_as_close_to_the_model_as_llama_cpp_is(q
 
 
 @pytest.mark.parametrize("k", [1, 4])
-def test_greedy_speculation_on_the_q8_0_qwen3_is_token_identical_to_plain_decoding(files, k):
+@pytest.mark.parametrize("drafter", ["the F32 file", "quantized"])
+def test_greedy_speculation_on_the_q8_0_qwen3_is_token_identical_to_plain_decoding(files, k, drafter):
+    """Drafted by the F32 file on its blocks, or by `quantized`: the target's Q4_0 copy (`lower_bit_copy`),
+    which shares the per-head norms."""
     target = gguf_blocks.file_target(files[1])
     prompt = random_ids(8, seed=7)
     plain = run(target, NoDrafter(), 0, prompt, 80)
-    drafter = DraftModelDrafter(gguf_blocks.file_target(files[0]))
-    assert run(target, drafter, k, prompt, 80) == plain
+    if drafter == "quantized":
+        copy = target.quantized_copy()
+        assert {layer.qkv.qtype for layer in copy.layers} == {2} and copy.layers[0].q_norm is target.layers[0].q_norm
+        made = QuantizedDrafter(copy, target)
+    else:
+        made = DraftModelDrafter(gguf_blocks.file_target(files[0]))
+    assert run(target, made, k, prompt, 80) == plain
