@@ -49,7 +49,7 @@ def tiny(kind: str = "llama", seed: int = 0, **overrides):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    if kind == "qwen3":  # and the per-head norms' weights to one: make them matter
+    if kind == "qwen3":  # and the per-head norms to one: make them matter too
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
