@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The per-machine figures of issues 22 and 28 (BENCHMARKS.md asks for them on each machine kind at hand),
 # in one run: cost curves f(n)/f(1) per GGUF type on the blocks and on llama.cpp, the summary table on the
-# blocks (t = 0 and 1) and on the llamacpp backend, plain decoding of the 1B files (and of a Qwen3-0.6B-shaped
-# one) against llama.cpp's own, and draft-model speculative decoding against llama-speculative-simple. About 45 minutes on 2 cores; run it
-# on a quiet machine (nothing else running), then copy each figure into BENCHMARKS.md with its command,
-# which each log starts with, and the CPU, which OUT/lscpu.txt holds.
+# blocks (t = 0 and 1) and on the llamacpp backend, plain decoding of the 1B files (and of a
+# Qwen3-0.6B-shaped one) against llama.cpp's own, and draft-model speculative decoding against
+# llama-speculative-simple. About 45 minutes on 2 cores; run it on a quiet machine (nothing else running),
+# then copy each figure into BENCHMARKS.md with its command, which each log starts with, and the CPU,
+# which OUT/lscpu.txt holds.
 #
 #     bash benchmarks/machine_figures.sh /tmp/figures            # all of it
 #     bash benchmarks/machine_figures.sh /tmp/figures curves     # only the steps whose names contain "curves"

@@ -238,7 +238,8 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(decode_in_this_process(args.child, args.tokens, args.threads)))
         return
-    files = make(args.out, replace(SHAPES[args.shape], layers=args.layers or SHAPES[args.shape].layers), args.seed, [t for t in args.types.split(",") if t], args.threads)
+    shape = SHAPES[args.shape] if args.layers is None else replace(SHAPES[args.shape], layers=args.layers)
+    files = make(args.out, shape, args.seed, [t for t in args.types.split(",") if t], args.threads)
     if args.measure:
         print(json.dumps(measure(files[args.measure], args.tokens, args.threads), indent=1))
 

@@ -126,21 +126,21 @@ def measure(path: str | Path | None, gguf: Path, threads: int | None, trust_remo
 def project_targets(path: str | Path | None, gguf: Path, trust_remote_code: bool) -> dict[str, Target]:
     """The file on the float32 path ("auto") and on its blocks ("gguf"), each where it runs the model
     (`UnsupportedModel` otherwise). transformers' GGUF converter does not take every file llama.cpp
-    does (an architecture it lacks; a Qwen3 whose head size is not its default): then the blocks are
-    built from the file alone, as `--backend gguf` builds them, and the float32 path is no candidate."""
+    does (an architecture it lacks; a Qwen3 whose head size is not its default): then the file's
+    tokenizer alone is loaded, so `make_target` builds the blocks from the file as `--backend gguf`
+    does, and the float32 path is no candidate."""
     from specsample.models import load_model, make_target
-    from specsample.models.gguf_blocks import file_target
     from specsample.models.llama import UnsupportedModel
 
     targets: dict[str, Target] = {}
     try:
         loaded = load_model(path, trust_remote_code=trust_remote_code)
     except (ValueError, RuntimeError):  # the converter's refusal, or its weights not fitting its config
-        loaded = None
+        loaded = load_model(path, tokenizer_only=True)
     else:
         targets["auto"] = make_target(loaded, "auto")
     try:
-        targets["gguf"] = make_target(loaded, "gguf") if loaded is not None else file_target(gguf)
+        targets["gguf"] = make_target(loaded, "gguf")
     except UnsupportedModel:
         pass
     return targets
