@@ -99,6 +99,18 @@ def test_bench_decode_on_llamacpp_runs_llama_cpp_plain_decoding_too(capsys, tmp_
     assert summaries["llama.cpp"]["decode_tokens_per_second"] > 0
 
 
+def test_bench_decode_auto_measures_the_backend_generate_would_pick(capsys, prompts_file, ggufs, cache):
+    """`--backend auto` on a GGUF file is the measured choice among llama.cpp, the blocks and float32, as in
+    `generate` and `bench run`, not the float32 path alone."""
+    from specsample.models.choice import resolve
+
+    code, stdout, err = cli(capsys, "bench", "decode", "--model", str(ggufs[0]), "--prompts", str(prompts_file),
+                            "--threads", "1", "--limit", "1", "--max-new-tokens", "4")
+    assert code == 0, err
+    backend, reason = resolve(str(ggufs[0]), "auto", threads=1)
+    assert reason.startswith("auto: the cheapest single-token pass") and f"backend {backend}: {reason}" in stdout
+
+
 def run_on_llamacpp(capsys, out: Path, prompts_file: Path, ggufs, *extra: str) -> dict:
     code, stdout, err = cli(capsys, "bench", "run", "--model", str(ggufs[0]), "--prompts", str(prompts_file),
                             "--backend", "llamacpp", "--threads", "1", "--max-new-tokens", "10", "--no-baselines",

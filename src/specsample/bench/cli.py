@@ -103,8 +103,9 @@ def decode(
         help="Also run speculative decoding with this drafter (repeatable): a drafter name, a draft model "
         "path, or 'self' for the target as its own draft model.")] = None,
     k: Annotated[int, typer.Option("--k", help="Speculation length for --drafter runs.")] = 4,
-    backend: Annotated[str, typer.Option(help="Target backend of the engine: auto, fast, transformers or llamacpp "
-                                         "(then llama.cpp's own plain decoding runs too).")] = "auto",
+    backend: Annotated[str, typer.Option(help="Target backend of the engine: auto (as `generate` picks it), fast, "
+                                         "gguf, transformers or llamacpp (then llama.cpp's own plain decoding runs "
+                                         "too).")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core); llamacpp: "
                                                    "threads per pass, of the engine and of llama.cpp's decoding.")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
@@ -115,18 +116,21 @@ def decode(
     from rich.table import Table
 
     from specsample.bench import decode as bench_decode
-    from specsample.models import load_model, make_target
+    from specsample.models import check_backend, load_model, make_target
+    from specsample.models.choice import resolve
 
     if limit < 1 or max_new_tokens < 1 or k < 1:
         raise ValueError("--limit, --max-new-tokens and --k must be positive")
     items = read_bench_prompts(prompts, split)[:limit]
     _setup(threads)
+    check_backend(backend)
+    backend, backend_reason = resolve(model, backend, threads=threads)
     loaded = load_model(model)
     unavailable: dict[str, str] = {}
     records = bench_decode.run(loaded, make_target(loaded, backend, threads=threads), items, drafter or (), k,
                                max_new_tokens, backend, threads=threads, unavailable=unavailable)
     summaries = bench_decode.summarize(records)
-    table = Table(title=f"Greedy decoding, {len(items)} prompts, up to {max_new_tokens} new tokens")
+    table = Table(title=f"Greedy decoding, {len(items)} prompts, up to {max_new_tokens} new tokens, backend {backend}")
     table.add_column("system", no_wrap=True)
     for column in ("tokens", "tok/s", "median tok/s", "decode tok/s", "speedup", "same tokens"):
         table.add_column(column, justify="right")
@@ -135,6 +139,7 @@ def decode(
         table.add_row(s.system, str(s.tokens), f"{s.tokens_per_second:.1f}", f"{s.median_tokens_per_second:.1f}",
                       decode_rate, f"{s.speedup_vs_transformers:.2f}x", f"{s.matches_transformers}/{s.prompts}")
     Console(width=None if sys.stdout.isatty() else 120).print(table)
+    print(f"backend {backend}: {backend_reason}")
     for name, reason in unavailable.items():
         print(f"{name}: not available: {reason}")
     if json_path is not None:
