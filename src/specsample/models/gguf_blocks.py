@@ -25,7 +25,7 @@ output columns) block after block, so that a pass reads one stream and multiplie
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -475,10 +475,17 @@ def fused_linear(parts: list[BlockMatrix], bias: Tensor | None):
 
 
 # GGUF architectures `file_target` builds (llama covers Mistral and SmolLM2 too; qwen3 adds a norm of
-# each query and key head), and those whose converter permutes the Q and K rows (llama.cpp's
-# LlamaModel: rotary pairs interleaved).
-ARCHITECTURES = {"llama", "qwen2", "qwen3"}
+# each query and key head; gemma3 those and more, `gemma3_layers`), and those whose converter permutes
+# the Q and K rows (llama.cpp's LlamaModel: rotary pairs interleaved).
+ARCHITECTURES = {"llama", "qwen2", "qwen3", "gemma3"}
 PERMUTED_QK = {"llama", "mistral"}
+# Gemma 3 as llama.cpp runs it (src/llama-model.cpp): every GEMMA3_PATTERN-th layer attends over the whole
+# context with the file's rotary base and scaling, the others over the file's sliding window with base
+# GEMMA3_LOCAL_BASE, unscaled; attention scores scaled by 1 / sqrt(head size) (by 1 / sqrt(hidden / heads)
+# for the 62-layer 27B), embeddings by sqrt(hidden).
+GEMMA3_PATTERN = 6
+GEMMA3_LOCAL_BASE = 10000.0
+GEMMA3_27B_LAYERS = 62
 DEFAULT_MAX_LENGTH = 8192  # as the fast backend's (llama.DEFAULT_MAX_LENGTH)
 
 
@@ -520,11 +527,16 @@ def file_shape(index: TensorIndex) -> FileShape:
     )
 
 
+def base_frequencies(base: float, head_dim: int) -> Tensor:
+    """Unscaled rotary inverse frequencies [head_dim / 2], computed as transformers does: base^(-2i/d)."""
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+
+
 def inverse_frequencies(index: TensorIndex, shape: FileShape) -> Tensor:
-    """The rotary embedding's inverse frequencies [head_dim / 2], computed as transformers does: base^(-2i/d),
+    """The rotary embedding's inverse frequencies [head_dim / 2] (`base_frequencies` of the file's base),
     divided by a linear scaling factor or by the file's per-frequency factors (llama3's rope_freqs)."""
     base = float(index.metadata.get(f"{shape.arch}.rope.freq_base", 10000.0))
-    inv_freq = 1.0 / (base ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float) / shape.head_dim))
+    inv_freq = base_frequencies(base, shape.head_dim)
     if index.metadata.get(f"{shape.arch}.rope.scaling.type") == "linear":
         inv_freq = inv_freq / float(index.metadata[f"{shape.arch}.rope.scaling.factor"])
     if "rope_freqs.weight" in index.tensors:
@@ -591,11 +603,35 @@ def file_target(path: str | Path, max_length: int | None = None):
     tied = "output.weight" not in index.tensors
     lm_head = file_linear(index, ["token_embd.weight" if tied else "output.weight"], None, None)
     cos, sin = rope_tables(inverse_frequencies(index, shape), 1.0, max_length, torch.float32)
+    scales = {}
+    if shape.arch == "gemma3":
+        layers, scales = gemma3_layers(index, shape, layers, max_length)
     return LlamaTarget(
         layers, None if tied else FileRows(index, "token_embd.weight"), vector(index, "output_norm.weight"), lm_head,
         cos, sin, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim, eps=shape.eps,
-        kv_dtype=KV_DTYPE,
+        kv_dtype=KV_DTYPE, **scales,
     )
+
+
+def gemma3_layers(index: TensorIndex, shape: FileShape, layers: list, max_length: int) -> tuple[list, dict]:
+    """A Gemma 3 file's layers with their GELU gates, and the local ones (all but every GEMMA3_PATTERN-th)
+    with the file's sliding window and their own rotary tables; and `LlamaTarget`'s attn_scale and
+    embed_scale for it. Its norms, post-norms included, are read as the file stores them: its converter
+    has already added Gemma's 1 to every norm weight."""
+    from specsample.models.ops import rope_tables
+
+    meta = index.metadata
+    window = int(meta[f"{shape.arch}.attention.sliding_window"])
+    local = rope_tables(base_frequencies(GEMMA3_LOCAL_BASE, shape.head_dim), 1.0, max_length, torch.float32)
+    made = [
+        replace(layer, gelu=True, window=window, rotary=local) if i % GEMMA3_PATTERN < GEMMA3_PATTERN - 1
+        else replace(layer, gelu=True)
+        for i, layer in enumerate(layers)
+    ]
+    hidden = int(meta[f"{shape.arch}.embedding_length"])
+    per_head = hidden // shape.heads if shape.layers == GEMMA3_27B_LAYERS else shape.head_dim
+    scale = float(1.0 / torch.tensor(float(per_head)).sqrt())  # float32, as llama.cpp computes it
+    return made, {"attn_scale": scale, "embed_scale": float(torch.tensor(float(hidden)).sqrt())}
 
 
 def file_layer(index: TensorIndex, p: str, heads: list[int | None] | None):
@@ -615,6 +651,8 @@ def file_layer(index: TensorIndex, p: str, heads: list[int | None] | None):
         down=file_linear(index, [p + "ffn_down.weight"], None, None),
         q_norm=optional_vector(index, p + "attn_q_norm.weight"),
         k_norm=optional_vector(index, p + "attn_k_norm.weight"),
+        post_attn_norm=optional_vector(index, p + "post_attention_norm.weight"),
+        post_mlp_norm=optional_vector(index, p + "post_ffw_norm.weight"),
     )
 
 
@@ -737,8 +775,6 @@ def lower_bit_copy(target):
     """A lower-bit copy of a LlamaTarget on GGUF blocks, with its own cache: its layer matrices of more
     than COPY_ABOVE bits requantized to Q4_0 (`requantized`); the rest, the LM head, the embedding, norms
     and rotary tables shared. Raises NotOnThisBackend where no layer matrix has more bits (no cheaper copy)."""
-    from dataclasses import replace
-
     from specsample.models.llama import LlamaTarget
     from specsample.models.target import NotOnThisBackend
 
@@ -747,7 +783,4 @@ def lower_bit_copy(target):
     if all(getattr(a, name) is getattr(b, name) for a, b in zip(layers, target.layers) for name in names):
         raise NotOnThisBackend(f"the target's layers have at most {COPY_ABOVE:g} bits per weight: "
                                "the GGUF block kernels have no cheaper copy of it to draft with")
-    return LlamaTarget(
-        layers, target.embed, target.norm, target.lm_head, target.cos, target.sin, heads=target.heads,
-        kv_heads=target.kv_heads, head_dim=target.head_dim, eps=target.eps, kv_dtype=target.k_cache.dtype,
-    )
+    return target.with_weights(layers, target.lm_head, target.embed, kv_dtype=target.k_cache.dtype)

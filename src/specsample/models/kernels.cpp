@@ -421,9 +421,10 @@ static const ByQueries<KV>& by_queries(std::integer_sequence<int, I...>) {
   return table;
 }
 
-// Softmax of a row of scores over its positions 0..len-1 (scaled; blocks VL-wide, the rest of the
-// last block set to 0).
-static void softmax_row(float* row, long len, long blocks, float scale) {
+// Softmax of a row of scores over its positions lo..len-1 (scaled; blocks VL-wide, positions before lo,
+// outside a sliding window, and the rest of the last block set to 0).
+static void softmax_row(float* row, long lo, long len, long blocks, float scale) {
+  for (long i = 0; i < lo; i++) row[i] = -__builtin_inff();  // before the token's window
   for (long i = len; i < blocks * VL; i++) row[i] = -__builtin_inff();  // not positions of this token
   vf top = (vf){} - __builtin_inff();
   for (long b = 0; b < blocks; b++) {
@@ -447,14 +448,14 @@ static void softmax_row(float* row, long len, long blocks, float scale) {
 
 // One attention job: T tokens' G query heads each, of one KV head (keys kt tiled, `key_at`; values v [cap, d]);
 // q [T G, d] (token by token), out [T G, d], scores T G rows of ld floats. Token u sees positions
-// 0..lens[u]-1; with `paths` (tree attention), its positions start..lens[u]-1 are the cache slots
+// 0..lens[u]-1, or with a sliding `window` (0: none) the last `window` of them (the others weigh 0); with `paths` (tree attention), its positions start..lens[u]-1 are the cache slots
 // paths[u][0..], read through copies at gathered + u stride (`gather_path`: its keys tiled, width positions, then its
 // values [lens[u] - start, d]). Positions 0..common-1, which every token sees in place, are scored and weighted for
 // all T G queries at once (each key and value vector loaded once); each token's others after, for its
 // G queries. Every output is the same chain of float operations whatever T and the other tokens.
 template <typename KV>
 static void attend(const float* q, long T, long G, const KV* kt, const KV* v, long d, const long* lens,
-                   long common, float scale, float* scores, long ld, float* out, const long* const* paths, long start,
+                   long common, long window, float scale, float* scores, long ld, float* out, const long* const* paths, long start,
                    long stride, float* gathered) {
   const ByQueries<KV>& fn = by_queries<KV>(std::make_integer_sequence<int, QUERIES>{});
   const ByQueries<float>& copies = by_queries<float>(std::make_integer_sequence<int, QUERIES>{});  // paths'
@@ -475,7 +476,8 @@ static void attend(const float* q, long T, long G, const KV* kt, const KV* v, lo
       gather_path(kt, v, d, tile, in_place * VL, len, paths[u], start, keys, path_values(u));
       copies.scores[G - 1](qu, keys - tile * d, d, in_place, blocks, su, ld);  // position p at key_at(p - tile)
     }
-    for (long h = 0; h < G; h++) softmax_row(su + h * ld, len, blocks, scale);
+    long lo = window && len > window ? len - window : 0;
+    for (long h = 0; h < G; h++) softmax_row(su + h * ld, lo, len, blocks, scale);
   }
   if (d % VL) {
     for (long u = 0; u < T; u++)
@@ -512,11 +514,12 @@ static void attend(const float* q, long T, long G, const KV* kt, const KV* v, lo
 // sits at position start + its depth (its rotary angle), is written to slot start + t, and sees
 // positions 0..start-1 and the slots of its ancestors and itself, as its path scored as a chain would.
 // Keys and values are of type KV: float, or _Float16 (rounded to nearest when written, read exactly:
-// half the bytes a position streams, as llama.cpp keeps them).
+// half the bytes a position streams, as llama.cpp keeps them). Scores are scaled by `scale`; with a
+// sliding `window` (not 0) a token sees only the last `window` positions of its own (Gemma 3's local layers).
 template <typename KV>
 static void attention(float* qkv, long n, long heads, long kv_heads, long d, const float* cos,
-                      const float* sin, KV* keys, KV* values, long cap, long start, float* out,
-                      const long* parents = nullptr) {
+                      const float* sin, KV* keys, KV* values, long cap, long start, float* out, long window,
+                      float scale, const long* parents = nullptr) {
   long width = (heads + 2 * kv_heads) * d, groups = heads / kv_heads, half = d / 2;
   std::vector<long> depth(parents ? n : 0), slots(parents ? n * n : 0);  // slots [t, depth]: t's path
   for (long t = 0; parents && t < n; t++) {
@@ -555,7 +558,6 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
   long enough = n * kv_heads * parts / (2 * threads);  // tokens a job holds for two jobs a thread
   long per_job = most < enough ? most : enough > 1 ? enough : 1;
   long runs = (n + per_job - 1) / per_job;  // runs of tokens, each a job per KV head and part
-  float scale = 1.0f / __builtin_sqrtf((float)d);
 #pragma omp parallel if (parallel)
   {
     float* scores = new float[QUERIES * ld];
@@ -577,7 +579,7 @@ static void attention(float* qkv, long n, long heads, long kv_heads, long d, con
       }
       long common = parents ? start : start + t0 + 1;  // positions every token of the run sees in place
       float* o = q + QUERIES * d;
-      attend(q, T, G, keys + g * d * cap, values + g * cap * d, d, lens, common, scale, scores, ld, o,
+      attend(q, T, G, keys + g * d * cap, values + g * cap * d, d, lens, common, window, scale, scores, ld, o,
              parents ? paths : nullptr, start, stride, gathered);
       for (long u = 0; u < T; u++) memcpy(out + (t0 + u) * heads * d + h0 * d, o + u * G * d, G * d * sizeof(float));
     }
@@ -607,9 +609,11 @@ extern "C" void specsample_rms_norm(const float* x, const float* w, long M, long
   rms_norm(x, w, M, n, eps, y);
 }
 
-// act[m, j] = silu(gate[m, j]) * up[m, j] for gu [M, 2 I] (gate, then up): silu(g) = g sigmoid(g),
-// with sigmoid(g) from e = exp(-|g|) <= 1, VL lanes at a time (the tail of a row zero-padded).
-static void silu_mul(const float* gu, long M, long I, float* act) {
+// act[m, j] = a(gate[m, j]) * up[m, j] for gu [M, 2 I] (gate, then up): a(g) = g sigmoid(z) with z = g
+// (SiLU) or, with `gelu`, z = 2 sqrt(2 / pi) (g + 0.044715 g^3) (GELU's tanh form, Gemma's: 0.5 (1 +
+// tanh(z / 2)) is sigmoid(z)); sigmoid(z) from e = exp(-|z|) <= 1, VL lanes at a time (the tail of a row
+// zero-padded).
+static void gated_mul(const float* gu, long M, long I, float* act, bool gelu) {
   const long chunk = 256, chunks = (I + chunk - 1) / chunk;  // a multiple of VL: lanes never straddle chunks
   // Thousands of exponentials a row: split among the team, where the products' threads would wait.
 #pragma omp parallel for schedule(static) if (M * I >= 4096)
@@ -625,8 +629,9 @@ static void silu_mul(const float* gu, long M, long I, float* act) {
         memcpy(u_buf, up + j, lanes * sizeof(float));
       }
       vf g = load(lanes < VL ? g_buf : gate + j), u = load(lanes < VL ? u_buf : up + j);
-      vf e = exp_nonpositive(g < 0 ? g : -g);
-      vf sigmoid = (g < 0 ? e : (vf){} + 1.0f) / (1.0f + e);
+      vf z = gelu ? 1.5957691216057308f * (g + 0.044715f * g * g * g) : g;
+      vf e = exp_nonpositive(z < 0 ? z : -z);
+      vf sigmoid = (z < 0 ? e : (vf){} + 1.0f) / (1.0f + e);
       vf out = g * sigmoid * u;
       if (lanes < VL)
         memcpy(a + j, &out, lanes * sizeof(float));
@@ -639,7 +644,10 @@ static void silu_mul(const float* gu, long M, long I, float* act) {
 // Weights and cache of one decoder layer; matrices packed as by `pack` (scales null), by
 // `pack_int8` (each with its column scales), or, where its GGML type fqkv, fo, fgu or fdown is not
 // 0, in GGUF blocks (gguf_blocks.pack_blocks: the blocks, and their fp16 scales as the "scales").
-// q_norm and k_norm [d] (Qwen3; null for none): an RMSNorm of each query and key head before the rotation.
+// q_norm and k_norm [d] (Qwen3, Gemma 3; null for none): an RMSNorm of each query and key head before the
+// rotation. post_attn_norm and post_mlp_norm [hidden] (Gemma 3; null for none): an RMSNorm of the attention's
+// and the MLP's output before each is added to the residual stream. gelu: the MLP's gate through GELU's
+// tanh form, not SiLU. window: a sliding attention window (0: none); scale: what scores are scaled by.
 struct Layer {
   long hidden, heads, kv_heads, d, inter, cap;
   float eps;
@@ -652,8 +660,12 @@ struct Layer {
   const float *sqkv, *so, *sgu, *sdown, *cos, *sin;
   void *keys, *values;  // float, or _Float16 where kv_half
   const float *q_norm, *k_norm;
+  const float *post_attn_norm, *post_mlp_norm;
   int fqkv, fo, fgu, fdown;
   int kv_half;
+  int gelu;
+  long window;
+  float scale;
 };
 
 extern "C" int specsample_gemm_gguf(int type, const float* x, long M, long K, long ldx, const uint8_t* qs,
@@ -669,14 +681,14 @@ static void linear(int type, const float* x, long M, long K, const void* w, cons
 }
 
 // Scratch of a layer pass over M rows: h [M, hidden], qkv [M, (heads + 2 kv_heads) d], att [M, heads d],
-// gu [M, 2 inter], act [M, inter], one after the other.
+// gu [M, 2 inter], act [M, inter], out [M, hidden], one after the other.
 struct Scratch {
-  float *h, *qkv, *att, *gu, *act;
+  float *h, *qkv, *att, *gu, *act, *out;
   long qkv_width, att_width;
   Scratch(const Layer* L, long M, float* scratch)
       : qkv_width((L->heads + 2 * L->kv_heads) * L->d), att_width(L->heads * L->d) {
     h = scratch, qkv = h + M * L->hidden, att = qkv + M * qkv_width, gu = att + M * att_width;
-    act = gu + M * 2 * L->inter;
+    act = gu + M * 2 * L->inter, out = act + M * L->inter;
   }
 };
 
@@ -693,14 +705,28 @@ static void attention_input(const Layer* L, const float* x, long M, const Scratc
   }
 }
 
-// After attention: x += att @ wo (+ bias), then the MLP block, x += down(silu(gate) * up) of norm(x).
+// x [M, hidden] += y = x_in @ w (+ bias); with `post` (not null), += RMSNorm(y) (y made in `out`).
+static void residual(const Layer* L, int type, const float* x_in, long M, long K, const void* w, const float* scale,
+                     const float* bias, const float* post, float* out, float* x) {
+  long H = L->hidden;
+  if (!post) {
+    linear(type, x_in, M, K, w, scale, H, x, bias, 1);
+    return;
+  }
+  linear(type, x_in, M, K, w, scale, H, out, bias, 0);
+  rms_norm(out, post, M, H, L->eps, out);  // a row's norm reads the row before writing it
+  for (long i = 0; i < M * H; i++) x[i] += out[i];
+}
+
+// After attention: x += att @ wo (+ bias), then the MLP block, x += down(act(gate) * up) of norm(x)
+// (each output normed first where the layer has post-norms).
 static void attention_output_and_mlp(const Layer* L, float* x, long M, const Scratch& s) {
   long H = L->hidden, I = L->inter;
-  linear(L->fo, s.att, M, s.att_width, L->wo, L->so, H, x, L->bo, 1);
+  residual(L, L->fo, s.att, M, s.att_width, L->wo, L->so, L->bo, L->post_attn_norm, s.out, x);
   rms_norm(x, L->mlp_norm, M, H, L->eps, s.h);
   linear(L->fgu, s.h, M, H, L->wgu, L->sgu, 2 * I, s.gu, 0, 0);
-  silu_mul(s.gu, M, I, s.act);
-  linear(L->fdown, s.act, M, I, L->wdown, L->sdown, H, x, 0, 1);
+  gated_mul(s.gu, M, I, s.act, L->gelu);
+  residual(L, L->fdown, s.act, M, I, L->wdown, L->sdown, 0, L->post_mlp_norm, s.out, x);
 }
 
 // `attention` of layer L over n rows at `start`, on the cache `keys` and `values` of its element type.
@@ -710,15 +736,16 @@ static void layer_attention(const Layer* L, float* qkv, long n, long start, void
 #if SPECSAMPLE_HALF
   if (L->kv_half) {
     attention(qkv, n, L->heads, L->kv_heads, L->d, cos, sin, (_Float16*)keys, (_Float16*)values, L->cap, start, att,
-              parents);
+              L->window, L->scale, parents);
     return;
   }
 #endif
-  attention(qkv, n, L->heads, L->kv_heads, L->d, cos, sin, (float*)keys, (float*)values, L->cap, start, att, parents);
+  attention(qkv, n, L->heads, L->kv_heads, L->d, cos, sin, (float*)keys, (float*)values, L->cap, start, att, L->window,
+            L->scale, parents);
 }
 
 // One decoder layer over x [M, hidden] (the residual stream, updated in place) at positions
-// start..start+M-1. scratch holds M (hidden + (heads + 2 kv_heads) d + heads d + 3 inter) floats.
+// start..start+M-1. scratch holds M (2 hidden + (heads + 2 kv_heads) d + heads d + 3 inter) floats.
 // With `parents` [M] (null for a chain), the M tokens are a tree (`attention`).
 static void layer(const Layer* L, float* x, long M, long start, float* scratch, const long* parents) {
   Scratch s(L, M, scratch);

@@ -433,20 +433,24 @@ class LayerArgs(ctypes.Structure):
     sgu and sdown belong to int8 matrices (`pack_int8`) and are null for float32 ones (`pack`);
     a matrix whose GGML type fqkv, fo, fgu or fdown is set (not 0) is in GGUF blocks
     (`gguf_blocks.pack_blocks`: weight its qs, scales its fp16 scales). Keys and values are float32, or
-    float16 where kv_half is set. q_norm and k_norm (Qwen3's norms of each query and key head) are
-    null where the model has none."""
+    float16 where kv_half is set. q_norm and k_norm (Qwen3's and Gemma 3's norms of each query and key
+    head), post_attn_norm and post_mlp_norm (Gemma 3's norms of the attention's and the MLP's outputs) are
+    null where the model has none; gelu selects GELU's tanh form for the MLP's gate (else SiLU); window
+    is a sliding attention window (0: none) and scale what attention scores are scaled by."""
 
     _fields_ = [(name, ctypes.c_long) for name in ("hidden", "heads", "kv_heads", "d", "inter", "cap")] + [
         ("eps", ctypes.c_float)
     ] + [(name, ctypes.c_void_p) for name in (
         "attn_norm", "mlp_norm", "wqkv", "bqkv", "wo", "bo", "wgu", "wdown", "sqkv", "so", "sgu", "sdown",
-        "cos", "sin", "keys", "values", "q_norm", "k_norm",
-    )] + [(name, ctypes.c_int) for name in ("fqkv", "fo", "fgu", "fdown", "kv_half")]
+        "cos", "sin", "keys", "values", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm",
+    )] + [(name, ctypes.c_int) for name in ("fqkv", "fo", "fgu", "fdown", "kv_half", "gelu")] + [
+        ("window", ctypes.c_long), ("scale", ctypes.c_float),
+    ]
 
 
 def scratch_size(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> int:
     """Floats of scratch `layers` needs per token."""
-    return hidden + (2 * heads + 2 * kv_heads) * head_dim + 3 * intermediate
+    return 2 * hidden + (2 * heads + 2 * kv_heads) * head_dim + 3 * intermediate
 
 
 def layer_table(layers: Sequence[LayerArgs]) -> ctypes.Array:

@@ -1,7 +1,8 @@
-"""A fast target backend for the Llama family (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral).
+"""A fast target backend for the Llama family (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral, Gemma 3).
 
 These models are one decoder: RMSNorm, rotary embeddings, grouped-query
-attention and a SwiGLU MLP. On a CPU, decoding a small model is bound by
+attention and a gated MLP (SwiGLU; Gemma 3's GELU, with norms of each attention
+and MLP output, local layers of their own rotary base and a sliding window). On a CPU, decoding a small model is bound by
 reading the weights once per forward pass, so scoring K+1 tokens should cost
 about as much as scoring one. transformers does not get there (its forward over
 8 new tokens costs about 1.5 to 3 of its forwards over one, and its per-op
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -41,7 +42,9 @@ from specsample.models.ops import rms_norm, rope_tables, rotate
 from specsample.models.target import FEATURE_EPS, FeatureStore, Target, normalized
 from specsample.tree import depths, visibility
 
-SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral", "gemma3_text"}
+# Activations of the gated MLP: SiLU (SwiGLU), or GELU's tanh form (Gemma's GeGLU), by config name.
+GELU_ACTIVATIONS = {"gelu_pytorch_tanh"}
 # Rope types whose frequencies do not depend on the sequence length, so one
 # precomputed table serves every position.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
@@ -98,8 +101,13 @@ class Layer:
     mlp_norm: Tensor  # [hidden]
     gate_up: Linear  # hidden -> 2 * intermediate: gate, then up
     down: Linear  # intermediate -> hidden
-    q_norm: Tensor | None = None  # [head_dim] Qwen3: RMSNorm of each query head before the rotation
+    q_norm: Tensor | None = None  # [head_dim] Qwen3, Gemma 3: RMSNorm of each query head before the rotation
     k_norm: Tensor | None = None  # [head_dim] and of each key head
+    post_attn_norm: Tensor | None = None  # [hidden] Gemma 3: RMSNorm of the attention's output before it is added
+    post_mlp_norm: Tensor | None = None  # [hidden] and of the MLP's
+    gelu: bool = False  # the MLP's gate through GELU's tanh form (Gemma), else SiLU
+    window: int = 0  # a sliding attention window: each token sees its last `window` positions (0: all)
+    rotary: tuple[Tensor, Tensor] | None = None  # this layer's (cos, sin) [max_length, head_dim], if not the target's
 
 
 def rope_type(config) -> str:
@@ -109,8 +117,11 @@ def rope_type(config) -> str:
 
 
 def sliding_window(config) -> int | None:
-    """The attention window if the config turns one on, else None."""
+    """The attention window if the config turns one on for every layer, else None (Gemma 3's windows are
+    per layer, `Layer.window`)."""
     if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        return None
+    if config.model_type == "gemma3_text":
         return None
     return getattr(config, "sliding_window", None)
 
@@ -119,12 +130,28 @@ def unsupported_reason(config) -> str | None:
     """Why this backend cannot reproduce `config` exactly, or None if it can."""
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return f"model type {getattr(config, 'model_type', None)!r} is not one of {sorted(SUPPORTED_MODEL_TYPES)}"
+    if config.model_type == "gemma3_text":
+        return _gemma3_unsupported_reason(config)
     if rope_type(config) not in SUPPORTED_ROPE_TYPES:
         return f"rope type {rope_type(config)!r} is not one of {sorted(SUPPORTED_ROPE_TYPES)}"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r} is not silu"
     if getattr(config, "mlp_bias", False):
         return "MLP biases are not supported"
+    return None
+
+
+def _gemma3_unsupported_reason(config) -> str | None:
+    """Why this backend cannot reproduce a Gemma 3 text config exactly, or None."""
+    types = {params.get("rope_type", "default") for params in config.rope_parameters.values()}
+    if not types <= SUPPORTED_ROPE_TYPES:
+        return f"rope types {sorted(types)} are not all of {sorted(SUPPORTED_ROPE_TYPES)}"
+    if config.hidden_activation not in GELU_ACTIVATIONS:
+        return f"activation {config.hidden_activation!r} is not one of {sorted(GELU_ACTIVATIONS)}"
+    if config.final_logit_softcapping is not None or config.attn_logit_softcapping is not None:
+        return "logit soft-capping is not supported"
+    if not set(config.layer_types) <= {"sliding_attention", "full_attention"}:
+        return f"layer types {sorted(set(config.layer_types))} are not sliding and full attention"
     return None
 
 
@@ -147,6 +174,30 @@ def _norm_weight(attn, name: str, dtype: torch.dtype) -> Tensor | None:
     return None if norm is None else _copy(norm.weight, dtype)
 
 
+def _gemma_norm(norm, dtype: torch.dtype) -> Tensor:
+    """A Gemma RMSNorm's weight as this backend's: Gemma scales by 1 + weight (computed in float32)."""
+    return (1.0 + norm.weight.detach().float()).to(dtype)
+
+
+def _gemma3_layer_from_hf(layer, dtype: torch.dtype, packed: bool, window: int,
+                          rotary: tuple[Tensor, Tensor]) -> Layer:
+    """One Gemma 3 decoder layer: a Llama layer whose norms scale by 1 + weight, with norms of the
+    attention's and MLP's outputs, a GELU gate, and its own window and rotary tables."""
+    attn = layer.self_attn
+    return replace(
+        _layer_from_hf(layer, dtype, packed),
+        attn_norm=_gemma_norm(layer.input_layernorm, dtype),
+        mlp_norm=_gemma_norm(layer.pre_feedforward_layernorm, dtype),
+        q_norm=_gemma_norm(attn.q_norm, dtype),
+        k_norm=_gemma_norm(attn.k_norm, dtype),
+        post_attn_norm=_gemma_norm(layer.post_attention_layernorm, dtype),
+        post_mlp_norm=_gemma_norm(layer.post_feedforward_layernorm, dtype),
+        gelu=True,
+        window=window,
+        rotary=rotary,
+    )
+
+
 def _layer_from_hf(layer, dtype: torch.dtype, packed: bool) -> Layer:
     """Fuse the weights of one transformers decoder layer into this backend's layout."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -162,6 +213,28 @@ def _layer_from_hf(layer, dtype: torch.dtype, packed: bool) -> Layer:
         q_norm=_norm_weight(attn, "q_norm", dtype),
         k_norm=_norm_weight(attn, "k_norm", dtype),
     )
+
+
+def _layers_from_hf(model, dtype: torch.dtype, packed: bool, max_length: int) -> tuple[list[Layer], Tensor, Tensor, dict]:
+    """A transformers model's decoder layers in this backend's layout, the target's rotary tables (cos, sin),
+    and the target's scales for its family (`LlamaTarget`'s attn_scale and embed_scale): Gemma 3's
+    layers each take the window and rotary tables of their layer type, and its embedding is scaled."""
+    config, rotary = model.config, model.model.rotary_emb
+    if config.model_type != "gemma3_text":
+        cos, sin = rope_tables(rotary.inv_freq, float(rotary.attention_scaling), max_length, dtype)
+        return [_layer_from_hf(layer, dtype, packed) for layer in model.model.layers], cos, sin, {}
+    tables = {
+        kind: rope_tables(getattr(rotary, f"{kind}_inv_freq"), float(getattr(rotary, f"{kind}_attention_scaling")),
+                          max_length, dtype)
+        for kind in set(config.layer_types)
+    }
+    layers = [
+        _gemma3_layer_from_hf(layer, dtype, packed, config.sliding_window if kind == "sliding_attention" else 0, tables[kind])
+        for layer, kind in zip(model.model.layers, config.layer_types)
+    ]
+    scales = {"attn_scale": config.query_pre_attn_scalar**-0.5,
+              "embed_scale": float(torch.tensor(config.hidden_size**0.5))}  # float32, as transformers scales
+    return layers, *tables[config.layer_types[-1]], scales
 
 
 def runs_to(layer_ids: Iterable[int], recording: frozenset[int]) -> list[list[int]]:
@@ -219,6 +292,9 @@ class LlamaTarget:
     On the kernels the cache holds keys and values in `kv_dtype` (None: the weights' dtype): float16
     halves the bytes a cached position streams in every pass (the GGUF blocks' targets use it, as
     llama.cpp does), at float16's rounding of each key and value.
+
+    `attn_scale` scales attention scores (None: 1 / sqrt(head_dim)); `embed_scale` multiplies the input
+    embeddings (Gemma's sqrt(hidden)).
     """
 
     def __init__(
@@ -237,8 +313,11 @@ class LlamaTarget:
         source=None,
         kv_dtype: torch.dtype | None = None,
         copy_file: Path | None = None,
+        attn_scale: float | None = None,
+        embed_scale: float = 1.0,
     ) -> None:
         self.layers = layers
+        self.attn_scale, self.embed_scale = attn_scale, embed_scale
         self.source = source  # the transformers model it was copied from, for `quantized_copy`
         self.copy_file = copy_file  # the GGUF file whose own blocks are `quantized_copy`, if any
         self.embed = embed  # [vocab, hidden], or None when tied to lm_head
@@ -307,15 +386,14 @@ class LlamaTarget:
             raise UnsupportedModel(f"max_length {max_length} exceeds the sliding window {window}")
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        rotary = model.model.rotary_emb
-        cos, sin = rope_tables(rotary.inv_freq, float(rotary.attention_scaling), max_length, dtype)
         embed_w = model.model.embed_tokens.weight
         lm_w = model.lm_head.weight
         tied = embed_w.data_ptr() == lm_w.data_ptr()
         packed = dtype == torch.float32 and head_dim <= kernels.MAX_HEAD_DIM and kernels.available()
         with torch.inference_mode():
+            layers, cos, sin, scales = _layers_from_hf(model, dtype, packed, max_length)
             return cls(
-                [_layer_from_hf(layer, dtype, packed) for layer in model.model.layers],
+                layers,
                 embed=None if tied else _copy(embed_w, dtype),
                 norm=_copy(model.model.norm.weight, dtype),
                 lm_head=Linear.from_weight(lm_w, None, dtype, packed),
@@ -328,7 +406,18 @@ class LlamaTarget:
                 source=model,
                 kv_dtype=kv_dtype,
                 copy_file=gguf if packed and gguf is not None and gguf_blocks.drafts_on_blocks(gguf) else None,
+                **scales,
             )
+
+    def with_weights(self, layers: list[Layer], lm_head: Linear, embed: Tensor | None,
+                     kv_dtype: torch.dtype | None = None) -> LlamaTarget:
+        """A target of this one's shape over other weights (a quantized copy's), with this one's final norm,
+        rotary tables and scales, and a cache of its own (keys and values in `kv_dtype`)."""
+        return LlamaTarget(
+            layers, embed, self.norm, lm_head, self.cos, self.sin, heads=self.heads, kv_heads=self.kv_heads,
+            head_dim=self.head_dim, eps=self.eps, kv_dtype=kv_dtype, attn_scale=self.attn_scale,
+            embed_scale=self.embed_scale,
+        )
 
     @property
     def length(self) -> int:
@@ -489,13 +578,11 @@ class LlamaTarget:
                     if run[-1] + 1 in recording:  # `normalized` in one call, not torch's several ops
                         outputs[run[-1] + 1] = kernels.rms_norm(x, self._unit, FEATURE_EPS)
             else:
-                mask = self._mask(start, n)
-                cos = self.cos[start : start + n, None]  # [n, 1, dim]
-                sin = self.sin[start : start + n, None]
-                if parents is not None:
-                    mask, cos, sin = self._tree_inputs(start, parents)
+                # a tree's token t sits at position start + its depth
+                positions = torch.arange(start, start + n) if parents is None else start + depths(parents)  # [n]
+                masks = {window: self._mask(start, positions, parents, window) for window in {w.window for w in self.layers}}
                 for i in layer_ids:
-                    x = self._layer(i, x, start, mask, cos, sin)
+                    x = self._layer(i, x, start, positions, masks[self.layers[i].window])
                     if i + 1 in recording:
                         outputs[i + 1] = normalized(x)
         self._length = start + n
@@ -527,23 +614,29 @@ class LlamaTarget:
         def ptr(t: Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
+        cos, sin = self._rotary(w)
         return kernels.LayerArgs(
             hidden=self.hidden_size, heads=self.heads, kv_heads=self.kv_heads, d=self.head_dim,
             inter=w.gate_up.out_features // 2, cap=self.v_cache.shape[2], eps=self.eps,
             attn_norm=ptr(w.attn_norm), mlp_norm=ptr(w.mlp_norm), wqkv=ptr(w.qkv.weight), bqkv=ptr(w.qkv.bias),
             wo=ptr(w.o.weight), bo=ptr(w.o.bias), wgu=ptr(w.gate_up.weight), wdown=ptr(w.down.weight),
             sqkv=ptr(w.qkv.scales), so=ptr(w.o.scales), sgu=ptr(w.gate_up.scales), sdown=ptr(w.down.scales),
-            cos=ptr(self.cos), sin=ptr(self.sin), keys=ptr(self.k_cache[i]), values=ptr(self.v_cache[i]),
-            q_norm=ptr(w.q_norm), k_norm=ptr(w.k_norm),
+            cos=ptr(cos), sin=ptr(sin), keys=ptr(self.k_cache[i]), values=ptr(self.v_cache[i]),
+            q_norm=ptr(w.q_norm), k_norm=ptr(w.k_norm), post_attn_norm=ptr(w.post_attn_norm),
+            post_mlp_norm=ptr(w.post_mlp_norm),
             fqkv=w.qkv.qtype, fo=w.o.qtype, fgu=w.gate_up.qtype, fdown=w.down.qtype,
-            kv_half=int(self.k_cache.dtype == torch.float16),
+            kv_half=int(self.k_cache.dtype == torch.float16), gelu=int(w.gelu), window=w.window,
+            scale=float(1.0 / torch.tensor(float(self.head_dim)).sqrt()) if self.attn_scale is None else self.attn_scale,
         )
 
+    def _rotary(self, layer: Layer) -> tuple[Tensor, Tensor]:
+        """The rotary tables (cos, sin) [max_length, head_dim] of `layer`: its own, else the target's."""
+        return layer.rotary or (self.cos, self.sin)
+
     def _embed(self, token_ids: Tensor) -> Tensor:
-        """Input embeddings [n, hidden]; a tied LM head doubles as the embedding table."""
-        if self.tied_rows is None:
-            return self.embed[token_ids]
-        return self.tied_rows(token_ids)
+        """Input embeddings [n, hidden] (times `embed_scale`); a tied LM head doubles as the embedding table."""
+        rows = self.embed[token_ids] if self.tied_rows is None else self.tied_rows(token_ids)
+        return rows if self.embed_scale == 1.0 else rows * self.embed_scale
 
     def _lm_head_rows(self, token_ids: Tensor) -> Tensor:
         """Rows `token_ids` [n] of the LM head's weight, float32 [n, hidden], unpacked from its storage."""
@@ -555,37 +648,44 @@ class LlamaTarget:
             return kernels.unpack_rows(self.lm_head.weight, token_ids, self.lm_head.scales)
         return self.lm_head.weight.index_select(1, token_ids).t().contiguous()
 
-    def _mask(self, start: int, n: int) -> Tensor | None:
-        """Additive causal mask [groups * n, start + n] for grouped query rows; None for one token."""
-        if n == 1:
+    def _mask(self, start: int, positions: Tensor, parents: Tensor | None, window: int) -> Tensor | None:
+        """Additive mask [groups * n, start + n] of grouped query rows for n tokens at slots start.. and
+        `positions` [n]: each sees the cached positions and the earlier new tokens (a tree's: its ancestors),
+        within the last `window` positions of its own if `window`; None where every token sees everything."""
+        n = positions.shape[0]
+        keys = torch.cat([torch.arange(start), positions])  # [start + n] the position of each slot
+        if parents is None:
+            visible = keys[None, :] <= positions[:, None]  # [n, start + n]
+        else:
+            visible = torch.ones(n, start + n, dtype=torch.bool)
+            visible[:, start:] = visibility(parents)
+        if window:
+            visible &= positions[:, None] - keys[None, :] < window
+        if bool(visible.all()):
             return None
-        keys = torch.arange(start + n)
-        queries = torch.arange(start, start + n)
-        mask = torch.zeros(n, start + n, dtype=self.dtype)
-        mask.masked_fill_(keys[None, :] > queries[:, None], float("-inf"))  # [n, start + n]
+        mask = torch.zeros(n, start + n, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
         return mask.repeat(self.heads // self.kv_heads, 1)  # [groups * n, start + n]
 
-    def _tree_inputs(self, start: int, parents: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """For a tree of n tokens at slots start..: the additive mask [groups * n, start + n] (each sees the
-        cache and its ancestors) and the rotary tables [n, 1, dim] of positions start + depth."""
-        n = parents.shape[0]
-        mask = torch.zeros(n, start + n, dtype=self.dtype)
-        mask[:, start:].masked_fill_(~visibility(parents), float("-inf"))
-        positions = start + depths(parents)
-        return mask.repeat(self.heads // self.kv_heads, 1), self.cos[positions, None], self.sin[positions, None]
-
-    def _layer(self, i: int, x: Tensor, start: int, mask: Tensor | None, cos: Tensor, sin: Tensor) -> Tensor:
-        """One decoder layer over x [n, hidden]; writes K and V of positions start.. into the cache."""
+    def _layer(self, i: int, x: Tensor, start: int, positions: Tensor, mask: Tensor | None) -> Tensor:
+        """One decoder layer over x [n, hidden] at `positions` [n]; writes K and V of slots start.. into the cache."""
         w = self.layers[i]
-        x = self._attention(i, rms_norm(x, w.attn_norm, self.eps), start, mask, cos, sin, residual=x)
+        x = self._add_output(w.o, self._attention(i, rms_norm(x, w.attn_norm, self.eps), start, positions, mask),
+                             x, w.post_attn_norm)
         gate, up = w.gate_up(rms_norm(x, w.mlp_norm, self.eps)).chunk(2, dim=-1)  # [n, intermediate] each
-        return w.down(F.silu(gate) * up, residual=x)
+        act = F.gelu(gate, approximate="tanh") if w.gelu else F.silu(gate)
+        return self._add_output(w.down, act * up, x, w.post_mlp_norm)
 
-    def _attention(
-        self, i: int, x: Tensor, start: int, mask: Tensor | None, cos: Tensor, sin: Tensor, residual: Tensor
-    ) -> Tensor:
-        """Attention of x [n, hidden] over the cached positions and itself, added into `residual` [n, hidden]."""
+    def _add_output(self, linear: Linear, inputs: Tensor, x: Tensor, post_norm: Tensor | None) -> Tensor:
+        """x [n, hidden] plus linear(inputs), in place: normed by `post_norm` first where the layer has one."""
+        if post_norm is None:
+            return linear(inputs, residual=x)
+        return x.add_(rms_norm(linear(inputs), post_norm, self.eps))
+
+    def _attention(self, i: int, x: Tensor, start: int, positions: Tensor, mask: Tensor | None) -> Tensor:
+        """Attention of x [n, hidden] over the cached positions and itself: the heads' outputs [n, heads d],
+        before the output projection."""
         w = self.layers[i]
+        cos, sin = (table[positions, None] for table in self._rotary(w))  # [n, 1, dim]
         n, h, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         qkv = w.qkv(x)  # [n, (h + 2 kvh) d]
         qk = qkv[:, : (h + kvh) * d].view(n, h + kvh, d)
@@ -601,9 +701,9 @@ class LlamaTarget:
         values = self.v_cache[i, :, :end]
         groups = h // kvh
         q = q.view(n, kvh, groups, d).permute(1, 2, 0, 3).reshape(kvh, groups * n, d)  # [kvh, groups n, d]
-        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]  # [kvh, groups n, d]
-        out = out.view(kvh, groups, n, d).permute(2, 0, 1, 3).reshape(n, h * d)  # [n, h d]
-        return w.o(out, residual=residual)
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
+                                             scale=self.attn_scale)[0]  # [kvh, groups n, d]
+        return out.view(kvh, groups, n, d).permute(2, 0, 1, 3).reshape(n, h * d)  # [n, h d]
 
 
 class LlamaSlots:

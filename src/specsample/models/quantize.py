@@ -74,15 +74,4 @@ def int8_target(model, max_length: int | None = None) -> LlamaTarget:
     embed = base.embed
     if embed is None and not base.lm_head.packed:  # the torch path's tied head has no row lookup
         embed = base.lm_head.weight.t().contiguous()  # [vocab, hidden]
-    return LlamaTarget(
-        [quantize_layer(layer) for layer in base.layers],
-        embed,
-        base.norm,
-        quantize_linear(base.lm_head),
-        base.cos,
-        base.sin,
-        heads=base.heads,
-        kv_heads=base.kv_heads,
-        head_dim=base.head_dim,
-        eps=base.eps,
-    )
+    return base.with_weights([quantize_layer(layer) for layer in base.layers], quantize_linear(base.lm_head), embed)
