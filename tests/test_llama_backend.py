@@ -13,6 +13,8 @@ import copy
 import pytest
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -42,6 +44,7 @@ def tiny(kind: str = "llama", seed: int = 0, **overrides):
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
     }[kind]
     model = model_cls(config_cls(**{**COMMON, **overrides})).eval()
     if kind == "qwen2":  # transformers initialises biases to zero: make them matter
@@ -54,6 +57,11 @@ def tiny(kind: str = "llama", seed: int = 0, **overrides):
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 2.0)
+    if kind == "gemma3":  # Gemma's norms scale by 1 + weight, the weights starting at zero: make them matter
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(-0.5, 1.0)
     return model
 
 
@@ -80,6 +88,12 @@ MODELS = {
     # head_dim 24 against hidden / heads 16: the query heads are wider than the residual stream
     "qwen3-qk-norm": lambda: tiny("qwen3", seed=8, head_dim=24, tie_word_embeddings=True),
     "mistral": lambda: tiny("mistral", seed=5, sliding_window=None),
+    # six layers: five local (a window of 6 positions, rotary base 10,000) and a global one; GELU, post-norms,
+    # per-head norms, scores scaled by 1 / sqrt(24) for heads of 16, embeddings by sqrt(hidden)
+    "gemma3": lambda: tiny(
+        "gemma3", seed=9, num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -126,7 +140,7 @@ def test_score_in_chunks_matches_transformers(name, packed):
     torch.testing.assert_close(torch.cat(chunks), ref[5:], rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "qwen3-qk-norm"])
+@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "qwen3-qk-norm", "gemma3"])
 def test_rollback_and_rescore(name, packed):
     model = MODELS[name]()
     ids = prompt()
@@ -233,7 +247,7 @@ def test_forward_with_skipped_layers_equals_truncated_model():
     assert target.forward(ids[:2], logits=False) is None and target.length == 14
 
 
-@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "qwen3-qk-norm", "llama3-rope"])
+@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "qwen3-qk-norm", "llama3-rope", "gemma3"])
 def test_greedy_decoding_is_token_identical(name, packed):
     model = MODELS[name]()
     ids = prompt(9, seed=3)
@@ -250,9 +264,12 @@ def test_greedy_decoding_is_token_identical(name, packed):
 
 
 def test_supports():
-    assert llama.SUPPORTED_MODEL_TYPES == {"llama", "qwen2", "qwen3", "mistral"}
-    for name in ("llama-untied", "qwen2-bias", "qwen3-qk-norm", "mistral", "llama3-rope"):
+    assert llama.SUPPORTED_MODEL_TYPES == {"llama", "qwen2", "qwen3", "mistral", "gemma3_text"}
+    for name in ("llama-untied", "qwen2-bias", "qwen3-qk-norm", "mistral", "llama3-rope", "gemma3"):
         assert llama.supports(MODELS[name]().config)
+    gemma = {**COMMON, "head_dim": 16}
+    assert not llama.supports(Gemma3TextConfig(**gemma, final_logit_softcapping=30.0))
+    assert not llama.supports(Gemma3TextConfig(**gemma, hidden_activation="silu"))
     assert not llama.supports(LlamaConfig(**{**COMMON, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}))
     assert not llama.supports(LlamaConfig(**{**COMMON, "hidden_act": "gelu"}))
     config = LlamaConfig(**COMMON)
@@ -344,7 +361,7 @@ def test_tied_embedding_equals_the_lm_heads_rows(packed):
 F16_KV_ATOL = 2e-2  # logits about 5 in size: float16 keys and values (11-bit significands) moved them by at most 8e-3
 
 
-@pytest.mark.parametrize("name", ["llama-untied", "llama-mha-odd-sizes", "qwen2-bias", "qwen3-qk-norm", "mistral"])
+@pytest.mark.parametrize("name", ["llama-untied", "llama-mha-odd-sizes", "qwen2-bias", "qwen3-qk-norm", "mistral", "gemma3"])
 def test_float16_keys_and_values_match_transformers_to_their_rounding(name, packed):
     """On the kernels, `kv_dtype=float16` keeps the cache in float16 (as the GGUF blocks' targets do): the
     logits stay within F16_KV_ATOL of transformers' and are not float32's; torch ops keep float32."""

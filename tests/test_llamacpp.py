@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+from transformers import LlamaForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import test_lossless
@@ -52,12 +52,22 @@ def permute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(model: LlamaForCausalLM | Qwen3ForCausalLM, path: Path) -> Path:
+# Gemma 3's tensors where they are named otherwise than a Llama's (its pre-MLP norm is transformers'
+# pre_feedforward_layernorm, and post_attention_layernorm is a norm of the attention's output).
+GEMMA3_NAMES = {
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def write_gguf(model, path: Path) -> Path:
     """`model`'s float32 weights and a byte-level vocabulary as an F32 GGUF file of its architecture,
-    llama or qwen3, as llama.cpp's converter writes it: a Llama's Q and K rows permuted, Qwen3's not,
-    with its per-head query and key norms and its head size (which need not be hidden / heads)."""
+    llama, qwen3 or gemma3, as llama.cpp's converter writes it: a Llama's Q and K rows permuted, the
+    others' not, with per-head query and key norms and a head size that need not be hidden / heads;
+    Gemma 3's norm weights plus 1 (Gemma scales by 1 + weight) and its sliding window."""
     config = model.config
-    arch = config.model_type
+    arch = {"gemma3_text": "gemma3"}.get(config.model_type, config.model_type)
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     tokens, merges = byte_level_vocab(config.vocab_size)
     writer = gguf.GGUFWriter(str(path), arch)
@@ -70,7 +80,9 @@ def write_gguf(model: LlamaForCausalLM | Qwen3ForCausalLM, path: Path) -> Path:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if arch == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_vocab_size(config.vocab_size)
@@ -85,12 +97,14 @@ def write_gguf(model: LlamaForCausalLM | Qwen3ForCausalLM, path: Path) -> Path:
         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
-        "self_attn.k_norm": "attn_k_norm",
+        "self_attn.k_norm": "attn_k_norm", **(GEMMA3_NAMES if arch == "gemma3" else {}),
     }
     permuted = {"self_attn.q_proj": config.num_attention_heads, "self_attn.k_proj": config.num_key_value_heads}
     for name, tensor in model.state_dict().items():
         parts = name.removeprefix("model.").removesuffix(".weight")
         data = tensor.detach().float().numpy()
+        if arch == "gemma3" and parts.endswith("norm"):
+            data = data + 1
         if parts == "lm_head" and config.tie_word_embeddings:
             continue
         if parts.startswith("layers."):

@@ -3,7 +3,7 @@
 Several requests' caches are scored in one pass; each segment's logits must be bitwise those of the
 same tokens scored alone in its slot, and those of the single-request target's `score` after the
 same prefill, whatever the other segments (their slots, lengths, contexts and order). Checked on
-tiny random models (a Llama, a Qwen3) and on the bundled model's GGUF blocks (a long context that runs the attention of
+tiny random models (a Llama, a Qwen3, a Gemma 3) and on the bundled model's GGUF blocks (a long context that runs the attention of
 the segments in parallel).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from specsample.models import kernels
 from specsample.models.llama import LlamaTarget
@@ -80,6 +80,19 @@ def test_qwen3_rows_are_batch_invariant():
     target = LlamaTarget.from_hf(Qwen3ForCausalLM(config).eval())
     assert target.layers[0].q_norm is not None
     check_invariance(target, contexts=[5, 40, 1, 17, 90], news=[1, 4, 9, 0, 3], seed=3)
+
+
+def test_gemma3_rows_are_batch_invariant():
+    """Gemma 3's sliding windows, post-norms and GELU gates in the slots' pass: contexts past the window."""
+    torch.manual_seed(4)
+    config = Gemma3TextConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=12, max_position_embeddings=256,
+        initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    target = LlamaTarget.from_hf(Gemma3ForCausalLM(config).eval())
+    assert [layer.window for layer in target.layers] == [12] * 5 + [0]
+    check_invariance(target, contexts=[5, 40, 1, 17, 90], news=[1, 4, 9, 0, 3], seed=4)
 
 
 def test_bundled_gguf_rows_are_batch_invariant():

@@ -215,14 +215,16 @@ def _layer_from_hf(layer, dtype: torch.dtype, packed: bool) -> Layer:
     )
 
 
-def _layers_from_hf(model, dtype: torch.dtype, packed: bool, max_length: int) -> tuple[list[Layer], Tensor, Tensor, dict]:
+def _layers_from_hf(model, dtype: torch.dtype, packed: bool, max_length: int) -> tuple[list[Layer], Tensor, Tensor, Tensor, dict]:
     """A transformers model's decoder layers in this backend's layout, the target's rotary tables (cos, sin),
-    and the target's scales for its family (`LlamaTarget`'s attn_scale and embed_scale): Gemma 3's
-    layers each take the window and rotary tables of their layer type, and its embedding is scaled."""
+    its final norm's weight, and the target's scales for its family (`LlamaTarget`'s attn_scale and
+    embed_scale): Gemma 3's layers each take the window and rotary tables of their layer type, its norms
+    scale by 1 + weight, and its embedding is scaled."""
     config, rotary = model.config, model.model.rotary_emb
     if config.model_type != "gemma3_text":
         cos, sin = rope_tables(rotary.inv_freq, float(rotary.attention_scaling), max_length, dtype)
-        return [_layer_from_hf(layer, dtype, packed) for layer in model.model.layers], cos, sin, {}
+        layers = [_layer_from_hf(layer, dtype, packed) for layer in model.model.layers]
+        return layers, cos, sin, _copy(model.model.norm.weight, dtype), {}
     tables = {
         kind: rope_tables(getattr(rotary, f"{kind}_inv_freq"), float(getattr(rotary, f"{kind}_attention_scaling")),
                           max_length, dtype)
@@ -234,7 +236,7 @@ def _layers_from_hf(model, dtype: torch.dtype, packed: bool, max_length: int) ->
     ]
     scales = {"attn_scale": config.query_pre_attn_scalar**-0.5,
               "embed_scale": float(torch.tensor(config.hidden_size**0.5))}  # float32, as transformers scales
-    return layers, *tables[config.layer_types[-1]], scales
+    return layers, *tables[config.layer_types[-1]], _gemma_norm(model.model.norm, dtype), scales
 
 
 def runs_to(layer_ids: Iterable[int], recording: frozenset[int]) -> list[list[int]]:
@@ -391,11 +393,11 @@ class LlamaTarget:
         tied = embed_w.data_ptr() == lm_w.data_ptr()
         packed = dtype == torch.float32 and head_dim <= kernels.MAX_HEAD_DIM and kernels.available()
         with torch.inference_mode():
-            layers, cos, sin, scales = _layers_from_hf(model, dtype, packed, max_length)
+            layers, cos, sin, norm, scales = _layers_from_hf(model, dtype, packed, max_length)
             return cls(
                 layers,
                 embed=None if tied else _copy(embed_w, dtype),
-                norm=_copy(model.model.norm.weight, dtype),
+                norm=norm,
                 lm_head=Linear.from_weight(lm_w, None, dtype, packed),
                 cos=cos,
                 sin=sin,
