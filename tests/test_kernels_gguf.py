@@ -414,7 +414,7 @@ def test_only_files_of_at_most_8_bit_blocks_draft_on_their_blocks(tmp_path):
     assert gguf_blocks.drafts_on_blocks(write("q4.gguf", Q4_0))
     assert not gguf_blocks.drafts_on_blocks(write("f32.gguf", GGMLQuantizationType.F32))
     assert not gguf_blocks.drafts_on_blocks(write("f16.gguf", GGMLQuantizationType.F16))
-    assert not gguf_blocks.drafts_on_blocks(write("gemma.gguf", Q8_0, arch="gemma3"))
+    assert not gguf_blocks.drafts_on_blocks(write("phi3.gguf", Q8_0, arch="phi3"))
 
 
 @pytest.fixture(scope="module")

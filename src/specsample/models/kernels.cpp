@@ -421,13 +421,15 @@ static const ByQueries<KV>& by_queries(std::integer_sequence<int, I...>) {
   return table;
 }
 
-// Softmax of a row of scores over its positions lo..len-1 (scaled; blocks VL-wide, positions before lo,
-// outside a sliding window, and the rest of the last block set to 0).
+// Softmax of a row of scores over its positions lo..len-1 (scaled; blocks VL-wide from lo's; the scores
+// before lo, outside a sliding window, need not be there): positions before lo get weight 0 exactly, so
+// that values read from any earlier position on add nothing; the rest of the last block gets about 0.
 static void softmax_row(float* row, long lo, long len, long blocks, float scale) {
-  for (long i = 0; i < lo; i++) row[i] = -__builtin_inff();  // before the token's window
+  const long first = lo / VL;
+  for (long i = first * VL; i < lo; i++) row[i] = -__builtin_inff();  // before the token's window
   for (long i = len; i < blocks * VL; i++) row[i] = -__builtin_inff();  // not positions of this token
   vf top = (vf){} - __builtin_inff();
-  for (long b = 0; b < blocks; b++) {
+  for (long b = first; b < blocks; b++) {
     vf s = load(row + b * VL) * scale;
     *(vfu*)(row + b * VL) = s;
     top = s > top ? s : top;
@@ -435,7 +437,7 @@ static void softmax_row(float* row, long lo, long len, long blocks, float scale)
   float m = top[0];
   for (int l = 1; l < VL; l++) m = top[l] > m ? top[l] : m;
   vf sum = {};
-  for (long b = 0; b < blocks; b++) {
+  for (long b = first; b < blocks; b++) {
     vf e = exp_nonpositive(load(row + b * VL) - m);
     *(vfu*)(row + b * VL) = e;
     sum += e;
@@ -443,7 +445,8 @@ static void softmax_row(float* row, long lo, long len, long blocks, float scale)
   float total = 0;
   for (int l = 0; l < VL; l++) total += sum[l];
   float inv = 1.0f / total;
-  for (long b = 0; b < blocks; b++) *(vfu*)(row + b * VL) = load(row + b * VL) * inv;
+  for (long b = first; b < blocks; b++) *(vfu*)(row + b * VL) = load(row + b * VL) * inv;
+  for (long i = 0; i < lo; i++) row[i] = 0;
 }
 
 // One attention job: T tokens' G query heads each, of one KV head (keys kt tiled, `key_at`; values v [cap, d]);
@@ -460,7 +463,11 @@ static void attend(const float* q, long T, long G, const KV* kt, const KV* v, lo
   const ByQueries<KV>& fn = by_queries<KV>(std::make_integer_sequence<int, QUERIES>{});
   const ByQueries<float>& copies = by_queries<float>(std::make_integer_sequence<int, QUERIES>{});  // paths'
   long Q = T * G, shared = common / VL;  // key blocks every token reads in place
-  fn.scores[Q - 1](q, kt, d, 0, shared, scores, ld);
+  // the first key block any token's window reaches (0 without a window): the blocks before weigh nothing
+  auto window_block = [&](long u) { return window && lens[u] > window ? (lens[u] - window) / VL : 0; };
+  long skip = window_block(0);
+  for (long u = 1; u < T; u++) skip = window_block(u) < skip ? window_block(u) : skip;
+  fn.scores[Q - 1](q, kt, d, skip, shared, scores, ld);
   // A path's gathered keys: whole tiles, from the tile of its first block not read in place (position
   // `tile`) to the tile of its last position.
   long tile = start / TILE * TILE;
@@ -470,7 +477,7 @@ static void attend(const float* q, long T, long G, const KV* kt, const KV* v, lo
     long len = lens[u], blocks = (len + VL - 1) / VL, in_place = paths ? start / VL : blocks;
     const float* qu = q + u * G * d;
     float* su = scores + u * G * ld;
-    fn.scores[G - 1](qu, kt, d, shared, in_place, su, ld);
+    fn.scores[G - 1](qu, kt, d, shared > skip ? shared : skip, in_place, su, ld);
     if (paths) {
       float* keys = gathered + u * stride;
       gather_path(kt, v, d, tile, in_place * VL, len, paths[u], start, keys, path_values(u));
@@ -492,12 +499,15 @@ static void attend(const float* q, long T, long G, const KV* kt, const KV* v, lo
       }
     return;
   }
-  fn.values[Q - 1](scores, ld, v, 0, common, d, out, true);
+  if (skip)  // the values then add onto zeros from block `skip` on
+    for (long i = 0; i < Q * d; i++) out[i] = 0;
+  fn.values[Q - 1](scores, ld, v, skip * VL, common, d, out, true);
   for (long u = 0; u < T; u++) {
     long len = lens[u], direct = paths ? start : len;  // positions whose values are read in place
     const float* su = scores + u * G * ld;
     float* ou = out + u * G * d;
-    fn.values[G - 1](su, ld, v, common, direct, d, ou, true);
+    long from = common > skip * VL ? common : skip * VL;
+    fn.values[G - 1](su, ld, v, from, direct, d, ou, true);
     if (paths) copies.values[G - 1](su, ld, path_values(u) - start * d, direct, len, d, ou, false);
   }
 }
