@@ -2,8 +2,8 @@
 # The per-machine figures of issues 22 and 28 (BENCHMARKS.md asks for them on each machine kind at hand),
 # in one run: cost curves f(n)/f(1) per GGUF type on the blocks and on llama.cpp, the summary table on the
 # blocks (t = 0 and 1) and on the llamacpp backend, plain decoding of the 1B files (and of a
-# Qwen3-0.6B-shaped one) against llama.cpp's own, and draft-model speculative decoding against
-# llama-speculative-simple. About 45 minutes on 2 cores; run it on a quiet machine (nothing else running),
+# Qwen3-0.6B-shaped one) against llama.cpp's own, Gemma 3 270M (Q4_K_M, from the `test` extra's package) on
+# the blocks against llama.cpp, and draft-model speculative decoding against llama-speculative-simple. About 45 minutes on 2 cores; run it on a quiet machine (nothing else running),
 # then copy each figure into BENCHMARKS.md with its command, which each log starts with, and the CPU,
 # which OUT/lscpu.txt holds.
 #
@@ -26,6 +26,7 @@ formats=/tmp/formats
 big=/tmp/specsample-1b
 qwen3=/tmp/specsample-qwen3
 bundled=$(python -c "from specsample.models.loading import bundled_gguf; print(bundled_gguf())")
+gemma3=$(python -m specsample.models.packaged)
 held_out=(--split odd --skip 6)
 
 # One step: its command, then its output, in OUT/NAME.log; skipped unless NAME contains the filter.
@@ -55,6 +56,10 @@ for type in Q4_0 Q8_0; do
   step "curves-qwen3-$type" specsample bench cost-curve --model "$qwen3/random-qwen3-0.6b-$type.gguf" \
     --backends gguf,llamacpp --max-n 8 --repeats 7
 done
+
+step curves-gemma3 specsample bench cost-curve --model "$gemma3" --backends gguf,llamacpp --max-n 8 --repeats 11
+step summary-gemma3-gguf-t0 specsample bench run --config benchmarks/summary.toml --model "$gemma3" --backend gguf \
+  --llamacpp-baselines --no-baselines "${held_out[@]}" --limit 2 --out "$out/summary-gemma3-gguf-t0"
 
 step summary-gguf-t0 specsample bench run --config benchmarks/summary.toml --backend gguf --llamacpp-baselines \
   "${held_out[@]}" --limit 3 --out "$out/summary-gguf-t0"

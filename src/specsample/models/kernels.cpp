@@ -451,15 +451,17 @@ static void softmax_row(float* row, long lo, long len, long blocks, float scale)
 
 // One attention job: T tokens' G query heads each, of one KV head (keys kt tiled, `key_at`; values v [cap, d]);
 // q [T G, d] (token by token), out [T G, d], scores T G rows of ld floats. Token u sees positions
-// 0..lens[u]-1, or with a sliding `window` (0: none) the last `window` of them (the others weigh 0); with `paths` (tree attention), its positions start..lens[u]-1 are the cache slots
-// paths[u][0..], read through copies at gathered + u stride (`gather_path`: its keys tiled, width positions, then its
-// values [lens[u] - start, d]). Positions 0..common-1, which every token sees in place, are scored and weighted for
-// all T G queries at once (each key and value vector loaded once); each token's others after, for its
-// G queries. Every output is the same chain of float operations whatever T and the other tokens.
+// 0..lens[u]-1, or with a sliding `window` (0: none) the last `window` of them (the others weigh 0, and
+// key blocks before every token's window are not read); with `paths` (tree attention), its positions
+// start..lens[u]-1 are the cache slots paths[u][0..], read through copies at gathered + u stride
+// (`gather_path`: its keys tiled, width positions, then its values [lens[u] - start, d]). Positions
+// 0..common-1, which every token sees in place, are scored and weighted for all T G queries at once (each
+// key and value vector loaded once); each token's others after, for its G queries. Every output is the
+// same chain of float operations whatever T and the other tokens.
 template <typename KV>
 static void attend(const float* q, long T, long G, const KV* kt, const KV* v, long d, const long* lens,
-                   long common, long window, float scale, float* scores, long ld, float* out, const long* const* paths, long start,
-                   long stride, float* gathered) {
+                   long common, long window, float scale, float* scores, long ld, float* out, const long* const* paths,
+                   long start, long stride, float* gathered) {
   const ByQueries<KV>& fn = by_queries<KV>(std::make_integer_sequence<int, QUERIES>{});
   const ByQueries<float>& copies = by_queries<float>(std::make_integer_sequence<int, QUERIES>{});  // paths'
   long Q = T * G, shared = common / VL;  // key blocks every token reads in place
