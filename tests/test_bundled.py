@@ -80,3 +80,17 @@ def test_a_gguf_file_is_cached_by_content_not_by_path(tmp_path):
     short.parent.mkdir()
     short.write_bytes(source.read_bytes()[:-1])
     assert conversion_dir(short) != conversion_dir(source)
+
+
+def test_a_prompt_of_one_token_decodes_on_the_bundled_blocks():
+    """An empty prefill (the prompt's only token is scored by the first pass) reads no row of the tied
+    embedding, whose GGUF blocks once failed to unpack zero rows: every one-word completion on the default
+    backend was an error."""
+    sampler = SpecSampler.load(None, "none", backend="gguf")
+    assert len(sampler.encode("Hi", chat=False)) == 1
+    alone = sampler.generate("Hi", chat=False, temperature=0, max_new_tokens=6)
+    assert len(alone.token_ids) == 6
+    target = sampler.target
+    target.prefill(torch.tensor([], dtype=torch.long))
+    first = target.score(torch.tensor(sampler.encode("Hi", chat=False)))
+    assert first.shape == (1, target.vocab_size) and int(first[0].argmax()) == alone.token_ids[0]

@@ -88,7 +88,10 @@ class BlockMatrix:
         return unpack_rows(self, np.asarray(rows))
 
     def rows(self, rows: Tensor) -> Tensor:
-        """Rows `rows` [n] of W, dequantized by the `gguf` package: float32 [n, in]."""
+        """Rows `rows` [n] of W, dequantized by the `gguf` package: float32 [n, in] (n may be 0: an empty
+        prefill's embedding)."""
+        if rows.numel() == 0:
+            return torch.empty(0, self.in_features)
         raw = self.raw_rows(rows.cpu().numpy())
         return torch.from_numpy(np.ascontiguousarray(dequantize(raw, self.qtype)))
 
