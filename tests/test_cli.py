@@ -81,7 +81,15 @@ BAD = [
     (["--drafter", "suffix+no-such-drafter"], "unknown drafter 'no-such-drafter'"),
     (["--drafter", "quantized+suffix", "--max-new-tokens", "8"], "must be a lookup drafter (ngram or suffix: a draft that is a function of the context), got 'quantized'"),
     (["--max-new-tokens", "lots"], "max-new-tokens"),
+    (["--drafter", "none+suffix"], "an A+B drafter names two drafters"),
+    (["--drafter", "suffix+suffix+ngram"], "an A+B drafter names two drafters"),
 ]
+
+
+def test_a_prompt_that_is_not_utf8_gives_one_line_and_exit_2(capsys, tiny_dir):
+    """Bytes that are not UTF-8 in argv reach Python as lone surrogates, which the tokenizer cannot take."""
+    code, out, err = cli(capsys, "generate", "w1 \udcff w2", "--model", str(tiny_dir), "--no-chat")
+    assert code == 2 and err.strip() == "specsample: error: the prompt is not valid UTF-8 text: '\\udcff' at character 3"
 
 
 @pytest.mark.parametrize("args, message", BAD)

@@ -83,9 +83,13 @@ def test_eos_inside_a_draft_ends_the_output(target_model):
     reference = hf_greedy(target_model, 30)
     eos = reference[6]
     first = reference.index(eos)
-    tokens = run(make_target_of(target_model), DraftModelDrafter(make_target_of(target_model)), k=5, eos=frozenset({eos}))
+    stats = Stats()
+    tokens = run(make_target_of(target_model), DraftModelDrafter(make_target_of(target_model)), k=5, eos=frozenset({eos}),
+                 stats=stats)
     assert tokens == reference[: first + 1]
     assert tokens == hf_greedy(target_model, 30, eos=eos)
+    # the target itself drafts, so every draft token is accepted, those past the EOS too; they are not counted
+    assert stats.generated_tokens == len(tokens) and stats.accepted_tokens <= len(tokens)
 
 
 @pytest.mark.parametrize("use_draft", [False, True])

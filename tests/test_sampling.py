@@ -61,6 +61,15 @@ def test_temperature_one_is_softmax():
     assert torch.allclose(probs_from_logits(logits, SamplingParams()), logits.softmax(-1))
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-39, 1e-30])
+def test_a_tiny_temperature_is_the_limit_not_nan(temperature):
+    """logits / T overflows to inf below about 1e-37 here, and softmax then gives NaN; the limit is the
+    argmax's point mass, or an even split over a tie for the largest."""
+    logits = torch.tensor([[1.0, 3.0, -2.0, 0.5], [2.0, -1.0, 2.0, 0.0]])
+    probs = probs_from_logits(logits, SamplingParams(temperature=temperature))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0]]))
+
+
 def test_top_k_keeps_k_tokens():
     probs = probs_from_logits(torch.tensor([1.0, 4.0, 3.0, 2.0]), SamplingParams(top_k=2))
     assert (probs > 0).tolist() == [False, True, True, False]

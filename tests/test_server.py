@@ -239,6 +239,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "w5", "logprobs": 2}),
     ("/v1/completions", {"prompt": "w5", "echo": True}),
     ("/v1/completions", {"prompt": "w5", "logit_bias": {"5": 100}}),
+    # a lone surrogate (valid JSON, not valid UTF-8 text)
+    ("/v1/completions", '{"prompt": "w5 \\ud800 w9"}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "w5 \\ud800"}]}'),
 ]
 
 

@@ -82,7 +82,7 @@ def decode(
             new = cut_at_eos(emitted, eos_token_ids)
             step = Step(
                 len(draft),
-                verdict.accepted,
+                min(verdict.accepted, len(new)),  # accepted draft tokens after an EOS are not emitted
                 len(new),
                 t_verify - t_draft + observing - draft.setup_seconds,
                 t_other - t_verify - observing,

@@ -88,12 +88,18 @@ def argmax(scores: Tensor) -> Tensor:
     return scores.argmax(-1)
 
 
+SMALL_TEMPERATURE = 1e-20  # below, logits are shifted to a largest of 0 before they are divided by it
+
+
 def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     """Transform logits [..., vocab] into float32 probabilities [..., vocab]."""
     if params.greedy:
         probs = torch.zeros_like(logits, dtype=torch.float32)
         return probs.scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    if params.temperature < SMALL_TEMPERATURE:  # logits / T would overflow to inf, and softmax give NaN
+        logits = logits - logits.amax(-1, keepdim=True)  # the largest 0: the limit, a point mass or a tie
+    logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -23,7 +23,7 @@ from specsample.tree import reached
 @dataclass(frozen=True)
 class Step:
     drafted: int  # draft tokens proposed this step
-    accepted: int  # of them accepted
+    accepted: int  # of them accepted and emitted (none past an EOS)
     emitted: int  # tokens emitted (accepted + 1, less any cut at EOS or a limit)
     draft_seconds: float
     verify_seconds: float

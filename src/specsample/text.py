@@ -15,13 +15,27 @@ Message = dict[str, str]
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[Message], chat: bool = True) -> list[int]:
-    """Token ids of a prompt; chat prompts go through the model's chat template when it has one."""
+    """Token ids of a prompt; chat prompts go through the model's chat template when it has one. Text that
+    is not Unicode a tokenizer can take (a lone surrogate: invalid UTF-8 bytes on a command line, a bad
+    escape in JSON) is a ValueError naming where it is."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    for number, message in enumerate(messages, 1):
+        if isinstance(message.get("content"), str):
+            check_text(message["content"], "the prompt" if isinstance(prompt, str) else f"message {number}")
     if chat and tokenizer.chat_template:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids)
     text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
     return tokenizer.encode(text, add_special_tokens=True)
+
+
+def check_text(text: str, what: str) -> None:
+    """Raise ValueError if `text` cannot be encoded as UTF-8 (it holds a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{what} is not valid UTF-8 text: {error.object[error.start:error.end]!r} at character "
+                         f"{error.start}") from None
 
 
 def user_turn_opening(tokenizer: PreTrainedTokenizerBase) -> list[int]:

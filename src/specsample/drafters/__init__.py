@@ -121,9 +121,9 @@ def make_drafter(
         return REGISTRY[spec](model, target)
     first, plus, second = spec.partition("+")
     if plus and not Path(spec).expanduser().exists():
-        if not first or not second:
-            raise ValueError(f"an A+B drafter names two drafters, a lookup drafter and a second one "
-                             f"(for example suffix+quantized); got {spec!r}")
+        if not first or not second or "none" in (first, second) or ("+" in second and not Path(second).expanduser().exists()):
+            raise ValueError(f"an A+B drafter names two drafters, a lookup drafter and a second one, neither "
+                             f"of them none (for example suffix+quantized); got {spec!r}")
         options = dict(backend=backend, trust_remote_code=trust_remote_code, threads=threads)
         lookup = make_drafter(first, model, target, **options)
         check_lookup(lookup, first)
