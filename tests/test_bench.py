@@ -60,6 +60,18 @@ def test_bad_configurations_are_clear_errors(spec, message):
         harness.read_configs([spec], {})
 
 
+@pytest.mark.parametrize("text, message", [
+    ('drafter = "suffix"\nk = "foo"\n', "found keys 'drafter', 'k'"),  # a configuration without its [[config]]
+    ('[defaults]\nk = 3\n', "found no \\[\\[config\\]\\]"),
+])
+def test_a_configuration_file_without_configurations_is_refused(tmp_path, text, message):
+    """Not a run of the baselines alone, with the file's keys silently unread."""
+    toml = tmp_path / "c.toml"
+    toml.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        harness.read_configs([str(toml)], {})
+
+
 def test_bench_run_writes_json_table_and_plot(capsys, tmp_path, prompts_file, tiny_dir, tiny_draft_dir):
     out = tmp_path / "run"
     code, stdout, err = cli(capsys, "bench", "run", "--model", str(tiny_dir), "--prompts", str(prompts_file),

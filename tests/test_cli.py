@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specsample.cli import main
+from specsample.cli import main, read_stdin
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:
@@ -62,11 +62,13 @@ def test_generate_with_a_draft_model_streams_the_same_text(capsys, tiny_dir, tin
 def test_prompt_from_stdin(capsys, monkeypatch, tiny_dir):
     import io
 
-    monkeypatch.setattr(sys, "stdin", io.StringIO("w5 w9"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("w5 w9\n"))  # as `echo` writes it
     code, out, err = cli(capsys, "generate", "--model", str(tiny_dir), "--no-chat", "--max-new-tokens", "3",
                          "--seed", "1", "--json")
     assert code == 0, err
     assert len(json.loads(out)["token_ids"]) <= 3
+    monkeypatch.setattr(sys, "stdin", io.StringIO("w5 w9\n\n"))
+    assert read_stdin() == "w5 w9\n"  # the one newline `echo` adds is not part of the prompt
 
 
 BAD = [
@@ -81,6 +83,8 @@ BAD = [
     (["--drafter", "suffix+no-such-drafter"], "unknown drafter 'no-such-drafter'"),
     (["--drafter", "quantized+suffix", "--max-new-tokens", "8"], "must be a lookup drafter (ngram or suffix: a draft that is a function of the context), got 'quantized'"),
     (["--max-new-tokens", "lots"], "max-new-tokens"),
+    (["--seed", "-1"], "seed must be an integer from 0 to 2**64 - 1"),
+    (["--seed", str(2**64)], "seed must be an integer from 0 to 2**64 - 1"),
     (["--drafter", "none+suffix"], "an A+B drafter names two drafters"),
     (["--drafter", "suffix+suffix+ngram"], "an A+B drafter names two drafters"),
 ]

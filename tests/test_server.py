@@ -258,6 +258,15 @@ def test_bad_request_is_400_and_the_server_keeps_serving(base_url, client, path,
     assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
 
 
+def test_null_options_take_their_defaults(base_url):
+    """The OpenAI API allows null for these; some clients send it for every option they leave unset."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": None, "top_p": None, "n": None, "stream": None,
+            "seed": None, "stop": None}
+    response = httpx.post(base_url + "/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"]
+
+
 def test_openai_options_left_off_are_accepted(client):
     """A client that sends the options of `schemas.UNSUPPORTED` at their "off" values, as some SDKs do, is served."""
     response = client.completions.create(

@@ -22,7 +22,8 @@ DRAFTER_HELP = (
     "with AVX-512; plain decoding on AVX2-only kernels; suffix elsewhere)."
 )
 K_HELP = "Speculation length K, or 'auto' (cost model) or 'auto:heuristic'. Default: auto with the default drafter, else 4."
-BACKEND_HELP = "auto, fast, transformers or llamacpp (GGUF files on llama.cpp)."
+BACKEND_HELP = ("auto (for a GGUF file, the one measured fastest here), gguf (the project's kernels on the file's own "
+                "blocks), fast, transformers or llamacpp (GGUF files on llama.cpp).")
 THREADS_HELP = "CPU threads of the llamacpp backend (default: all cores)."
 
 
@@ -298,7 +299,7 @@ def check(
 def read_stdin() -> str:
     if sys.stdin is None or sys.stdin.isatty():
         raise ValueError("no prompt: pass it as an argument or on stdin")
-    return sys.stdin.read()
+    return sys.stdin.read().removesuffix("\n")  # the newline `echo` ends it with is not part of the prompt
 
 
 def mount_subcommands() -> None:

@@ -425,5 +425,8 @@ def request_source(seed: int | None) -> RandomSource:
     """A request's random source: coupled with a seed, so the seed gives the text plain decoding gives
     with it whatever the drafter and K; without one, independent draws from OS entropy verified by
     modified rejection sampling, whose acceptance is the best any coupling can have
-    (docs/coupled-sampling.md has the measured difference)."""
+    (docs/coupled-sampling.md has the measured difference). A seed is a 64-bit unsigned integer: others
+    would wrap onto one of those, two seeds giving one text."""
+    if seed is not None and not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {seed}")
     return GeneratorSource(make_generator(None)) if seed is None else CoupledSource(seed)

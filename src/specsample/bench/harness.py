@@ -120,8 +120,12 @@ def read_configs(specs: Sequence[str], overrides: dict) -> tuple[dict, list[Conf
         if spec.endswith(".toml"):
             with open(spec, "rb") as f:
                 data = tomllib.load(f)
+            unknown = sorted(set(data) - {"defaults", "config"})
+            if unknown or not data.get("config"):
+                raise ValueError(f"{spec}: a configuration file has a [defaults] table and [[config]] tables, at least "
+                                 f"one; found {'keys ' + ', '.join(map(repr, unknown)) if unknown else 'no [[config]]'}")
             defaults.update(data.get("defaults", {}))
-            entries += data.get("config", [])
+            entries += data["config"]
         else:
             entries.append(parse_pairs(spec))
     defaults.update({key: value for key, value in overrides.items() if value is not None})

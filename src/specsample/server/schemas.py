@@ -39,6 +39,9 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 
 
+NULL_IS_DEFAULT = {"temperature", "top_p", "top_k", "min_p", "n", "stream"}  # options whose null means their default
+
+
 class GenerationRequest(BaseModel):
     """The options shared by chat and text completions."""
 
@@ -55,6 +58,14 @@ class GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_the_default(cls, data: object) -> object:
+        """An option sent as null takes its default, as the OpenAI API allows for every one of these."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None or key not in NULL_IS_DEFAULT}
+        return data
 
     @model_validator(mode="before")
     @classmethod
