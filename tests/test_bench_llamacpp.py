@@ -111,6 +111,16 @@ def test_bench_decode_auto_measures_the_backend_generate_would_pick(capsys, prom
     assert reason.startswith("auto: the cheapest single-token pass") and f"backend {backend}: {reason}" in stdout
 
 
+def test_check_names_the_backend_auto_resolved_to(capsys, ggufs, cache):
+    from specsample.models.choice import resolve
+
+    code, stdout, err = cli(capsys, "check", "--model", str(ggufs[0]), "--drafter", "suffix", "--k", "2", "--samples",
+                            "20", "--context", "w5 w9", "--threads", "1", "--temperature", "0")
+    assert code == 0, stdout + err
+    backend, reason = resolve(str(ggufs[0]), "auto", threads=1)
+    assert reason.startswith("auto: the cheapest single-token pass") and f"backend {backend} ({reason})" in stdout
+
+
 def run_on_llamacpp(capsys, out: Path, prompts_file: Path, ggufs, *extra: str) -> dict:
     code, stdout, err = cli(capsys, "bench", "run", "--model", str(ggufs[0]), "--prompts", str(prompts_file),
                             "--backend", "llamacpp", "--threads", "1", "--max-new-tokens", "10", "--no-baselines",

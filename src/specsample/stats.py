@@ -34,6 +34,10 @@ class Step:
 
 @dataclass
 class Stats:
+    """What decoding a request did and took. Counts are of the decoding work: where a stop string ends the
+    text inside a step's tokens, the step's later tokens were decoded and are counted (generated_tokens,
+    accepted_tokens), though the completion's token_ids stop with the stop string's last token."""
+
     drafter: str = ""  # the `--drafter` value of the configuration that ran
     prompt_tokens: int = 0
     load_seconds: float = 0.0

@@ -119,10 +119,15 @@ def load_sampler(
     threads: int | None = None,
 ) -> SpecSampler:
     """A SpecSampler (drafter None: the default configuration) whose target, as its drafter sees it
-    too, reuses a repeated prefill."""
+    too, reuses a repeated prefill; `backend` resolved as `SpecSampler.load` resolves it."""
+    from specsample.models.choice import resolve
+
+    backend, reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
     loaded, target = load_target(model, backend, trust_remote_code=trust_remote_code, threads=threads)
-    return SpecSampler.build(loaded, PrefixCache(target), drafter, backend=backend, trust_remote_code=trust_remote_code,
-                             threads=threads)
+    sampler = SpecSampler.build(loaded, PrefixCache(target), drafter, backend=backend,
+                                trust_remote_code=trust_remote_code, threads=threads)
+    sampler.backend_reason = reason
+    return sampler
 
 
 def chi_square_p(observed: np.ndarray, probs: np.ndarray) -> float:
