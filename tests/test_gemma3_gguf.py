@@ -21,8 +21,8 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 from specsample.drafters import DraftModelDrafter, NoDrafter
 from specsample.drafters.quantized import QuantizedDrafter
 from specsample.models import gguf_blocks, kernels
-from specsample.models.llamacpp import LlamaCppTarget, quantize
-from test_llamacpp import LOGIT_TOLERANCE, VOCAB, random_ids, run, write_gguf
+from specsample.models.llamacpp import LlamaCppTarget
+from test_llamacpp import LOGIT_TOLERANCE, VOCAB, f32_and_q8_0, logits_after, random_ids, run
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the GGUF blocks need the C++ kernels")
 
@@ -50,15 +50,7 @@ def gemma3() -> Gemma3ForCausalLM:
 @pytest.fixture(scope="module")
 def files(gemma3, tmp_path_factory) -> tuple[Path, Path]:
     """The F32 file and its Q8_0 copy."""
-    directory = tmp_path_factory.mktemp("gemma3")
-    f32 = write_gguf(gemma3, directory / "gemma3-f32.gguf")
-    return f32, quantize(f32, directory / "gemma3-q8_0.gguf", "Q8_0", threads=1)
-
-
-def logits_after(target, ids: torch.Tensor, cached: int) -> torch.Tensor:
-    """Logits [len(ids) - cached, vocab] of ids[cached:] scored in one pass after a prefill of ids[:cached]."""
-    target.prefill(ids[:cached])
-    return target.score(ids[cached:])
+    return f32_and_q8_0(gemma3, tmp_path_factory.mktemp("gemma3"), "gemma3")
 
 
 def reference(model, ids: torch.Tensor) -> torch.Tensor:

@@ -121,6 +121,18 @@ def write_gguf(model, path: Path) -> Path:
     return path
 
 
+def f32_and_q8_0(model, directory: Path, name: str) -> tuple[Path, Path]:
+    """`model` as an F32 GGUF file (`write_gguf`) and its Q8_0 copy made by llama.cpp's quantizer."""
+    f32 = write_gguf(model, directory / f"{name}-f32.gguf")
+    return f32, quantize(f32, directory / f"{name}-q8_0.gguf", "Q8_0", threads=1)
+
+
+def logits_after(target, ids: torch.Tensor, cached: int) -> torch.Tensor:
+    """Logits [len(ids) - cached, vocab] of ids[cached:] scored in one pass after a prefill of ids[:cached]."""
+    target.prefill(ids[:cached])
+    return target.score(ids[cached:])
+
+
 @pytest.fixture(scope="module")
 def tiny_model() -> LlamaForCausalLM:
     return tiny_llama(VOCAB, seed=0)

@@ -19,8 +19,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from specsample.drafters import DraftModelDrafter, NoDrafter
 from specsample.drafters.quantized import QuantizedDrafter
 from specsample.models import gguf_blocks, kernels
-from specsample.models.llamacpp import LlamaCppTarget, quantize
-from test_llamacpp import LOGIT_TOLERANCE, VOCAB, random_ids, run, write_gguf
+from specsample.models.llamacpp import LlamaCppTarget
+from test_llamacpp import LOGIT_TOLERANCE, VOCAB, f32_and_q8_0, logits_after, random_ids, run
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the GGUF blocks need the C++ kernels")
 
@@ -43,15 +43,7 @@ def qwen3() -> Qwen3ForCausalLM:
 @pytest.fixture(scope="module")
 def files(qwen3, tmp_path_factory) -> tuple[Path, Path]:
     """The F32 file and its Q8_0 copy."""
-    directory = tmp_path_factory.mktemp("qwen3")
-    f32 = write_gguf(qwen3, directory / "qwen3-f32.gguf")
-    return f32, quantize(f32, directory / "qwen3-q8_0.gguf", "Q8_0", threads=1)
-
-
-def logits_after(target, ids: torch.Tensor, cached: int) -> torch.Tensor:
-    """Logits [len(ids) - cached, vocab] of ids[cached:] scored in one pass after a prefill of ids[:cached]."""
-    target.prefill(ids[:cached])
-    return target.score(ids[cached:])
+    return f32_and_q8_0(qwen3, tmp_path_factory.mktemp("qwen3"), "qwen3")
 
 
 def test_llama_cpp_reads_the_qwen3_file_as_transformers_runs_the_model(qwen3, files):
