@@ -122,8 +122,9 @@ def read_configs(specs: Sequence[str], overrides: dict) -> tuple[dict, list[Conf
                 data = tomllib.load(f)
             unknown = sorted(set(data) - {"defaults", "config"})
             if unknown or not data.get("config"):
+                found = "keys " + ", ".join(map(repr, unknown)) if unknown else "no [[config]]"
                 raise ValueError(f"{spec}: a configuration file has a [defaults] table and [[config]] tables, at least "
-                                 f"one; found {'keys ' + ', '.join(map(repr, unknown)) if unknown else 'no [[config]]'}")
+                                 f"one; found {found}")
             defaults.update(data.get("defaults", {}))
             entries += data["config"]
         else:

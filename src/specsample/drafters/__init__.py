@@ -121,7 +121,8 @@ def make_drafter(
         return REGISTRY[spec](model, target)
     first, plus, second = spec.partition("+")
     if plus and not Path(spec).expanduser().exists():
-        if not first or not second or "none" in (first, second) or ("+" in second and not Path(second).expanduser().exists()):
+        three = "+" in second and not Path(second).expanduser().exists()
+        if not first or not second or "none" in (first, second) or three:
             raise ValueError(f"an A+B drafter names two drafters, a lookup drafter and a second one, neither "
                              f"of them none (for example suffix+quantized); got {spec!r}")
         options = dict(backend=backend, trust_remote_code=trust_remote_code, threads=threads)

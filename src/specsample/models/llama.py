@@ -2,8 +2,8 @@
 
 These models are one decoder: RMSNorm, rotary embeddings, grouped-query
 attention and a gated MLP (SwiGLU; Gemma 3's GELU, with norms of each attention
-and MLP output, local layers of their own rotary base and a sliding window). On a CPU, decoding a small model is bound by
-reading the weights once per forward pass, so scoring K+1 tokens should cost
+and MLP output, local layers of their own rotary base and a sliding window). On a
+CPU, decoding a small model is bound by reading the weights once per forward pass, so scoring K+1 tokens should cost
 about as much as scoring one. transformers does not get there (its forward over
 8 new tokens costs about 1.5 to 3 of its forwards over one, and its per-op
 overhead is large); this backend does, by:
@@ -215,7 +215,9 @@ def _layer_from_hf(layer, dtype: torch.dtype, packed: bool) -> Layer:
     )
 
 
-def _layers_from_hf(model, dtype: torch.dtype, packed: bool, max_length: int) -> tuple[list[Layer], Tensor, Tensor, Tensor, dict]:
+def _layers_from_hf(
+    model, dtype: torch.dtype, packed: bool, max_length: int
+) -> tuple[list[Layer], Tensor, Tensor, Tensor, dict]:
     """A transformers model's decoder layers in this backend's layout, the target's rotary tables (cos, sin),
     its final norm's weight, and the target's scales for its family (`LlamaTarget`'s attn_scale and
     embed_scale): Gemma 3's layers each take the window and rotary tables of their layer type, its norms
@@ -230,8 +232,9 @@ def _layers_from_hf(model, dtype: torch.dtype, packed: bool, max_length: int) ->
                           max_length, dtype)
         for kind in set(config.layer_types)
     }
+    windows = {"sliding_attention": config.sliding_window, "full_attention": 0}
     layers = [
-        _gemma3_layer_from_hf(layer, dtype, packed, config.sliding_window if kind == "sliding_attention" else 0, tables[kind])
+        _gemma3_layer_from_hf(layer, dtype, packed, windows[kind], tables[kind])
         for layer, kind in zip(model.model.layers, config.layer_types)
     ]
     scales = {"attn_scale": config.query_pre_attn_scalar**-0.5,
@@ -582,7 +585,8 @@ class LlamaTarget:
             else:
                 # a tree's token t sits at position start + its depth
                 positions = torch.arange(start, start + n) if parents is None else start + depths(parents)  # [n]
-                masks = {window: self._mask(start, positions, parents, window) for window in {w.window for w in self.layers}}
+                windows = {w.window for w in self.layers}
+                masks = {window: self._mask(start, positions, parents, window) for window in windows}
                 for i in layer_ids:
                     x = self._layer(i, x, start, positions, masks[self.layers[i].window])
                     if i + 1 in recording:
@@ -617,6 +621,7 @@ class LlamaTarget:
             return None if t is None else t.data_ptr()
 
         cos, sin = self._rotary(w)
+        default_scale = float(1.0 / torch.tensor(float(self.head_dim)).sqrt())  # float32, as the kernels had it
         return kernels.LayerArgs(
             hidden=self.hidden_size, heads=self.heads, kv_heads=self.kv_heads, d=self.head_dim,
             inter=w.gate_up.out_features // 2, cap=self.v_cache.shape[2], eps=self.eps,
@@ -628,7 +633,7 @@ class LlamaTarget:
             post_mlp_norm=ptr(w.post_mlp_norm),
             fqkv=w.qkv.qtype, fo=w.o.qtype, fgu=w.gate_up.qtype, fdown=w.down.qtype,
             kv_half=int(self.k_cache.dtype == torch.float16), gelu=int(w.gelu), window=w.window,
-            scale=float(1.0 / torch.tensor(float(self.head_dim)).sqrt()) if self.attn_scale is None else self.attn_scale,
+            scale=default_scale if self.attn_scale is None else self.attn_scale,
         )
 
     def _rotary(self, layer: Layer) -> tuple[Tensor, Tensor]:
