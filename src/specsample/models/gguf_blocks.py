@@ -778,7 +778,6 @@ def lower_bit_copy(target):
     """A lower-bit copy of a LlamaTarget on GGUF blocks, with its own cache: its layer matrices of more
     than COPY_ABOVE bits requantized to Q4_0 (`requantized`); the rest, the LM head, the embedding, norms
     and rotary tables shared. Raises NotOnThisBackend where no layer matrix has more bits (no cheaper copy)."""
-    from specsample.models.llama import LlamaTarget
     from specsample.models.target import NotOnThisBackend
 
     names = ("qkv", "o", "gate_up", "down")
