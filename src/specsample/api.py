@@ -12,7 +12,7 @@ machine (`specsample.defaults`); `sampler.configuration` says which, and why.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -182,12 +182,16 @@ class SpecSampler:
         backend: str = "auto",
         trust_remote_code: bool = False,
         threads: int | None = None,
+        wrap: Callable[[Target], Target] | None = None,
     ) -> "SpecSampler":
         """Load a target (None: the bundled model) and a drafter (a name or a draft model path; None:
         the default configuration for the target's backend on this machine, `specsample.defaults`).
-        `backend` "auto" runs a GGUF file where it measures faster on this machine (`models.choice`)."""
+        `backend` "auto" runs a GGUF file where it measures faster on this machine (`models.choice`).
+        `wrap`, if given, wraps the target before the drafter is made, so both see the wrapper (a check's
+        `PrefixCache`)."""
         backend, reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
         loaded, target = load_target(model, backend, trust_remote_code=trust_remote_code, threads=threads)
+        target = target if wrap is None else wrap(target)
         sampler = cls.build(loaded, target, drafter, backend=backend, trust_remote_code=trust_remote_code, threads=threads)
         sampler.backend_reason = reason
         return sampler

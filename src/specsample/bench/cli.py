@@ -116,14 +116,13 @@ def decode(
     from rich.table import Table
 
     from specsample.bench import decode as bench_decode
-    from specsample.models import check_backend, load_model, make_target
+    from specsample.models import load_model, make_target
     from specsample.models.choice import resolve
 
     if limit < 1 or max_new_tokens < 1 or k < 1:
         raise ValueError("--limit, --max-new-tokens and --k must be positive")
     items = read_bench_prompts(prompts, split)[:limit]
     _setup(threads)
-    check_backend(backend)
     backend, backend_reason = resolve(model, backend, threads=threads)
     loaded = load_model(model)
     unavailable: dict[str, str] = {}
@@ -241,14 +240,13 @@ def run(
     from specsample.bench import harness, report, run_notes
     from specsample.cli import quiet_transformers
     from specsample.gcfreeze import freeze_loaded
-    from specsample.models import check_backend, load_model, make_target
+    from specsample.models import load_model, make_target
     from specsample.models.choice import resolve
 
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
-    check_backend(backend)
     backend, backend_reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
     overrides = {"k": k, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                  "max_new_tokens": max_new_tokens}

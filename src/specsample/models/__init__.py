@@ -58,7 +58,6 @@ def load_target(
     `auto` on a GGUF file runs it where it measures faster on this machine (`models.choice`)."""
     from specsample.models.choice import resolve
 
-    check_backend(backend)  # before the slow load
     backend, _ = resolve(path, backend, threads=threads, trust_remote_code=trust_remote_code)
     if backend == "llamacpp":
         from specsample.models.llamacpp import LlamaCppTarget

@@ -94,7 +94,11 @@ def gguf_file(path: str | Path | None) -> Path | None:
 def resolve(path: str | Path | None, backend: str, *, threads: int | None = None,
             trust_remote_code: bool = False) -> tuple[str, str]:
     """The backend to load `path` on, and why: `backend` itself unless it is "auto"; for a GGUF file, the
-    measured fastest of llamacpp (if installed), the file's blocks ("gguf") and the float32 path ("auto")."""
+    measured fastest of llamacpp (if installed), the file's blocks ("gguf") and the float32 path ("auto").
+    A backend of no such name is a ValueError, before anything slow."""
+    from specsample.models import check_backend
+
+    check_backend(backend)
     if backend != "auto":
         return backend, "given"
     gguf = gguf_file(path)

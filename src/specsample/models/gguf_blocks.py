@@ -621,6 +621,7 @@ def gemma3_layers(index: TensorIndex, shape: FileShape, layers: list, max_length
     with the file's sliding window and their own rotary tables; and `LlamaTarget`'s attn_scale and
     embed_scale for it. Its norms, post-norms included, are read as the file stores them: its converter
     has already added Gemma's 1 to every norm weight."""
+    from specsample.models.llama import inverse_sqrt
     from specsample.models.ops import rope_tables
 
     meta = index.metadata
@@ -633,8 +634,7 @@ def gemma3_layers(index: TensorIndex, shape: FileShape, layers: list, max_length
     ]
     hidden = int(meta[f"{shape.arch}.embedding_length"])
     per_head = hidden // shape.heads if shape.layers == GEMMA3_27B_LAYERS else shape.head_dim
-    scale = float(1.0 / torch.tensor(float(per_head)).sqrt())  # float32, as llama.cpp computes it
-    return made, {"attn_scale": scale, "embed_scale": float(torch.tensor(float(hidden)).sqrt())}
+    return made, {"attn_scale": inverse_sqrt(per_head), "embed_scale": float(torch.tensor(float(hidden)).sqrt())}
 
 
 def file_layer(index: TensorIndex, p: str, heads: list[int | None] | None):

@@ -110,6 +110,11 @@ class Layer:
     rotary: tuple[Tensor, Tensor] | None = None  # this layer's (cos, sin) [max_length, head_dim], if not the target's
 
 
+def inverse_sqrt(n: int) -> float:
+    """1 / sqrt(n) in float32 arithmetic, as C computes 1.0f / sqrtf(n): attention's score scale."""
+    return float(1.0 / torch.tensor(float(n)).sqrt())
+
+
 def rope_type(config) -> str:
     """The rope type of a transformers config, old (`rope_scaling`) or new (`rope_parameters`) style."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -621,7 +626,6 @@ class LlamaTarget:
             return None if t is None else t.data_ptr()
 
         cos, sin = self._rotary(w)
-        default_scale = float(1.0 / torch.tensor(float(self.head_dim)).sqrt())  # float32, as the kernels had it
         return kernels.LayerArgs(
             hidden=self.hidden_size, heads=self.heads, kv_heads=self.kv_heads, d=self.head_dim,
             inter=w.gate_up.out_features // 2, cap=self.v_cache.shape[2], eps=self.eps,
@@ -633,7 +637,7 @@ class LlamaTarget:
             post_mlp_norm=ptr(w.post_mlp_norm),
             fqkv=w.qkv.qtype, fo=w.o.qtype, fgu=w.gate_up.qtype, fdown=w.down.qtype,
             kv_half=int(self.k_cache.dtype == torch.float16), gelu=int(w.gelu), window=w.window,
-            scale=default_scale if self.attn_scale is None else self.attn_scale,
+            scale=inverse_sqrt(self.head_dim) if self.attn_scale is None else self.attn_scale,
         )
 
     def _rotary(self, layer: Layer) -> tuple[Tensor, Tensor]:

@@ -47,7 +47,7 @@ from tqdm import tqdm
 from specsample.api import SpecSampler
 from specsample.drafters import Drafter, NoDrafter
 from specsample.engine import decode
-from specsample.models import Target, load_target
+from specsample.models import Target
 from specsample.models.target import RecordsFeatures, require
 from specsample.policy import FixedK, KPolicy
 from specsample.sampling import (
@@ -120,14 +120,8 @@ def load_sampler(
 ) -> SpecSampler:
     """A SpecSampler (drafter None: the default configuration) whose target, as its drafter sees it
     too, reuses a repeated prefill; `backend` resolved as `SpecSampler.load` resolves it."""
-    from specsample.models.choice import resolve
-
-    backend, reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
-    loaded, target = load_target(model, backend, trust_remote_code=trust_remote_code, threads=threads)
-    sampler = SpecSampler.build(loaded, PrefixCache(target), drafter, backend=backend,
-                                trust_remote_code=trust_remote_code, threads=threads)
-    sampler.backend_reason = reason
-    return sampler
+    return SpecSampler.load(model, drafter, backend=backend, trust_remote_code=trust_remote_code, threads=threads,
+                            wrap=PrefixCache)
 
 
 def chi_square_p(observed: np.ndarray, probs: np.ndarray) -> float:
