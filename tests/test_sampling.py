@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -61,13 +63,20 @@ def test_temperature_one_is_softmax():
     assert torch.allclose(probs_from_logits(logits, SamplingParams()), logits.softmax(-1))
 
 
-@pytest.mark.parametrize("temperature", [1e-45, 1e-39, 1e-30])
+@pytest.mark.parametrize("temperature", [5e-324, 1e-200, 1e-46, 1e-45, 1e-39, 1e-30])
 def test_a_tiny_temperature_is_the_limit_not_nan(temperature):
-    """logits / T overflows to inf below about 1e-37 here, and softmax then gives NaN; the limit is the
-    argmax's point mass, or an even split over a tie for the largest."""
+    """logits / T overflows to inf below about 1e-37 here, and softmax then gives NaN; below about 1.4e-45
+    T is 0 in float32 and the largest logit's 0 / 0 is NaN too. The limit is the argmax's point mass, or
+    an even split over a tie for the largest."""
     logits = torch.tensor([[1.0, 3.0, -2.0, 0.5], [2.0, -1.0, 2.0, 0.0]])
     probs = probs_from_logits(logits, SamplingParams(temperature=temperature))
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0]]))
+
+
+@pytest.mark.parametrize("temperature", [math.inf, math.nan, -1e-300])
+def test_a_temperature_that_is_not_a_finite_number_at_least_0_is_refused(temperature):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        SamplingParams(temperature=temperature)
 
 
 def test_top_k_keeps_k_tokens():

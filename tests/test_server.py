@@ -215,6 +215,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ["w5", "w6"]}),
     ("/v1/completions", {"prompt": "w5", "temperature": "hot"}),
     ("/v1/completions", {"prompt": "w5", "temperature": -0.5}),
+    ("/v1/completions", '{"prompt": "w5", "temperature": Infinity}'),  # Python's json reads it
     ("/v1/completions", {"prompt": "w5", "top_p": 0}),
     ("/v1/completions", {"prompt": "w5", "top_p": 1.5}),
     ("/v1/completions", {"prompt": "w5", "max_tokens": 0}),

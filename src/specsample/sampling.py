@@ -37,6 +37,8 @@ variation distance, which is near the 1 - TV of the best coupling
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -58,8 +60,8 @@ class SamplingParams:
     min_p: float = 0.0  # 0.0: off
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -88,7 +90,7 @@ def argmax(scores: Tensor) -> Tensor:
     return scores.argmax(-1)
 
 
-SMALL_TEMPERATURE = 1e-20  # below, logits are shifted to a largest of 0 before they are divided by it
+SMALL_TEMPERATURE = 1e-20  # below, logits are shifted to a largest of 0 and divided in float64
 
 
 def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
@@ -97,9 +99,13 @@ def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
         probs = torch.zeros_like(logits, dtype=torch.float32)
         return probs.scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
     logits = logits.float()
-    if params.temperature < SMALL_TEMPERATURE:  # logits / T would overflow to inf, and softmax give NaN
-        logits = logits - logits.amax(-1, keepdim=True)  # the largest 0: the limit, a point mass or a tie
-    logits = logits / params.temperature
+    if params.temperature < SMALL_TEMPERATURE:
+        # logits / T would overflow to inf, and softmax give NaN; below about 1.4e-45 T itself is 0 in
+        # float32. Shifted to a largest of 0 and divided in float64 (where T > 0 is never 0), the largest
+        # stay 0 and the rest fall to -inf: the limit, a point mass on the argmax or an even split over a tie.
+        logits = ((logits - logits.amax(-1, keepdim=True)).double() / params.temperature).float()
+    else:
+        logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
