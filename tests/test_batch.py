@@ -213,7 +213,7 @@ def test_generate_batch_equals_generate(sampler):
         alone = sampler.generate(prompt, **greedy)
         assert (completion.text, completion.token_ids, completion.finish_reason) == (
             alone.text, alone.token_ids, alone.finish_reason)
-        assert completion.stats.generated_tokens == len(completion.token_ids) or completion.finish_reason == "stop"
+        assert completion.stats.generated_tokens == len(completion.token_ids)
     assert any(c.finish_reason == "stop" for c in batched)
     sampled = dict(max_new_tokens=16, temperature=1.0, k=3)
     batched = sampler.generate_batch(prompts[:3], max_batch=2, seeds=[1, 2, 3], **sampled)
@@ -345,3 +345,52 @@ def test_a_request_alone_in_a_batch_chooses_as_one_request_does():
         chosen.append(k)
     assert min(chosen[-20:]) >= 4
     assert max(run_policy(dear, other_rows=15)[-20:]) == 0  # with other requests, the batch's curve decides
+
+
+def test_a_stop_string_inside_a_step_ends_the_counts(sampler):
+    """The step that completes a stop string drafted further (the suffix drafter has seen this answer):
+    its later tokens are not in the completion, nor in its counts."""
+    first = sampler.generate("Hi", max_new_tokens=12, temperature=0, k=8)
+    stop = sampler.model.tokenizer.decode(first.token_ids[:1]).strip()
+    stopped = sampler.generate("Hi", max_new_tokens=12, temperature=0, k=8, stop=[stop])
+    assert stopped.finish_reason == "stop" and stopped.stats.drafted_tokens > len(stopped.token_ids)
+    stats = stopped.stats
+    assert stats.generated_tokens == len(stopped.token_ids) and stats.accepted_tokens <= stats.generated_tokens
+    assert stats.mean_accepted_length == len(stopped.token_ids) / stats.steps
+
+
+def test_a_generation_interrupted_by_another_raises_rather_than_mixing_texts(sampler):
+    """The target holds one sequence: a generation resumed after another took a step raises `Interrupted`;
+    the other's text is its own, and so is that of a generation started afterwards."""
+    from specsample import Interrupted
+
+    options = dict(max_new_tokens=10, temperature=0, k=3)
+    alone = {p: sampler.generate(p, **options).text for p in ("Write a long story.", "Name three rivers.")}
+    a = iter(sampler.stream("Write a long story.", **options))
+    next(a)
+    assert sampler.generate("Name three rivers.", **options).text == alone["Name three rivers."]
+    with pytest.raises(Interrupted, match="another generation on the same SpecSampler ran after it"):
+        next(a)
+    assert sampler.generate("Write a long story.", **options).text == alone["Write a long story."]
+
+
+def test_generations_from_several_threads_never_mix_their_texts(sampler):
+    """Each of four threads' `generate` either gives its prompt's text alone or raises `Interrupted`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specsample import Interrupted
+
+    prompts = ["Write a long story.", "Name three rivers.", "Say hello.", "Count to five."]
+    options = dict(max_new_tokens=16, temperature=0, k=3)
+    alone = [sampler.generate(p, **options).text for p in prompts]
+
+    def attempt(prompt: str) -> str | None:
+        try:
+            return sampler.generate(prompt, **options).text
+        except Interrupted:
+            return None
+
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(attempt, prompts))
+    assert all(text in (None, expected) for text, expected in zip(texts, alone)), texts
+    assert any(text is not None for text in texts)

@@ -11,7 +11,7 @@ from specsample.models import TransformersTarget, make_target
 from specsample.models.loading import LoadedModel
 from specsample.policy import FixedK
 from specsample.sampling import GeneratorSource, SamplingParams
-from specsample.stats import Stats
+from specsample.stats import Stats, Step
 
 from conftest import tiny_llama
 
@@ -90,6 +90,18 @@ def test_eos_inside_a_draft_ends_the_output(target_model):
     assert tokens == hf_greedy(target_model, 30, eos=eos)
     # the target itself drafts, so every draft token is accepted, those past the EOS too; they are not counted
     assert stats.generated_tokens == len(tokens) and stats.accepted_tokens <= len(tokens)
+
+
+def test_an_answer_ending_inside_a_step_takes_the_steps_later_tokens_out_of_the_counts():
+    """A stop string's last token inside a step: the step's later tokens, accepted or not, leave the counts."""
+    stats = Stats()
+    stats.record(Step(drafted=4, accepted=4, emitted=5, draft_seconds=0.0, verify_seconds=0.0))
+    stats.record(Step(drafted=6, accepted=5, emitted=6, draft_seconds=0.0, verify_seconds=0.0))
+    stats.answer_ends(2)
+    assert (stats.generated_tokens, stats.accepted_tokens, stats.drafted_tokens) == (7, 6, 10)
+    assert stats.accepted_at == [2, 2, 1, 1, 0, 0] and sum(stats.accepted_at) == stats.accepted_tokens
+    with pytest.raises(ValueError, match="cannot end after 7 tokens of a step that emitted 6"):
+        stats.answer_ends(7)
 
 
 @pytest.mark.parametrize("use_draft", [False, True])

@@ -11,6 +11,7 @@ machine (`specsample.defaults`); `sampler.configuration` says which, and why.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -50,12 +51,24 @@ class Chunk:
     token_ids: list[int]
 
 
+class Interrupted(RuntimeError):
+    """A generation resumed after another one on the same sampler took a step (`Generation`)."""
+
+
 class Generation:
-    """A running generation: iterate for text chunks; `completion` is set when it ends."""
+    """A running generation: iterate for text chunks; `completion` is set when it ends.
+
+    A sampler's target holds one sequence, so its generations run one at a time: one that another
+    generation of the same sampler stepped after it cannot go on, and its next chunk raises
+    `Interrupted` rather than continue from the other's cache. Steps are taken under the sampler's lock,
+    so generations started from several threads fail that way too, never mixing their texts. To run
+    several requests at once, use `SpecSampler.generate_batch` (or `batch`).
+    """
 
     def __init__(self, sampler: SpecSampler, prompt_ids: torch.Tensor, params: SamplingParams, policy: KPolicy,
                  max_new_tokens: int, seed: int | None, stop: Sequence[str]) -> None:
         self.completion: Completion | None = None
+        self.started = False
         self.chunks = self._chunks(sampler, prompt_ids, params, policy, max_new_tokens, seed, stop)
 
     def __iter__(self) -> Iterator[Chunk]:
@@ -86,7 +99,7 @@ class Generation:
         )
         output = TextOutput(model.tokenizer, stop, model.eos_token_ids)
         try:
-            for new in steps:
+            for new in self._turns(sampler, steps):
                 yield output.feed(new)
                 if output.stopped:
                     break
@@ -96,6 +109,21 @@ class Generation:
         finally:
             steps.close()
         self.completion = output.completion(stats)
+
+    def _turns(self, sampler: SpecSampler, steps: Iterator[list[int]]) -> Iterator[list[int]]:
+        """`steps`, each taken under the sampler's lock, as long as no other generation took a step since."""
+        while True:
+            with sampler.lock:
+                if self.started and sampler.running is not self:
+                    raise Interrupted("this generation cannot go on: another generation on the same SpecSampler "
+                                      "ran after it, and the target holds one sequence at a time; finish or close "
+                                      "one before starting the next, or run several with generate_batch")
+                sampler.running, self.started = self, True
+                try:
+                    new = next(steps)
+                except StopIteration:
+                    return
+            yield new
 
 
 class TextOutput:
@@ -107,6 +135,7 @@ class TextOutput:
         self.eos_token_ids = eos_token_ids
         self.token_ids: list[int] = []
         self.stopped = False  # by a stop string
+        self.kept = 0  # of the last step's tokens, those in the answer
 
     def feed(self, new: list[int]) -> Chunk:
         """The chunk of a step's new tokens, up to the token that completes a stop string."""
@@ -118,6 +147,7 @@ class TextOutput:
             if self.stopped:
                 break
         self.token_ids += chunk.token_ids
+        self.kept = len(chunk.token_ids)
         return chunk
 
     def finish(self) -> Chunk:
@@ -128,6 +158,9 @@ class TextOutput:
         return Chunk(delta if self.stopped else delta + self.matcher.finish(), [])
 
     def completion(self, stats: Stats) -> Completion:
+        """The completion, with `stats` counting the tokens of its answer only (`Stats.answer_ends`)."""
+        if self.stopped:
+            stats.answer_ends(self.kept)
         ended = self.stopped or (self.token_ids and self.token_ids[-1] in self.eos_token_ids)
         text = self.matcher.text[: self.matcher.emitted]
         return Completion(text, self.token_ids, "stop" if ended else "length", stats)
@@ -172,6 +205,8 @@ class SpecSampler:
         self.policies: dict[str, KPolicy] = {}
         self.threads = threads
         self._cost_ratios: dict[int, float] | None = None
+        self.lock = threading.Lock()  # held for each step of a `Generation`
+        self.running: Generation | None = None  # the generation whose step ran last
 
     @classmethod
     def load(

@@ -34,9 +34,10 @@ class Step:
 
 @dataclass
 class Stats:
-    """What decoding a request did and took. Counts are of the decoding work: where a stop string ends the
-    text inside a step's tokens, the step's later tokens were decoded and are counted (generated_tokens,
-    accepted_tokens), though the completion's token_ids stop with the stop string's last token."""
+    """What decoding a request did and took. Tokens are counted as far as the answer goes: where a stop
+    string ends the text inside a step's tokens, the step's later tokens are taken out of generated_tokens
+    and accepted_tokens (`answer_ends`), as the engine leaves out tokens after an EOS, so generated_tokens
+    is the completion's token count; drafted_tokens and the seconds are all the work done."""
 
     drafter: str = ""  # the `--drafter` value of the configuration that ran
     prompt_tokens: int = 0
@@ -57,8 +58,10 @@ class Stats:
     tree_depth: int = 0  # their accepted depths, summed
     reached_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (depth, rank) -> nodes reached
     accepted_in_tree: dict[tuple[int, int], int] = field(default_factory=dict)  # of them accepted
+    last: Step | None = field(default=None, repr=False)  # the step recorded last (`answer_ends`)
 
     def record(self, step: Step) -> None:
+        self.last = step
         self.steps += 1
         self.drafted_tokens += step.drafted
         self.accepted_tokens += step.accepted
@@ -74,6 +77,19 @@ class Stats:
             self.accepted_at[i] += i < step.accepted
         if step.parents is not None:
             self.record_tree(step.parents, step.path or ())
+
+    def answer_ends(self, kept: int) -> None:
+        """The answer ends with the first `kept` tokens of the last step (at a stop string's last token):
+        the step's later tokens, accepted draft tokens among them, are not counted."""
+        step = self.last
+        if step is None or not 0 < kept <= step.emitted:
+            raise ValueError(f"the answer cannot end after {kept} tokens of a step that emitted "
+                             f"{0 if step is None else step.emitted}")
+        accepted = min(step.accepted, kept)
+        self.generated_tokens -= step.emitted - kept
+        self.accepted_tokens -= step.accepted - accepted
+        for i in range(accepted, step.accepted):
+            self.accepted_at[i] -= 1
 
     def record_tree(self, parents: Tensor, path: tuple[int, ...]) -> None:
         self.tree_steps += 1
