@@ -105,6 +105,16 @@ def test_bad_arguments_give_one_line_and_exit_2(capsys, tiny_dir, args, message)
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--identity", "--seed", "-1"], "seed must be an integer from 0 to 2**64 - 1, got -1"),
+    (["--identity", "--seed", str(2**64 - 2), "--seeds", "3"], "the last seed, --seed + --seeds - 1, must be an integer"),
+    (["--seed", str(10**23)], "seed must be an integer from 0 to 2**64 - 1"),
+])
+def test_check_refuses_seeds_outside_64_bits_before_loading(capsys, args, message):
+    code, out, err = cli(capsys, "check", "--model", "/nonexistent/model", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
 def test_train_draft_needs_prompts_of_some_kind(capsys, tiny_dir, tmp_path):
     code, _, err = cli(capsys, "train-draft", "--out", str(tmp_path), "--model", str(tiny_dir))
     assert code == 2 and err.strip() == "specsample: error: give --prompts, --self-prompts, --extra-data or several of them"

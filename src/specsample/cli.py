@@ -266,7 +266,7 @@ def check(
     with --identity that a seed gives it the text plain decoding gives."""
     from specsample.engine import check_max_new_tokens
     from specsample.policy import parse_k
-    from specsample.sampling import SamplingParams
+    from specsample.sampling import SamplingParams, check_seed
     from specsample.verify import ChainVerifier
     from specsample.verify import check as certificate
 
@@ -274,6 +274,9 @@ def check(
     policy = None if k is None else parse_k(k)  # validated before the slow load
     if identity and seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
+    check_seed(seed)
+    if identity:
+        check_seed(seed + seeds - 1, "the last seed, --seed + --seeds - 1,")
     check_max_new_tokens(max_new_tokens)
     quiet_transformers()
     sampler = certificate.load_sampler(model, drafter, backend=backend, trust_remote_code=trust_remote_code,

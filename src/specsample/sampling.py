@@ -427,12 +427,18 @@ class CoupledSource:
         return verifier.coupled(draft_tokens, parents, target_probs, lambda offset: self.noise(offset, vocab))
 
 
+def check_seed(seed: int, what: str = "seed") -> None:
+    """Refuse a seed that is not a 64-bit unsigned integer (a generator would wrap it onto one that is)."""
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"{what} must be an integer from 0 to 2**64 - 1, got {seed}")
+
+
 def request_source(seed: int | None) -> RandomSource:
     """A request's random source: coupled with a seed, so the seed gives the text plain decoding gives
     with it whatever the drafter and K; without one, independent draws from OS entropy verified by
     modified rejection sampling, whose acceptance is the best any coupling can have
     (docs/coupled-sampling.md has the measured difference). A seed is a 64-bit unsigned integer: others
     would wrap onto one of those, two seeds giving one text."""
-    if seed is not None and not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {seed}")
+    if seed is not None:
+        check_seed(seed)
     return GeneratorSource(make_generator(None)) if seed is None else CoupledSource(seed)
