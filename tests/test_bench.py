@@ -54,6 +54,8 @@ def test_configs_from_toml_and_pairs_with_precedence(tmp_path):
     ("drafter", "key=value"),
     ("temperature=-1", "temperature"),
     ("kind=vllm", "unknown kind"),
+    ("seed=-5", "seed must be an integer from 0 to 2\\*\\*64 - 1, got -5"),
+    (f"seed={2**64}", "seed must be an integer from 0 to 2"),
 ])
 def test_bad_configurations_are_clear_errors(spec, message):
     with pytest.raises(ValueError, match=message):
@@ -70,6 +72,13 @@ def test_a_configuration_file_without_configurations_is_refused(tmp_path, text, 
     toml.write_text(text)
     with pytest.raises(ValueError, match=message):
         harness.read_configs([str(toml)], {})
+
+
+def test_bench_run_refuses_a_file_as_its_output_directory_before_running(capsys, tmp_path):
+    taken = tmp_path / "results"
+    taken.write_text("not a directory")
+    code, _, err = cli(capsys, "bench", "run", "--model", "/nonexistent/model", "--out", str(taken))
+    assert code == 2 and err.strip() == f"specsample: error: --out {taken} is a file, not a directory for the results"
 
 
 def test_bench_run_writes_json_table_and_plot(capsys, tmp_path, prompts_file, tiny_dir, tiny_draft_dir):

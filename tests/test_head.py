@@ -402,3 +402,15 @@ def test_saved_head_round_trips(tmp_path):
     save_head(tmp_path, head, token_ids)
     drafter = HeadDrafter.load(loaded, make_target(loaded), tmp_path)
     assert torch.equal(drafter.token_ids, token_ids)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(lr=float("nan")), "lr must be a finite number > 0, got nan"),
+    (dict(lr=0.0), "lr must be a finite number > 0"),
+    (dict(distill_weight=float("inf")), "distill_weight must be a finite number >= 0"),
+    (dict(feature_weight=-1.0), "feature_weight must be a finite number >= 0"),
+    (dict(data_minutes=float("nan")), "data_minutes must be a finite number >= 0"),
+])
+def test_training_options_that_would_fail_after_the_data_is_made_are_refused_first(options, message):
+    with pytest.raises(ValueError, match=message):
+        TrainOptions(**options)

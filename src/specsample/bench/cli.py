@@ -247,6 +247,7 @@ def run(
         raise ValueError(f"warmup must be >= 0, got {warmup}")
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
+    report.check_out(out)
     backend, backend_reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
     overrides = {"k": k, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                  "max_new_tokens": max_new_tokens}

@@ -42,7 +42,7 @@ from specsample.models import LoadedModel, Target, load_model, make_target
 from specsample.models.target import NotOnThisBackend
 from specsample.policy import KPolicy, SeesCostCurve, SeesDraftCost, parse_k
 from specsample.prompts import Prompt
-from specsample.sampling import SamplingParams
+from specsample.sampling import SamplingParams, check_seed
 from specsample.text import Message
 
 REFERENCE = "plain"
@@ -66,6 +66,11 @@ class Config:
     top_k: int = 0
     seed: int = 0
     max_new_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        """Bad sampling options and seeds are refused as the configuration is read, before a model loads."""
+        SamplingParams(self.temperature, self.top_k, self.top_p)  # raises on a bad option
+        check_seed(self.seed)
 
     @property
     def params(self) -> SamplingParams:

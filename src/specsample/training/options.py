@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -37,11 +38,16 @@ class TrainOptions:
             raise ValueError(f"self_prompts must be >= 0, got {self.self_prompts}")
         if self.sampled_answers < 0:
             raise ValueError(f"sampled_answers must be >= 0, got {self.sampled_answers}")
-        if self.data_minutes < 0:
-            raise ValueError(f"data_minutes must be >= 0 (0: no limit), got {self.data_minutes}")
         if self.vocab_subset < 0:
             raise ValueError(f"vocab_subset must be >= 0 (0: the full LM head), got {self.vocab_subset}")
         if len(set(self.feature_layers)) != len(self.feature_layers) or any(i < 1 for i in self.feature_layers):
             raise ValueError(f"feature_layers must be distinct layer numbers >= 1, got {list(self.feature_layers)}")
         if not 0 <= self.holdout < 1:
             raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        for name in ("feature_weight", "distill_weight"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not 0 <= self.data_minutes < math.inf:
+            raise ValueError(f"data_minutes must be a finite number >= 0 (0: no limit), got {self.data_minutes}")
