@@ -38,7 +38,6 @@ variation distance, which is near the 1 - TV of the best coupling
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
