@@ -81,6 +81,20 @@ def test_bench_run_refuses_a_file_as_its_output_directory_before_running(capsys,
     assert code == 2 and err.strip() == f"specsample: error: --out {taken} is a file, not a directory for the results"
 
 
+@pytest.mark.parametrize("args, message", [
+    (["decode", "--threads", "0"], "--threads must be >= 1, got 0"),
+    (["batch", "--threads", "-1"], "--threads must be >= 1, got -1"),
+    (["cost-curve", "--threads", "0"], "--threads must be >= 1, got 0"),
+    (["run", "--threads", "0"], "--threads must be >= 1, got 0"),
+    (["batch", "--k", ","], "--k needs one or more distinct K specs, comma-separated, got ','"),
+    (["batch", "--k", "auto,auto"], "--k needs one or more distinct K specs"),
+    (["batch", "--k", "3,zz"], "k must be an integer >= 0 or one of auto"),
+])
+def test_bench_commands_refuse_bad_options_in_one_line_before_loading(capsys, args, message):
+    code, _, err = cli(capsys, "bench", *args, "--model", "/nonexistent/model")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
 def test_bench_run_writes_json_table_and_plot(capsys, tmp_path, prompts_file, tiny_dir, tiny_draft_dir):
     out = tmp_path / "run"
     code, stdout, err = cli(capsys, "bench", "run", "--model", str(tiny_dir), "--prompts", str(prompts_file),

@@ -86,6 +86,8 @@ BAD = [
     (["--seed", "-1"], "seed must be an integer from 0 to 2**64 - 1"),
     (["--seed", str(2**64)], "seed must be an integer from 0 to 2**64 - 1"),
     (["--drafter", "none+suffix"], "an A+B drafter names two drafters"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--threads", "-5", "--backend", "fast"], "--threads must be >= 1, got -5"),
     (["--drafter", "suffix+suffix+ngram"], "an A+B drafter names two drafters"),
 ]
 

@@ -147,6 +147,37 @@ def test_backend_without_trees_refuses_a_tree_drafter():
     assert "\n" not in str(error.value) and "ChainOnly" in str(error.value)
 
 
+class ChainView:
+    """A target seen through the `Target` protocol alone: it scores chains only, as llama.cpp's."""
+
+    def __init__(self, target) -> None:
+        self.target = target
+        self.vocab_size, self.max_length = target.vocab_size, target.max_length
+
+    @property
+    def length(self) -> int:
+        return self.target.length
+
+    def prefill(self, token_ids):
+        return self.target.prefill(token_ids)
+
+    def score(self, token_ids):
+        return self.target.score(token_ids)
+
+    def rollback(self, length: int) -> None:
+        self.target.rollback(length)
+
+
+def test_recycle_chain_drafts_for_a_target_that_scores_chains_only():
+    """Its tree is one path, verified as a chain: greedy output as plain decoding's, drafts accepted."""
+    model = tiny_llama(VOCAB, seed=3, init_scale=0.5)
+    target = ChainView(make_target(loaded(model)))
+    greedy = SamplingParams(temperature=0)
+    plain, _ = run(target, NoDrafter(), greedy, 0)
+    out, stats = run(target, make_drafter("recycle-chain", loaded(model), target), greedy, 6)
+    assert out == plain and stats.accepted_tokens > 0
+
+
 @pytest.mark.parametrize("name", ["recycle", "suffix-tree"])
 def test_transformers_backend_trees_are_token_identical(name):
     """The transformers backend scores trees with a 4D mask: greedy output as plain decoding's."""

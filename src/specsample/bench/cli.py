@@ -35,7 +35,9 @@ def _setup(threads: int | None) -> None:
     import torch
 
     from specsample.cli import quiet_transformers
+    from specsample.models import check_threads
 
+    check_threads(threads)
     if threads is not None:
         torch.set_num_threads(threads)
     quiet_transformers()
@@ -66,8 +68,6 @@ def cost_curve(
     names = [b.strip() for b in backends.split(",") if b.strip()]
     if max_n < 1 or context_length < 1 or repeats < 1 or not names:
         raise ValueError("--max-n, --context-length and --repeats must be positive, --backends non-empty")
-    if threads is not None and threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
     for name in names:
         check_backend(name)
     _setup(threads)
@@ -169,10 +169,15 @@ def batch(
     from specsample.api import SpecSampler
     from specsample.bench import batch as bench_batch
     from specsample.gcfreeze import freeze_loaded
+    from specsample.policy import parse_batch_k
 
     if limit < 1 or max_new_tokens < 1 or max_batch < 1 or rounds < 1:
         raise ValueError("--limit, --max-new-tokens, --max-batch and --rounds must be positive")
     ks = [spec.strip() for spec in k.split(",") if spec.strip()]
+    if not ks or len(set(ks)) != len(ks):
+        raise ValueError(f"--k needs one or more distinct K specs, comma-separated, got {k!r}")
+    for spec in ks:
+        parse_batch_k(spec)  # a bad spec refused before the models load
     items = [p.turns[0] for p in read_bench_prompts(prompts, split, skip=skip)]
     if len(items) < limit * rounds + 2:
         raise ValueError(f"{len(items)} prompts: --limit {limit} x --rounds {rounds} and 2 to warm up need more")
@@ -245,8 +250,6 @@ def run(
 
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
-    if threads is not None and threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
     report.check_out(out)
     backend, backend_reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
     overrides = {"k": k, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,

@@ -76,9 +76,9 @@ REGISTRY: dict[str, DrafterFactory] = {
     "suffix": lambda model, target: SuffixDrafter(),
     "layerskip": layerskip_drafter,
     "quantized": quantized_drafter,
+    "recycle-chain": lambda model, target: RecycleChainDrafter(),  # one path: a chain on any target
     # tree drafters (verify/tree.py), for targets that score a tree in one pass
     "recycle": lambda model, target: trees(target, "recycle", RecycleDrafter),
-    "recycle-chain": lambda model, target: trees(target, "recycle-chain", RecycleChainDrafter),
     "ngram-tree": lambda model, target: trees(target, "ngram-tree", NgramTreeDrafter),
     "suffix-tree": lambda model, target: trees(target, "suffix-tree", SuffixTreeDrafter),
     "quantized-tree": lambda model, target: trees(target, "quantized-tree", lambda: quantized_drafter(model, target, TREE_WIDTH)),

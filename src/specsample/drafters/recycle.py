@@ -22,7 +22,7 @@ table), so the shape is fixed and every ancestor of a chosen path is chosen.
 The draft is a function of the text and the logits of earlier passes, never of
 a draw (point masses, `is_lookup`), so it is verified exactly at any
 temperature. It drafts trees, so it needs a target that scores them
-(`ScoresTrees`); in a batch (batch.py) its forks share one table, and their
+(`ScoresTrees`), except as `recycle-chain`; in a batch (batch.py) its forks share one table, and their
 trees are verified as their trunks.
 """
 
@@ -124,7 +124,9 @@ class RecycleDrafter:
 
 
 class RecycleChainDrafter(RecycleDrafter):
-    """Token Recycling's table drafting a chain (rank 0 only): the tree's baseline at equal cost."""
+    """Token Recycling's table drafting a chain (rank 0 only): the tree's baseline at equal cost. Its
+    tree is one path, which the engine verifies as a chain on any target (`engine.verify`), so it
+    drafts for targets that score chains only (llama.cpp's) too."""
 
     def __init__(self, width: int = WIDTH) -> None:
         super().__init__(width, ranks=1)

@@ -16,6 +16,12 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
 
 
+def check_threads(threads: int | None) -> None:
+    """Refuse a thread count below 1 (None: all cores) on every backend, before anything slow."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+
+
 def make_target(loaded: LoadedModel, backend: str = "auto", *, threads: int | None = None) -> Target:
     """A loaded model's target. `auto` (and `fast`): the fast Llama-family backend when it supports the
     architecture, else (`auto` only) transformers: a model already in memory stays in float32;

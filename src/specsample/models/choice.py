@@ -96,9 +96,10 @@ def resolve(path: str | Path | None, backend: str, *, threads: int | None = None
     """The backend to load `path` on, and why: `backend` itself unless it is "auto"; for a GGUF file, the
     measured fastest of llamacpp (if installed), the file's blocks ("gguf") and the float32 path ("auto").
     A backend of no such name is a ValueError, before anything slow."""
-    from specsample.models import check_backend
+    from specsample.models import check_backend, check_threads
 
     check_backend(backend)
+    check_threads(threads)
     if backend != "auto":
         return backend, "given"
     gguf = gguf_file(path)
