@@ -202,7 +202,7 @@ def batch(
                       cell(r.prefill_seconds, ".2f"), cell(r.differing, "d"))
     Console(width=None if sys.stdout.isatty() else 140).print(table)
     if json_path is not None:
-        bench_batch.save(json_path, rows, {"model": model, "backend": many.backend, "drafter": drafter,
+        bench_batch.save(json_path, rows, {"model": model or many.model.name, "backend": many.backend, "drafter": drafter,
                                            "max_batch": max_batch, "max_new_tokens": max_new_tokens,
                                            "prompts_per_round": limit, "threads": threads})
 
