@@ -208,6 +208,7 @@ def test_sixteen_concurrent_streams_do_not_mix(client, sampler):
 TOO_LONG = " ".join(["w5"] * 200)  # beyond the tiny target's 128-token context
 BAD_REQUESTS = [
     ("/v1/completions", '{"prompt": "w5", '),
+    ("/v1/completions", "[" * 100_000),  # JSON too deep to parse: starlette's HTTPException, counted as invalid too
     ("/v1/completions", "[1, 2]"),
     ("/v1/completions", {}),
     ("/v1/completions", {"prompt": 5}),
@@ -257,6 +258,46 @@ def test_bad_request_is_400_and_the_server_keeps_serving(base_url, client, path,
     assert set(error) == {"message", "type", "param", "code"}
     assert outcome_count(base_url, "invalid") == before + 1
     assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
+
+
+def test_a_prompt_that_fills_the_window_without_max_tokens_names_no_max_tokens(base_url, sampler):
+    words = ["w5"] * sampler.target.max_length
+    while len(sampler.encode(" ".join(words), False)) > sampler.target.max_length:
+        words.pop()
+    response = httpx.post(base_url + "/v1/completions", json={"prompt": " ".join(words)})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "leaves no room for new tokens" in message and "max_new_tokens" not in message
+
+
+def test_usage_in_a_chunk_of_its_own_with_include_usage(client):
+    """OpenAI's stream_options.include_usage: the finish chunk, then one with no choices and the usage."""
+    options = dict(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, stream=True)
+    plain = list(client.completions.create(**options))
+    chunks = list(client.completions.create(**options, stream_options={"include_usage": True}))
+    assert len(chunks) == len(plain) + 1
+    finish, last = chunks[-2], chunks[-1]
+    assert finish.choices[0].finish_reason == "length" and finish.usage is None
+    assert last.choices == [] and last.usage.completion_tokens == 6
+    timeless = lambda chunk: {k: v for k, v in chunk.model_extra["speculative"].items() if k != "tokens_per_second"}
+    assert timeless(last) == timeless(plain[-1])
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    assert plain[-1].usage.completion_tokens == 6  # without it, in the finish chunk as before
+
+
+def test_developer_role_is_the_system_role(client):
+    def answer(role: str) -> str:
+        messages = [{"role": role, "content": "w7 w8"}, {"role": "user", "content": PROMPT}]
+        return client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                              temperature=0).choices[0].message.content
+
+    assert answer("developer") == answer("system")
+
+
+def test_retrieve_the_model(base_url, client, tiny_dir):
+    assert client.models.retrieve(str(tiny_dir)).id == str(tiny_dir)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
 
 
 def test_null_options_take_their_defaults(base_url):
@@ -320,6 +361,10 @@ def test_api_key_is_checked(small_server):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url, api_key=key, max_retries=0).models.list()
     assert httpx.get(f"{url}/models").status_code == 401
+    for header in ("bearer secret", "BEARER  secret"):  # the scheme's name is case-insensitive (RFC 7235)
+        assert httpx.get(f"{url}/models", headers={"Authorization": header}).status_code == 200
+    for header in ("Bearer SECRET", "Basic secret", "secret"):
+        assert httpx.get(f"{url}/models", headers={"Authorization": header}).status_code == 401
     good = openai.OpenAI(base_url=url, api_key="secret", max_retries=0)
     assert good.completions.create(model="x", prompt=PROMPT, max_tokens=2, temperature=0).usage.completion_tokens == 2
     assert httpx.get(f"{small_server}/health").status_code == 200

@@ -23,6 +23,7 @@ from specsample.server import create_app
 
 from conftest import needs_kernels
 from test_server import BAD_REQUESTS, PROMPT, generated_tokens, long_dir, metrics, outcome_count, serving, stream_text, wait_for  # noqa: F401
+from test_server import test_a_prompt_that_fills_the_window_without_max_tokens_names_no_max_tokens  # noqa: F401  the batch's default too
 
 pytestmark = needs_kernels
 MAX_BATCH = 8

@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP API over one SpecSampler.
 
     POST /v1/chat/completions   POST /v1/completions   (stream: server-sent events, ending in `data: [DONE]`)
-    GET  /v1/models             GET  /health           GET  /metrics (Prometheus text format)
+    GET  /v1/models             GET  /v1/models/{id}   GET  /health   GET  /metrics (Prometheus text format)
 
 Every response carries `usage` and a `speculative` block (acceptance rate, mean
 accepted length, drafted and accepted tokens, tokens per second); a stream
-carries them in its last chunk. Errors are OpenAI-style JSON: 400 for a bad
+carries them in its last chunk: the one with `finish_reason`, or, with
+`stream_options.include_usage`, one of their own after it (no choices), as
+OpenAI's API sends usage. Errors are OpenAI-style JSON: 400 for a bad
 request, 401 for a missing or wrong API key, 503 when the queue is full.
 """
 
@@ -99,15 +101,23 @@ def serve_worker(worker: Worker, metrics: ServerMetrics, card: dict, *, api_key:
     async def models() -> dict:
         return {"object": "list", "data": [card]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != name:
+            body = error_body(f"the model {model_id!r} does not exist: this server holds {name!r}", param="model",
+                              code="model_not_found")
+            return JSONResponse(body, status_code=404)
+        return JSONResponse(card)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         messages = [m.as_message() for m in body.messages]
-        job = worker.submit(messages, True, body.stream_options(), request.url.path)
+        job = worker.submit(messages, True, body.generation_options(), request.url.path)
         return await respond(request, body, job, ChatReply(name))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        job = worker.submit(body.text, False, body.stream_options(), request.url.path)
+        job = worker.submit(body.text, False, body.generation_options(), request.url.path)
         return await respond(request, body, job, TextReply(name))
 
     return app
@@ -162,9 +172,13 @@ class TextReply:
     def chunk(self, text: str) -> dict:
         return {**self._head(self.chunk_object), "choices": [self.delta(text)]}
 
-    def last_chunk(self, completion: Completion) -> dict:
-        return {**self._head(self.chunk_object), "choices": [self.delta(None, completion.finish_reason)],
-                **usage(completion)}
+    def last_chunks(self, completion: Completion, usage_chunk: bool) -> list[dict]:
+        """The chunk with the finish reason, and the usage in it or (`usage_chunk`) in one of its own after it,
+        whose choices are empty (OpenAI's `stream_options.include_usage`)."""
+        finish = {**self._head(self.chunk_object), "choices": [self.delta(None, completion.finish_reason)]}
+        if usage_chunk:
+            return [finish, {**self._head(self.chunk_object), "choices": [], **usage(completion)}]
+        return [{**finish, **usage(completion)}]
 
     def _head(self, object: str) -> dict:
         return {"id": self.id, "object": object, "created": self.created, "model": self.model}
@@ -203,7 +217,7 @@ async def respond(request: Request, body: GenerationRequest, job: Events, reply:
     try:
         first = await unless_disconnected(request, job.next_event())
         if body.stream:
-            return StreamingResponse(events(job, first, reply), media_type="text/event-stream",
+            return StreamingResponse(events(job, first, reply, body.usage_chunk), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return JSONResponse(reply.response(await unless_disconnected(request, rest(job, first))))
     except InvalidRequest as error:
@@ -220,8 +234,9 @@ async def rest(job: Events, event: Chunk | Completion) -> Completion:
     return event
 
 
-async def events(job: Events, event: Chunk | Completion, reply: TextReply) -> AsyncIterator[str]:
-    """Server-sent events of a stream; leaving early (the client went away) cancels the generation."""
+async def events(job: Events, event: Chunk | Completion, reply: TextReply, usage_chunk: bool) -> AsyncIterator[str]:
+    """Server-sent events of a stream (`usage_chunk`: the usage in a chunk of its own, `TextReply.last_chunks`);
+    leaving early (the client went away) cancels the generation."""
     try:
         for chunk in reply.opening():
             yield sse(chunk)
@@ -229,7 +244,8 @@ async def events(job: Events, event: Chunk | Completion, reply: TextReply) -> As
             if event.text:
                 yield sse(reply.chunk(event.text))
             event = await job.next_event()
-        yield sse(reply.last_chunk(event))
+        for chunk in reply.last_chunks(event, usage_chunk):
+            yield sse(chunk)
         yield "data: [DONE]\n\n"
     except Exception as error:  # the response has started: report in the stream, as OpenAI does
         log.exception("stream failed")
@@ -283,6 +299,8 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # a body that cannot be parsed at all
+            metrics.requests.labels(request.url.path, "invalid").inc()
         return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
@@ -303,16 +321,17 @@ def describe(error: dict) -> tuple[str, str | None]:
 
 
 class BearerAuth:
-    """ASGI middleware: /v1 routes need `Authorization: Bearer <api key>` (401 otherwise)."""
+    """ASGI middleware: /v1 routes need `Authorization: Bearer <api key>` (401 otherwise); the scheme's name
+    is case-insensitive (RFC 7235), the key is not."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))  # the app's own, under a route prefix
         if scope["type"] == "http" and path.startswith("/v1"):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, key = Headers(scope=scope).get("authorization", "").strip().partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.expected):
                 body = error_body("missing or incorrect API key (Authorization: Bearer ...)", code="invalid_api_key")
                 response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 return await response(scope, receive, send)

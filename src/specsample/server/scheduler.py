@@ -23,7 +23,7 @@ from specsample.api import Prompt, SpecSampler, TextOutput
 from specsample.batch import Request
 from specsample.openmp import in_passing_thread
 from specsample.server.metrics import ServerMetrics
-from specsample.server.worker import InvalidRequest, Job, QueueFull
+from specsample.server.worker import InvalidRequest, Job, QueueFull, default_max_tokens
 
 log = logging.getLogger("specsample.server")
 
@@ -128,9 +128,9 @@ class BatchWorker:
         options.pop("stop")
         given = options.pop("max_new_tokens")
         request = self.sampler.request(job.prompt, chat=job.chat, max_new_tokens=1 if given is None else given, **options)
-        if given is None:  # the server's default, cut to what the context window leaves after the prompt
-            room = self.batch.slots.max_length - request.prompt_ids.shape[0]
-            request.max_new_tokens = max(1, min(self.default_max_tokens, room))
+        if given is None:
+            request.max_new_tokens = default_max_tokens(self.default_max_tokens, request.prompt_ids.shape[0],
+                                                        self.batch.slots.max_length)
         return request
 
     def _drop_cancelled(self) -> None:

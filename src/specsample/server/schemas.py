@@ -39,6 +39,14 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 
 
+class StreamOptions(BaseModel):
+    """A stream's options: with `include_usage`, `usage` comes in a chunk of its own before `[DONE]`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
 NULL_IS_DEFAULT = {"temperature", "top_p", "top_k", "min_p", "n", "stream"}  # options whose null means their default
 
 
@@ -58,6 +66,7 @@ class GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
+    stream_options: StreamOptions | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -90,7 +99,12 @@ class GenerationRequest(BaseModel):
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def stream_options(self) -> dict:
+    @property
+    def usage_chunk(self) -> bool:
+        """Whether a stream ends with a chunk of its own for `usage` (OpenAI's `stream_options.include_usage`)."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def generation_options(self) -> dict:
         """Keyword arguments of `SpecSampler.stream`, max_new_tokens None when the client gave none."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return dict(
@@ -109,12 +123,12 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
     content: str | list[TextPart]
 
     def as_message(self) -> Message:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": content}
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
 class ChatCompletionRequest(GenerationRequest):

@@ -157,6 +157,14 @@ class EngineWorker:
         return "completed"
 
     def _default_max_tokens(self, job: Job) -> int:
-        """The server's default, cut to what the context window leaves after the prompt."""
         prompt_tokens = len(self.sampler.encode(job.prompt, job.chat))
-        return max(1, min(self.default_max_tokens, self.sampler.target.max_length - prompt_tokens))
+        return default_max_tokens(self.default_max_tokens, prompt_tokens, self.sampler.target.max_length)
+
+
+def default_max_tokens(default: int, prompt_tokens: int, max_length: int) -> int:
+    """The server's default number of new tokens, cut to what the context window leaves after the prompt;
+    ValueError when it leaves none (the client gave no max_tokens, so the message names none)."""
+    if prompt_tokens >= max_length:
+        raise ValueError(f"the prompt ({prompt_tokens} tokens) leaves no room for new tokens in the context window "
+                         f"of {max_length} tokens")
+    return min(default, max_length - prompt_tokens)
