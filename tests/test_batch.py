@@ -55,7 +55,7 @@ def run(batch: Batch, requests: list[Request], cancel: dict[int, Request] | None
     """Decode `requests` through `batch`, admitting each as soon as a slot is free; `cancel` removes
     a request after the given step. Tokens by request index."""
     waiting, out, step = list(requests), {id(r): [] for r in requests}, 0
-    while waiting or batch.running:
+    while waiting or batch.busy:
         while waiting and not batch.full:
             batch.add(waiting.pop(0))
         for request, new in batch.step():
@@ -131,6 +131,40 @@ def check_cancelled_request_frees_its_slot(target) -> None:
         assert got[i] == alone(target, NgramDrafter(), 3, ps[i], GREEDY, 30, CoupledSource(0)), f"request {i}"
 
 
+def test_chunked_prefill_batch_equals_alone(target):
+    check_chunked_prefill_batch_equals_alone(target)
+
+
+def check_chunked_prefill_batch_equals_alone(target) -> None:
+    """Prompts of up to 80 tokens prefilled 7 positions before each step (`prefill_chunk`), greedy and seeded,
+    through 3 slots: each request's tokens are engine.decode's alone, the running requests step while a
+    long prompt prefills, and a request removed while it prefills frees its slot."""
+    gen = torch.Generator().manual_seed(11)
+    ps = [torch.randint(0, target.vocab_size, (n,), generator=gen) for n in (3, 80, 40, 1, 65, 8)]
+    params = [GREEDY, SamplingParams(temperature=1.0)] * 3
+    batch = Batch(target.slots(3), SuffixDrafter(), lambda: FixedK(3), eos_token_ids=frozenset(), prefill_chunk=7)
+    requests = [Request(p, q, 20, CoupledSource(50 + i)) for i, (p, q) in enumerate(zip(ps, params))]
+    waiting, out, overlapped = list(requests), {id(r): [] for r in requests}, 0
+    while waiting or batch.busy:
+        while waiting and not batch.full:
+            batch.add(waiting.pop(0))
+        prefilling = len(batch.prefilling)
+        stepped = batch.step()
+        overlapped += bool(stepped and prefilling and batch.prefilling)
+        for request, new in stepped:
+            out[id(request)] += new
+    for i, (p, q) in enumerate(zip(ps, params)):
+        assert out[id(requests[i])] == alone(target, SuffixDrafter(), 3, p, q, 20, CoupledSource(50 + i)), f"request {i}"
+        assert requests[i].stats.prompt_tokens == p.shape[0] and requests[i].stats.prefill_seconds > 0
+    assert overlapped > 0  # steps of running requests between a long prompt's chunks
+    assert sorted(batch.free) == [0, 1, 2]
+    long = Request(ps[1], GREEDY, 4, CoupledSource(0))
+    batch.add(long)
+    assert batch.prefilling == [long] and long.prefilled == 7 and not batch.running
+    batch.remove(long)
+    assert long.slot is None and not batch.busy and sorted(batch.free) == [0, 1, 2]
+
+
 def test_bad_requests_are_refused(target):
     batch = Batch(target.slots(1), NoDrafter(), lambda: FixedK(0), eos_token_ids=frozenset())
     with pytest.raises(ValueError, match="context window"):
@@ -141,6 +175,8 @@ def test_bad_requests_are_refused(target):
     with pytest.raises(ValueError, match="all 1 slots are taken"):
         batch.add(Request(torch.arange(3), GREEDY, 4, CoupledSource(0)))
     assert batch.free == []
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
+        Batch(target.slots(1), NoDrafter(), lambda: FixedK(0), eos_token_ids=frozenset(), prefill_chunk=0)
 
 
 def test_drafters_with_a_model_cache_do_not_fork(target):

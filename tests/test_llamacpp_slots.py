@@ -16,7 +16,8 @@ from specsample.models.llamacpp import SLOT_ROWS, LlamaCppSlots, LlamaCppTarget
 from specsample.models.loading import bundled_gguf
 from specsample.models.target import Slots, SlottedTarget
 
-from test_batch import check_cancelled_request_frees_its_slot, check_greedy_batch_equals_alone, check_seeded_sampling_batch_equals_alone
+from test_batch import (check_cancelled_request_frees_its_slot, check_chunked_prefill_batch_equals_alone,
+                        check_greedy_batch_equals_alone, check_seeded_sampling_batch_equals_alone)
 from test_llamacpp import VOCAB, tiny_gguf, tiny_model  # noqa: F401  (fixtures this module uses)
 from test_slots import check_invariance, tokens
 
@@ -58,6 +59,10 @@ def test_greedy_batch_equals_alone(target, name):
 
 def test_seeded_sampling_batch_equals_alone(target):
     check_seeded_sampling_batch_equals_alone(target)
+
+
+def test_chunked_prefill_batch_equals_alone(target):
+    check_chunked_prefill_batch_equals_alone(target)
 
 
 def test_cancelled_request_frees_its_slot(target):

@@ -301,14 +301,15 @@ class SpecSampler:
         prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)
         return Generation(self, prompt_ids, params, policy, max_new_tokens, seed, stop)
 
-    def batch(self, max_batch: int, k: int | str | None = None) -> Batch:
+    def batch(self, max_batch: int, k: int | str | None = None, prefill_chunk: int | None = None) -> Batch:
         """A batch of `max_batch` slots over this sampler's target (`batch.Batch`), drafting with forks
         of its drafter, each slot with a K policy of the spec `k` (None: the configuration's); its pass
-        cost starts from the target's cost curve on this machine (`cost_ratios`)."""
+        cost starts from the target's cost curve on this machine (`cost_ratios`). `prefill_chunk`: a
+        prompt prefills that many positions before each step (None: all at once, as it joins)."""
         slots = require(self.target, SlottedTarget, "batched decoding").slots(max_batch)
         spec = self.configuration.k if k is None else k
         return Batch(slots, self.drafter, lambda: self.informed(parse_batch_k(spec)), eos_token_ids=self.model.eos_token_ids,
-                     verifier=self.verifier, cost_prior=self.cost_ratios())
+                     verifier=self.verifier, cost_prior=self.cost_ratios(), prefill_chunk=prefill_chunk)
 
     def informed(self, policy: KPolicy) -> KPolicy:
         """`policy`, told what this sampler knows before its first step: the target's cost curve on this
@@ -362,7 +363,7 @@ class SpecSampler:
         outputs = {request: TextOutput(self.model.tokenizer, stop, self.model.eos_token_ids) for request in requests}
         batch = batch or self.batch(max(1, min(max_batch, len(prompts))), k)
         waiting = deque(requests)
-        while waiting or batch.running:
+        while waiting or batch.busy:
             while waiting and not batch.full:
                 batch.add(waiting.popleft())
             for request, new in batch.step():

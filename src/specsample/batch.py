@@ -8,7 +8,9 @@ for all of them), verifies each request on its own rows with its own `SamplingPa
 `RandomSource`, rolls each slot back to its accepted length and emits each request's tokens.
 
 Requests join (`add`: their slot's prefill) and leave (`remove`) between steps, so a server admits
-waiting requests into the running batch (continuous batching). A row's logits do not depend on the
+waiting requests into the running batch (continuous batching). With `prefill_chunk`, a prompt longer
+than that is prefilled a chunk at a time, one chunk before each step, so the running requests go on
+while it prefills rather than waiting for the whole of it (chunked prefill). A row's logits do not depend on the
 other rows of the pass (`Slots`), so a request's tokens are those engine.decode gives it alone, for
 a greedy request and for a request with a seed, whatever else runs and whenever it joined.
 
@@ -46,7 +48,8 @@ class Request:
     max_new_tokens: int
     random: RandomSource
     stats: Stats = field(default_factory=Stats)
-    slot: int | None = None  # while running
+    slot: int | None = None  # while prefilling or running
+    prefilled: int = 0  # positions of the prompt but its last token in its slot's cache
     pending: int = 0  # the last token of the text, not yet in the slot's cache
     produced: int = 0  # tokens emitted so far
     done: bool = False  # ended by an EOS token or max_new_tokens
@@ -63,7 +66,7 @@ class Totals:
     rows: int = 0  # rows scored, summed over steps
     step_seconds: float = 0.0  # whole steps: drafting, the pass, verifying
     pass_seconds: float = 0.0  # the target passes alone
-    prefill_seconds: float = 0.0  # prompts prefilled by `add`
+    prefill_seconds: float = 0.0  # prompts prefilled by `add` and, chunk after chunk, by `step`
 
 
 @dataclass
@@ -92,12 +95,17 @@ class Batch:
         eos_token_ids: frozenset[int],
         verifier: ChainVerifier = ChainVerifier(),
         cost_prior: Mapping[int, float] | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.slots, self.eos_token_ids, self.verifier = slots, eos_token_ids, verifier
+        self.prefill_chunk = prefill_chunk  # positions a prompt prefills at a time (None: all at once)
         self.drafters = [forked(drafter) for _ in range(slots.count)]  # per slot
         self.plain = [plain_draft(d) for d in self.drafters]  # per slot: its drafter's plain-step draft
         self.policies = [policy() for _ in range(slots.count)]  # per slot
         self.free = list(range(slots.count - 1, -1, -1))  # slots without a request, next last
+        self.prefilling: list[Request] = []  # in their slots, their prompts not all prefilled yet, oldest first
         self.running: list[Request] = []
         self.rows = 0  # rows scored by the last step
         # f(rows) of this batch's passes, for the policies that see the batch
@@ -108,40 +116,74 @@ class Batch:
     def full(self) -> bool:
         return not self.free
 
+    @property
+    def busy(self) -> bool:
+        """Whether a request is in the batch, prefilling or running."""
+        return bool(self.prefilling or self.running)
+
     def add(self, request: Request) -> None:
-        """Start `request` in a free slot: prefill its prompt but the last token. ValueError for a
-        request that does not fit the context window or when every slot is taken."""
+        """Start `request` in a free slot: prefill its prompt but the last token (its first
+        `prefill_chunk` positions, the rest in later steps). ValueError for a request that does not fit
+        the context window or when every slot is taken."""
         check_lengths(self.slots, request.prompt_ids.shape[0], request.max_new_tokens)
         if not self.free:
             raise ValueError(f"all {self.slots.count} slots are taken")
         start = perf_counter()
-        slot = self.free.pop()
+        request.slot = self.free.pop()
+        request.stats.prompt_tokens = request.prompt_ids.shape[0]
+        self.prefilling.append(request)
         try:
-            self.slots.prefill(slot, request.prompt_ids[:-1])
+            request.prefilled = self.slots.prefill(request.slot, request.prompt_ids[:-1], self.prefill_chunk)
+            self._prefilled(request, start)
+        except BaseException:  # the slot stays free
+            self.remove(request)
+            raise
+
+    def _prefill_some(self) -> None:
+        """The next chunk of the oldest prompt still prefilling, and more while no request runs (none waits)."""
+        while self.prefilling:
+            start, request = perf_counter(), self.prefilling[0]
+            chunk = request.prompt_ids[request.prefilled : -1][: self.prefill_chunk]  # [<= prefill_chunk]
+            self.slots.extend(request.slot, chunk)
+            request.prefilled += chunk.shape[0]
+            self._prefilled(request, start)
+            if self.running:
+                return
+
+    def _prefilled(self, request: Request, start: float) -> None:
+        """A request whose prompt is all in its slot starts running (its drafter and policy begin); the
+        prefill since `start` is counted."""
+        if request.prefilled == request.prompt_ids.shape[0] - 1:
+            slot = request.slot
             self.drafters[slot].begin(request.prompt_ids, request.params)
             self.policies[slot].begin()
-        except BaseException:  # the slot stays free
-            self.free.append(slot)
-            raise
-        request.slot, request.pending = slot, int(request.prompt_ids[-1])
-        request.looks = looks(self.drafters[slot], self.policies[slot], request.params)
-        request.stats.prompt_tokens = request.prompt_ids.shape[0]
-        request.stats.prefill_seconds = perf_counter() - start
-        self.totals.prefill_seconds += request.stats.prefill_seconds
-        self.running.append(request)
+            request.pending = int(request.prompt_ids[-1])
+            request.looks = looks(self.drafters[slot], self.policies[slot], request.params)
+            self.prefilling.remove(request)
+            self.running.append(request)
+        seconds = perf_counter() - start
+        request.stats.prefill_seconds += seconds
+        self.totals.prefill_seconds += seconds
 
     def remove(self, request: Request) -> None:
         """Take `request` out of the batch (ended, or cancelled between steps) and free its slot."""
-        if request not in self.running:
+        if request in self.prefilling:
+            self.prefilling.remove(request)
+        elif request in self.running:
+            self.running.remove(request)
+            request.stats.policy = self.policies[request.slot].estimates()
+        else:
             return
-        self.running.remove(request)
         self.free.append(request.slot)
-        request.stats.policy = self.policies[request.slot].estimates()
         request.slot = None
 
     def step(self) -> list[tuple[Request, list[int]]]:
-        """One verification step of every running request: each request's new tokens. Requests that
-        ended (EOS, max_new_tokens) are marked `done` and leave the batch."""
+        """One verification step of every running request, after the next chunk of a prompt still
+        prefilling: each running request's new tokens. Requests that ended (EOS, max_new_tokens) are
+        marked `done` and leave the batch."""
+        self._prefill_some()
+        if not self.running:
+            return []
         start = perf_counter()
         self.rows = sum(request.rows for request in self.running)  # as planned so far
         planned = [self._plan(request) for request in self.running]

@@ -759,9 +759,9 @@ class LlamaSlots:
     def length(self, slot: int) -> int:
         return self._lengths[slot]
 
-    def prefill(self, slot: int, token_ids: Tensor) -> None:
+    def prefill(self, slot: int, token_ids: Tensor, budget: int | None = None) -> int:
         """Reset `slot`'s cache and fill it with `token_ids` [n]: the longest prefix another slot holds
-        copied from it, the rest in the target's prefill chunks."""
+        copied from it, the rest (at most `budget` positions of it) in the target's prefill chunks."""
         self.rollback(slot, 0)
         token_ids = token_ids.reshape(-1)
         source, shared = self._longest_prefix(slot, token_ids.tolist())
@@ -770,7 +770,13 @@ class LlamaSlots:
                 mine.copy_(theirs)
             self.v_cache[slot, :, :, :shared] = self.v_cache[source, :, :, :shared]  # [layers, kv_heads, n, dim]
             self._lengths[slot], self._tokens[slot] = shared, self._tokens[source][:shared]
-        for chunk in token_ids[shared:].split(PREFILL_CHUNK):
+        end = token_ids.shape[0] if budget is None else min(token_ids.shape[0], shared + budget)
+        self.extend(slot, token_ids[shared:end])
+        return end
+
+    def extend(self, slot: int, token_ids: Tensor) -> None:
+        """Append `token_ids` [n] to `slot`'s cache in the target's prefill chunks; no logits."""
+        for chunk in token_ids.reshape(-1).split(PREFILL_CHUNK):
             self.forward([(slot, chunk)], logits=False)
 
     def _longest_prefix(self, slot: int, token_ids: list[int]) -> tuple[int, int]:

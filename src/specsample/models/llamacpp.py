@@ -626,14 +626,20 @@ class LlamaCppSlots:
     def length(self, slot: int) -> int:
         return self._lengths[slot]
 
-    def prefill(self, slot: int, token_ids: Tensor) -> None:
-        """Reset `slot`'s cache and fill it with `token_ids` [n], N_BATCH tokens a pass."""
+    def prefill(self, slot: int, token_ids: Tensor, budget: int | None = None) -> int:
+        """Reset `slot`'s cache and fill it with `token_ids` [n] (at most `budget` of them), N_BATCH tokens a pass."""
         self._check([slot])
         self.rollback(slot, 0)
+        self.extend(slot, token_ids.reshape(-1)[:budget])
+        return self._lengths[slot]
+
+    def extend(self, slot: int, token_ids: Tensor) -> None:
+        """Append `token_ids` [n] to `slot`'s cache, N_BATCH tokens a pass; no logits."""
+        self._check([slot])
         ids = token_ids.reshape(-1).numpy().astype(np.int32)
         self._check_room(slot, ids.shape[0])
-        self.batch.chunks(self.ctx, self.memory, slot, ids, 0, None)
-        self._lengths[slot] = ids.shape[0]
+        self.batch.chunks(self.ctx, self.memory, slot, ids, self._lengths[slot], None)
+        self._lengths[slot] += ids.shape[0]
 
     def score(self, segments: Sequence[tuple[int, Tensor]]) -> list[Tensor]:
         """Append each segment's tokens [n_s] to its slot in one `llama_decode`; logits [n_s, vocab]

@@ -154,8 +154,15 @@ class Slots(Protocol):
         """Number of positions in `slot`'s cache."""
         ...
 
-    def prefill(self, slot: int, token_ids: Tensor) -> None:
-        """Reset `slot`'s cache and fill it with `token_ids` [n] (n may be 0); no logits."""
+    def prefill(self, slot: int, token_ids: Tensor, budget: int | None = None) -> int:
+        """Reset `slot`'s cache and fill it with `token_ids` [n] (n may be 0); no logits. With `budget`, at
+        most that many positions are computed (positions copied from another slot's cache cost nothing),
+        and `extend` adds the rest later: a long prompt's prefill between other requests' steps. Returns
+        the number of positions held."""
+        ...
+
+    def extend(self, slot: int, token_ids: Tensor) -> None:
+        """Append `token_ids` [n] to `slot`'s cache; no logits."""
         ...
 
     def score(self, segments: Sequence[tuple[int, Tensor]]) -> list[Tensor]:
