@@ -11,7 +11,7 @@ import pytest
 from specsample.bench import harness, report
 from specsample.api import SpecSampler
 from specsample.verify import ChainVerifier
-from specsample.verify.check import accept_all_greedy
+from specsample.verify.check import accept_all_coupled, accept_all_greedy
 from specsample.drafters import REGISTRY
 from specsample.models import load_model, make_target
 from specsample.models.target import NotOnThisBackend
@@ -60,6 +60,27 @@ def test_configs_from_toml_and_pairs_with_precedence(tmp_path):
 def test_bad_configurations_are_clear_errors(spec, message):
     with pytest.raises(ValueError, match=message):
         harness.read_configs([spec], {})
+
+
+@pytest.mark.parametrize("text", ["seed = 2.9", "top_k = true", "temperature = true", "max_new_tokens = 16.0"])
+def test_toml_values_of_another_type_are_refused(tmp_path, text):
+    """Not silently truncated or converted (2.9 to 2, true to 1)."""
+    toml = tmp_path / "c.toml"
+    toml.write_text(f'[[config]]\ndrafter = "ngram"\n{text}\n')
+    with pytest.raises(ValueError, match="is not a"):
+        harness.read_configs([str(toml)], {})
+
+
+def test_two_files_that_set_a_default_differently_are_refused(tmp_path):
+    """One file's [defaults] never applies to another file's entries."""
+    a, b, c = tmp_path / "a.toml", tmp_path / "b.toml", tmp_path / "c.toml"
+    a.write_text('[defaults]\ntemperature = 0.0\nmax_new_tokens = 16\n\n[[config]]\nname = "a-ngram"\ndrafter = "ngram"\n')
+    b.write_text('[defaults]\ntemperature = 1.0\nmax_new_tokens = 16\n\n[[config]]\ndrafter = "suffix"\n')
+    c.write_text('[defaults]\nmax_new_tokens = 16\n\n[[config]]\ndrafter = "suffix"\n')
+    with pytest.raises(ValueError, match="set temperature to 0.0 and 1.0 in \\[defaults\\]"):
+        harness.read_configs([str(a), str(b)], {})
+    defaults, configs = harness.read_configs([str(a), str(c)], {})  # the same value twice is one default
+    assert defaults["max_new_tokens"] == 16 and [x.temperature for x in configs] == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("text, message", [
@@ -121,15 +142,27 @@ def test_bench_run_writes_json_table_and_plot(capsys, tmp_path, prompts_file, ti
     assert again == table and (out / "plot.png").is_file()
 
 
-def test_mismatches_are_counted_when_verification_is_broken(monkeypatch, prompts_file, tiny_dir, tiny_draft_dir):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_mismatches_are_counted_when_verification_is_broken(monkeypatch, prompts_file, tiny_dir, tiny_draft_dir,
+                                                              temperature):
+    """Greedy, and sampled with plain decoding's seed (coupled sampling): each engine configuration's answers
+    are checked against plain decoding's, and a broken verifier's differ."""
     loaded = load_model(tiny_dir)
     target = make_target(loaded)
-    defaults, configs = harness.read_configs([f"name=draft,drafter={tiny_draft_dir},k=3"], {"max_new_tokens": 8})
+    overrides = {"max_new_tokens": 8, "temperature": temperature, "seed": 3}
+    specs = [f"name=draft,drafter={tiny_draft_dir},k=3", "name=other-seed,drafter=ngram,k=2,seed=4"]
+    defaults, configs = harness.read_configs(specs, overrides)
     configs = harness.with_baselines(defaults, configs, transformers=False)
-    monkeypatch.setattr(SpecSampler, "verifier", ChainVerifier(greedy=accept_all_greedy))  # plain decoding drafts nothing: unaffected
-    records = harness.run(loaded, target, configs, read_prompts(prompts_file, spec_bench=True), warmup=0,
-                          progress=False)
+    records = harness.run(loaded, target, configs, read_prompts(prompts_file, spec_bench=True), warmup=0, progress=False)
     rows = {r["config"]: r for r in report.summarize(harness.record_dicts(records), [c.name for c in configs])
+            if r["category"] == report.OVERALL}
+    assert rows["draft"]["checked"] == 4 and rows["draft"]["mismatches"] == 0
+    assert rows["other-seed"]["checked"] == (4 if temperature == 0 else 0)  # another seed draws other tokens
+    broken = ChainVerifier(greedy=accept_all_greedy, coupled=accept_all_coupled)
+    monkeypatch.setattr(SpecSampler, "verifier", broken)  # plain decoding drafts nothing: unaffected
+    records = harness.run(loaded, target, configs[:2], read_prompts(prompts_file, spec_bench=True), warmup=0,
+                          progress=False)
+    rows = {r["config"]: r for r in report.summarize(harness.record_dicts(records), [c.name for c in configs[:2]])
             if r["category"] == report.OVERALL}
     assert rows["plain"]["mismatches"] == 0 and rows["plain"]["checked"] == 4
     assert rows["draft"]["mismatches"] > 0

@@ -124,6 +124,28 @@ def test_another_tokenizer_is_detected_and_mapped_by_strings(small):
     assert " ab" in {t.decode([i]) for i in shared.target_ids.tolist()}  # "▁ab" and "Ġab" are one string
 
 
+def byte_fallback_tokenizer(pieces: list[str]) -> PreTrainedTokenizerFast:
+    """A SentencePiece-like tokenizer with byte-fallback tokens (Gemma 3's kind): "<0x31>" decodes to "1" as the
+    ordinary "1" does, and the tokenizer encodes "1" to the ordinary one. Ids in the order of `pieces`."""
+    tok = Tokenizer(models.BPE(vocab={piece: i for i, piece in enumerate(pieces)}, merges=[], byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def test_a_string_two_tokens_decode_to_maps_to_the_one_its_tokenizer_encodes_it_to():
+    """Gemma 3's byte tokens: the draft mass of both draft tokens of "1" lands on the target's ordinary "1", the
+    one its tokenizer (and so its model) uses, and the draft model is fed its own ordinary "1"."""
+    target = byte_fallback_tokenizer(["<eos>", "<0x31>", "<0x61>", "x", "1", "a"])
+    draft = byte_fallback_tokenizer(["<eos>", "a", "<0x61>", "1", "<0x31>", "y"])
+    assert target.encode("1", add_special_tokens=False) == [4] and target.decode([1]) == "1"
+    shared = shared_vocabulary(target, draft, len(target), len(draft))
+    assert len(shared) == 2  # "1" and "a"
+    assert sorted(zip(shared.draft_ids.tolist(), shared.target_ids.tolist())) == [(1, 5), (2, 5), (3, 4), (4, 4)]
+    assert shared.to_draft.tolist() == [-1, -1, -1, -1, 3, 1]
+    draft_vocab_probs = torch.tensor([0.0, 0.1, 0.2, 0.3, 0.4, 0.0])
+    assert intersection_probs(draft_vocab_probs, shared).tolist() == pytest.approx([0, 0, 0, 0, 0.7, 0.3])
+
+
 def test_intersection_probs_restricts_and_renormalises(small):
     t, d = small.target_tokenizer, small.draft_tokenizer
     shared = shared_vocabulary(t, d, len(t), len(d))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -305,6 +306,14 @@ def test_a_head_trains_on_an_earlier_runs_data_alone(trained_dir, tiny_dir, tmp_
     report = train(load_model(tiny_dir), [], tmp_path, options, log=lambda _: None, extra_shards=data_shards(trained_dir))
     assert report["sequences"] == 56 and (tmp_path / "head.json").is_file()
     assert not list((tmp_path / "data").glob("*.safetensors"))  # nothing generated again
+
+
+def test_resuming_with_options_of_another_head_shape_is_a_clear_error(trained_dir, tiny_dir, tmp_path):
+    options = TrainOptions(batch_size=4, vocab_subset=40, steps=2, seq_len=16, eval_every=2)
+    train(load_model(tiny_dir), [], tmp_path, options, log=lambda _: None, extra_shards=data_shards(trained_dir))
+    with pytest.raises(ValueError, match="holds a head of another shape than these options make"):
+        train(load_model(tiny_dir), [], tmp_path, replace(options, steps=4, layers=2), log=lambda _: None,
+              extra_shards=data_shards(trained_dir))
 
 
 def test_a_head_reading_a_middle_layer_trains_on_data_that_lacks_it(trained_dir, tiny_dir, tmp_path):

@@ -119,8 +119,10 @@ def read_configs(specs: Sequence[str], overrides: dict) -> tuple[dict, list[Conf
 
     Precedence, lowest first: built-in defaults, a TOML file's [defaults] table,
     `overrides` (command-line options; None means not given), each configuration's own values.
+    The files' [defaults] are the run's (its baselines run with them), so two files that set a key
+    to different values there are refused rather than one silently applied to the other's entries.
     """
-    defaults, entries = dict(DEFAULTS), []
+    defaults, entries, set_by = dict(DEFAULTS), [], {}
     for spec in specs:
         if spec.endswith(".toml"):
             with open(spec, "rb") as f:
@@ -130,7 +132,11 @@ def read_configs(specs: Sequence[str], overrides: dict) -> tuple[dict, list[Conf
                 found = "keys " + ", ".join(map(repr, unknown)) if unknown else "no [[config]]"
                 raise ValueError(f"{spec}: a configuration file has a [defaults] table and [[config]] tables, at least "
                                  f"one; found {found}")
-            defaults.update(data.get("defaults", {}))
+            for key, value in data.get("defaults", {}).items():
+                if key in set_by and defaults[key] != value:
+                    raise ValueError(f"{set_by[key]} and {spec} set {key} to {defaults[key]!r} and {value!r} in [defaults]: "
+                                     "run them apart, or set it in each [[config]]")
+                defaults[key], set_by[key] = value, spec
             entries += data["config"]
         else:
             entries.append(parse_pairs(spec))
@@ -148,14 +154,20 @@ def parse_pairs(spec: str) -> dict[str, str]:
 
 
 def coerce(entry: dict) -> dict:
-    """Values converted to the Config field types; unknown keys are an error."""
+    """Values converted to the Config field types: a TOML value of the field's type (an integer for a
+    float too), or a string (`key=value` pairs) that reads as one; never a boolean, nor 2.9 for an
+    integer. Unknown keys are an error."""
     unknown = set(entry) - set(FIELD_TYPES)
     if unknown:
         raise ValueError(f"unknown configuration keys {sorted(unknown)}: expected some of {sorted(FIELD_TYPES)}")
     out = {}
     for key, value in entry.items():
         kind = FIELD_TYPES[key]
+        readable = isinstance(value, str) or (kind is str and isinstance(value, int | float)) or (
+            isinstance(value, int | float) and not isinstance(value, bool) and (kind is float or isinstance(value, int)))
         try:
+            if not readable:
+                raise TypeError
             out[key] = kind(value)
         except (TypeError, ValueError):
             raise ValueError(f"configuration key {key}: {value!r} is not a {kind.__name__}") from None
@@ -400,12 +412,14 @@ def rotated(items: Sequence, shift: int) -> list:
 
 def mark_mismatches(records: list[Record], tokens: dict, configs: dict[str, Config], reference: Config,
                     raws: dict | None = None, same_text: dict | None = None) -> None:
-    """At temperature 0 (and the reference's max_new_tokens), compare each answer with the reference's:
-    its tokens, or for a baseline that printed text only (`same_text` by configuration, `raws` its
-    printed bytes), that text with the text of the reference's tokens."""
+    """Compare each answer with the reference's, at its max_new_tokens: at temperature 0, and for the
+    engine's configurations sampled with the reference's options and seed (coupled sampling gives plain
+    decoding's tokens whatever the drafter and K); its tokens, or for a baseline that printed text only
+    (`same_text` by configuration, `raws` its printed bytes), that text with the text of the reference's tokens."""
     for r in records:
         c = configs[r.config]
-        if not (c.temperature == reference.temperature == 0 and c.max_new_tokens == reference.max_new_tokens):
+        seeded = c.kind == reference.kind == "engine" and (c.params, c.seed) == (reference.params, reference.seed)
+        if not (c.max_new_tokens == reference.max_new_tokens and (c.temperature == reference.temperature == 0 or seeded)):
             continue
         ours, theirs = tokens[r.config, r.question_id, r.turn], tokens[reference.name, r.question_id, r.turn]
         r.matches_plain = ours == theirs

@@ -112,8 +112,12 @@ def resume(path: Path, head: DraftHead, optimizer, generator: torch.Generator) -
     if not path.is_file():
         return 0, []
     state = torch.load(path, weights_only=True)
-    head.load_state_dict(state["head"])
-    optimizer.load_state_dict(state["optimizer"])
+    try:
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{path} holds a head of another shape than these options make (--layers, --vocab-subset, "
+                         f"--feature-layers or --model changed?): resume with its options, or use another --out") from None
     generator.set_state(state["generator"])
     return state["step"], state["history"]
 
