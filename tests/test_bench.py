@@ -55,6 +55,7 @@ def test_configs_from_toml_and_pairs_with_precedence(tmp_path):
     ("temperature=-1", "temperature"),
     ("kind=vllm", "unknown kind"),
     ("seed=-5", "seed must be an integer from 0 to 2\\*\\*64 - 1, got -5"),
+    ("drafter=ngram,k=banana", "k must be an integer >= 0 or one of auto"),
     (f"seed={2**64}", "seed must be an integer from 0 to 2"),
 ])
 def test_bad_configurations_are_clear_errors(spec, message):
@@ -114,6 +115,12 @@ def test_bench_run_refuses_a_file_as_its_output_directory_before_running(capsys,
 def test_bench_commands_refuse_bad_options_in_one_line_before_loading(capsys, args, message):
     code, _, err = cli(capsys, "bench", *args, "--model", "/nonexistent/model")
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_cost_curve_refuses_a_context_past_the_window_before_prefilling(capsys, tiny_dir):
+    code, _, err = cli(capsys, "bench", "cost-curve", "--model", str(tiny_dir), "--backends", "transformers",
+                       "--context-length", "120", "--max-n", "16")
+    assert code == 2 and "--context-length 120 + --max-n 16 exceeds the context window of 128 tokens" in err, err
 
 
 def test_bench_run_writes_json_table_and_plot(capsys, tmp_path, prompts_file, tiny_dir, tiny_draft_dir):

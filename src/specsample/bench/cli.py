@@ -76,6 +76,9 @@ def cost_curve(
     text = "\n".join(p.turns[0] for p in read_bench_prompts(None, "all"))
     ids = cc.context_tokens(loaded.tokenizer, text, context_length + max_n)
     targets = cc.targets(loaded, names, threads)
+    window = min(target.max_length for target in targets.values())
+    if context_length + max_n > window:  # refused before any prefill
+        raise ValueError(f"--context-length {context_length} + --max-n {max_n} exceeds the context window of {window} tokens")
     freeze_loaded()  # no full collection of the loaded objects inside a timed pass
     curves = measure(targets, ids[:context_length], ids[context_length:], range(1, max_n + 1), repeats)
     table = Table(title=f"f(n): one forward pass over n new tokens after {context_length} cached ({loaded.name})",

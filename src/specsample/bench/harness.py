@@ -68,9 +68,11 @@ class Config:
     max_new_tokens: int = 128
 
     def __post_init__(self) -> None:
-        """Bad sampling options and seeds are refused as the configuration is read, before a model loads."""
+        """Bad sampling options, seeds and K specs are refused as the configuration is read, before a model loads."""
         SamplingParams(self.temperature, self.top_k, self.top_p)  # raises on a bad option
         check_seed(self.seed)
+        if self.kind == "engine":
+            parse_k(self.k)
 
     @property
     def params(self) -> SamplingParams:
