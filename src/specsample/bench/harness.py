@@ -165,15 +165,23 @@ def coerce(entry: dict) -> dict:
     out = {}
     for key, value in entry.items():
         kind = FIELD_TYPES[key]
-        readable = isinstance(value, str) or (kind is str and isinstance(value, int | float)) or (
-            isinstance(value, int | float) and not isinstance(value, bool) and (kind is float or isinstance(value, int)))
         try:
-            if not readable:
+            if not reads_as(value, kind):
                 raise TypeError
             out[key] = kind(value)
         except (TypeError, ValueError):
             raise ValueError(f"configuration key {key}: {value!r} is not a {kind.__name__}") from None
     return out
+
+
+def reads_as(value: object, kind: type) -> bool:
+    """Whether `value` converts to `kind` without loss: a string (it is parsed), or a number that is not a
+    boolean, an integer where `kind` is int."""
+    if isinstance(value, str):
+        return True
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return kind is not int or isinstance(value, int)
 
 
 def make_config(values: dict) -> Config:
