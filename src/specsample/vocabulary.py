@@ -10,7 +10,9 @@ A token's *string* is the text it decodes to alone. Tokenizers write a leading s
 own way (byte-level BPE's "Ġ", SentencePiece's "▁"), so two vocabularies are compared by these
 strings, not by their token names. Tokens without a string of their own are left out: special
 tokens, the empty string, and tokens that hold part of a UTF-8 character (byte-level pieces and
-byte-fallback tokens decode to U+FFFD alone).
+byte-fallback tokens of non-ASCII bytes decode to U+FFFD alone). A byte-fallback token of an ASCII
+byte decodes to the same string as an ordinary token; a string's tokens are then told apart by the
+one its tokenizer encodes it to (`token_strings`).
 """
 
 from __future__ import annotations

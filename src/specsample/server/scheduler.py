@@ -28,7 +28,8 @@ from specsample.server.worker import InvalidRequest, Job, QueueFull, default_max
 
 log = logging.getLogger("specsample.server")
 # A long prompt prefills this many positions before each step of the running requests, which stall for that
-# long (0.1 to 0.3 s on 2 cores) rather than for its whole prefill (chunked prefill, `batch.Batch`).
+# long (about 0.5 s after 3,700 positions, the bundled model on 2 cores: BENCHMARKS.md) rather than for its
+# whole prefill (chunked prefill, `batch.Batch`).
 PREFILL_CHUNK = 256
 
 
