@@ -95,6 +95,47 @@ def test_a_tree_of_point_masses_reduces_to_its_trunk():
         sampled.trunk()
 
 
+class Oracle:
+    """Drafts the target's own greedy continuation (point masses), so every draft token is accepted, those past
+    an EOS too."""
+
+    is_lookup = True
+
+    def __init__(self, continuation: list[int]) -> None:
+        self.continuation, self.at = continuation, 0
+
+    def fork(self) -> "Oracle":
+        return Oracle(self.continuation)
+
+    def begin(self, prompt_ids: torch.Tensor, params: SamplingParams) -> None:
+        self.at = 0
+
+    def propose(self, k: int, random: RandomSource) -> Draft:
+        return Draft(torch.tensor(self.continuation[self.at : self.at + k]), None)
+
+    def observe(self, tokens: list[int]) -> None:
+        self.at += len(tokens)
+
+
+def test_a_batch_counts_no_accepted_token_past_an_eos(target):
+    """As engine.decode: a request whose draft is accepted past its EOS counts only what it emitted."""
+    prompt = prompts(1)[0]
+    reference = alone(target, NoDrafter(), 0, prompt, GREEDY, 30, CoupledSource(0))
+    eos = frozenset({reference[9]})
+    first = reference.index(reference[9])
+    expected = Stats()
+    alone_tokens = [t for step in decode(target, Oracle(reference), FixedK(6), prompt, GREEDY, max_new_tokens=30,
+                                          eos_token_ids=eos, random=CoupledSource(0), stats=expected) for t in step]
+    batch = Batch(target.slots(1), Oracle(reference), lambda: FixedK(6), eos_token_ids=eos)
+    request = Request(prompt, GREEDY, 30, CoupledSource(0))
+    assert run(batch, [request])[0] == alone_tokens == reference[: first + 1]
+    got = request.stats
+    assert got.generated_tokens == first + 1  # the EOS an accepted draft token: no bonus token after it
+    assert got.accepted_tokens + got.steps - 1 <= got.generated_tokens
+    assert (got.accepted_tokens, got.steps, got.accepted_at) == (expected.accepted_tokens, expected.steps,
+                                                                 expected.accepted_at)
+
+
 def test_seeded_sampling_batch_equals_alone(target):
     """At temperature 1 with a seed, a request's tokens depend on its seed alone, not on its batch."""
     got = check_seeded_sampling_batch_equals_alone(target)

@@ -224,6 +224,31 @@ def test_stats_by_depth_and_rank():
     assert "tree" not in Stats().to_dict()
 
 
+def test_tree_stats_count_trees_verified_and_the_path_the_answer_holds():
+    """A step with an empty tree (a tree drafter that found nothing) verified no tree; a tree's accepted
+    path past an EOS (`engine.answer_step`) or a stop string (`Stats.answer_ends`) is not counted."""
+    from specsample.stats import Step
+    from specsample.verify import Verdict
+
+    parents = torch.tensor([-1, -1, 0, 0, 2])  # 0 -> {2 -> 4, 3}, 1
+    draft = Draft.tree([10, 11, 12, 13, 14], parents.tolist())
+    stats = Stats()
+    stats.record(Step(0, 0, 1, 0.0, 0.0, torch.empty(0, dtype=torch.long), ()))
+    assert "tree" not in stats.to_dict()
+    step = engine.answer_step(draft, Verdict(3, 7, (0, 2, 4)), [10, 12], 0.0, 0.0, 0)  # the EOS at node 2
+    assert (step.accepted, step.path) == (2, (0, 2))
+    stats.record(step)
+    stats.record(Step(5, 3, 4, 0.0, 0.0, parents, (0, 2, 4)))
+    stats.answer_ends(1)  # a stop string ends the answer at the last step's first token
+    assert (stats.accepted_tokens, stats.generated_tokens) == (3, 4)
+    tree = stats.to_dict()["tree"]
+    assert tree["steps"] == 2 and tree["mean_nodes"] == 5 and tree["mean_accepted_depth"] == 1.5
+    assert tree["mean_accepted_depth"] * tree["steps"] == stats.accepted_tokens
+    # depth 0 rank 0 reached twice, accepted twice; rank 1 twice, never; depth 1 rank 0 twice, accepted once
+    # (the first step's node 2; the second step's was past its stop); depth 2 once, not accepted
+    assert tree["acceptance_by_depth_rank"] == {"0,0": 1.0, "0,1": 0.0, "1,0": 0.5, "1,1": 0.0, "2,0": 0.0}
+
+
 def test_tree_size_policy_keeps_the_nodes_that_pay():
     """Eight children of the root, priors 0.7 / 2**rank, f(n) = 1 + (n - 1) / 8: tokens per second
     1, 1.51, 1.64, 1.62, ... for 0, 1, 2, 3 nodes, so two are kept; once rank 1 and 2 are measured

@@ -31,11 +31,11 @@ from time import perf_counter
 from torch import Tensor
 
 from specsample.drafters.base import Draft, Drafter, forked, plain_draft
-from specsample.engine import check_lengths, cut_at_eos, kept, looks, observe, peek, scored_rows, tell_peek
+from specsample.engine import answer_step, check_lengths, cut_at_eos, kept, looks, observe, peek, scored_rows, tell_peek
 from specsample.models.target import Slots
 from specsample.policy import KPolicy, PassCost, SeesBatch
 from specsample.sampling import RandomSource, SamplingParams
-from specsample.stats import Stats, Step
+from specsample.stats import Stats
 from specsample.verify import ChainVerifier
 
 
@@ -236,8 +236,7 @@ class Batch:
         self.drafters[request.slot].observe(emitted)
         new = cut_at_eos(emitted, self.eos_token_ids)
         verify_seconds = pass_seconds + perf_counter() - start  # the shared pass, then its own verification
-        step = Step(len(draft), verdict.accepted, len(new), planned.draft_seconds + observing, verify_seconds,
-                    cut=planned.cut)
+        step = answer_step(draft, verdict, new, planned.draft_seconds + observing, verify_seconds, planned.cut)
         request.stats.record(step)
         self.policies[request.slot].observe(step)
         tell_peek(self.policies[request.slot], planned.peeked, emitted)

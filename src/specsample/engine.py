@@ -80,16 +80,8 @@ def decode(
             emitted = draft.tokens[verdict.nodes].tolist() + [verdict.next_token]
             drafter.observe(emitted)
             new = cut_at_eos(emitted, eos_token_ids)
-            step = Step(
-                len(draft),
-                min(verdict.accepted, len(new)),  # accepted draft tokens after an EOS are not emitted
-                len(new),
-                t_verify - t_draft + observing - draft.setup_seconds,
-                t_other - t_verify - observing,
-                draft.parents,
-                verdict.path,
-                cut,
-            )
+            step = answer_step(draft, verdict, new, t_verify - t_draft + observing - draft.setup_seconds,
+                               t_other - t_verify - observing, cut)
             stats.record(step)
             policy.observe(step)
             tell_peek(policy, peeked, emitted)
@@ -218,6 +210,15 @@ def tell_peek(policy: Peeks, peeked: Tensor | None, emitted: list[int]) -> None:
     the step emitted it."""
     if peeked is not None:
         policy.observe_peek(len(peeked) > 0, len(peeked) > 0 and int(peeked[0]) == emitted[0])
+
+
+def answer_step(draft: Draft, verdict: Verdict, new: list[int], draft_seconds: float, verify_seconds: float,
+                cut: int) -> Step:
+    """A step's record as far as the answer goes: accepted draft tokens after an EOS (`new` ends there) are
+    not emitted, so neither they nor their nodes on a tree's accepted path count as accepted."""
+    accepted = min(verdict.accepted, len(new))
+    path = None if verdict.path is None else verdict.path[:accepted]
+    return Step(len(draft), accepted, len(new), draft_seconds, verify_seconds, draft.parents, path, cut)
 
 
 def cut_at_eos(tokens: list[int], eos_token_ids: frozenset[int]) -> list[int]:

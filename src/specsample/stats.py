@@ -75,8 +75,8 @@ class Stats:
         for i in range(step.drafted):
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < step.accepted
-        if step.parents is not None:
-            self.record_tree(step.parents, step.path or ())
+        if step.parents is not None and step.drafted:  # a tree drafter that found nothing verified no tree
+            self.count_tree(step.parents, step.path or (), 1)
 
     def answer_ends(self, kept: int) -> None:
         """The answer ends with the first `kept` tokens of the last step (at a stop string's last token):
@@ -90,14 +90,18 @@ class Stats:
         self.accepted_tokens -= step.accepted - accepted
         for i in range(accepted, step.accepted):
             self.accepted_at[i] -= 1
+        if step.parents is not None and step.drafted and accepted < step.accepted:  # the tree's path too
+            self.count_tree(step.parents, step.path, -1)
+            self.count_tree(step.parents, step.path[:accepted], 1)
 
-    def record_tree(self, parents: Tensor, path: tuple[int, ...]) -> None:
-        self.tree_steps += 1
-        self.tree_nodes += parents.shape[0]
-        self.tree_depth += len(path)
+    def count_tree(self, parents: Tensor, path: tuple[int, ...], sign: int) -> None:
+        """Add (sign 1) or take back (-1) a tree step: its nodes, accepted depth, and the nodes it reached."""
+        self.tree_steps += sign
+        self.tree_nodes += sign * parents.shape[0]
+        self.tree_depth += sign * len(path)
         for depth, rank, accepted in reached(parents, path):
-            self.reached_at[depth, rank] = self.reached_at.get((depth, rank), 0) + 1
-            self.accepted_in_tree[depth, rank] = self.accepted_in_tree.get((depth, rank), 0) + accepted
+            self.reached_at[depth, rank] = self.reached_at.get((depth, rank), 0) + sign
+            self.accepted_in_tree[depth, rank] = self.accepted_in_tree.get((depth, rank), 0) + sign * accepted
 
     def tree_dict(self) -> dict:
         """Tree size, accepted depth and acceptance by "depth,rank" of the tree steps."""
