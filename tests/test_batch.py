@@ -202,6 +202,7 @@ def check_chunked_prefill_batch_equals_alone(target) -> None:
     long = Request(ps[1], GREEDY, 4, CoupledSource(0))
     batch.add(long)
     assert batch.prefilling == [long] and long.prefilled == 7 and not batch.running
+    assert batch.step() == [] and long.prefilled == 14  # one chunk a step even alone: requests join and leave between
     batch.remove(long)
     assert long.slot is None and not batch.busy and sorted(batch.free) == [0, 1, 2]
 

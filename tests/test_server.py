@@ -300,6 +300,41 @@ def test_retrieve_the_model(base_url, client, tiny_dir):
         client.models.retrieve("gpt-4")
 
 
+def test_a_cancelled_request_task_cancels_its_generation():
+    """Ray Serve's proxy cancels the route's task when its client leaves (no disconnect message): the job is
+    cancelled too, so the replica stops and the gateway's counts settle."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from specsample.server.app import TextReply, respond
+    from specsample.server.schemas import CompletionRequest
+
+    class Waiting:
+        cancelled = False
+
+        async def next_event(self):
+            await asyncio.Event().wait()
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    async def silent() -> dict:
+        await asyncio.Event().wait()
+
+    async def main() -> Waiting:
+        job = Waiting()
+        request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, silent)
+        task = asyncio.ensure_future(respond(request, CompletionRequest(prompt="w5"), job, TextReply("tiny")))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return job
+
+    assert asyncio.run(main()).cancelled
+
+
 def test_null_options_take_their_defaults(base_url):
     """The OpenAI API allows null for these; some clients send it for every option they leave unset."""
     body = {"prompt": PROMPT, "max_tokens": 2, "temperature": None, "top_p": None, "n": None, "stream": None,

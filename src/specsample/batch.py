@@ -140,15 +140,15 @@ class Batch:
             raise
 
     def _prefill_some(self) -> None:
-        """The next chunk of the oldest prompt still prefilling, and more while no request runs (none waits)."""
-        while self.prefilling:
-            start, request = perf_counter(), self.prefilling[0]
-            chunk = request.prompt_ids[request.prefilled : -1][: self.prefill_chunk]  # [<= prefill_chunk]
-            self.slots.extend(request.slot, chunk)
-            request.prefilled += chunk.shape[0]
-            self._prefilled(request, start)
-            if self.running:
-                return
+        """The next chunk of the oldest prompt still prefilling, one a step even when no request runs, so that
+        the batch's owner admits and drops requests (a client gone mid-prefill) between any two chunks."""
+        if not self.prefilling:
+            return
+        start, request = perf_counter(), self.prefilling[0]
+        chunk = request.prompt_ids[request.prefilled : -1][: self.prefill_chunk]  # [<= prefill_chunk]
+        self.slots.extend(request.slot, chunk)
+        request.prefilled += chunk.shape[0]
+        self._prefilled(request, start)
 
     def _prefilled(self, request: Request, start: float) -> None:
         """A request whose prompt is all in its slot starts running (its drafter and policy begin); the

@@ -225,6 +225,9 @@ async def respond(request: Request, body: GenerationRequest, job: Events, reply:
     except ClientGone:
         job.cancel()
         return Response(status_code=499)
+    except asyncio.CancelledError:  # the request's task cancelled (Ray Serve's proxy, when its client leaves)
+        job.cancel()
+        raise
 
 
 async def rest(job: Events, event: Chunk | Completion) -> Completion:
