@@ -215,10 +215,9 @@ def tell_peek(policy: Peeks, peeked: Tensor | None, emitted: list[int]) -> None:
 def answer_step(draft: Draft, verdict: Verdict, new: list[int], draft_seconds: float, verify_seconds: float,
                 cut: int) -> Step:
     """A step's record as far as the answer goes: accepted draft tokens after an EOS (`new` ends there) are
-    not emitted, so neither they nor their nodes on a tree's accepted path count as accepted."""
-    accepted = min(verdict.accepted, len(new))
-    path = None if verdict.path is None else verdict.path[:accepted]
-    return Step(len(draft), accepted, len(new), draft_seconds, verify_seconds, draft.parents, path, cut)
+    not emitted, so neither they nor their nodes on a tree's accepted path count as accepted (`Step.answered`)."""
+    step = Step(len(draft), verdict.accepted, len(new), draft_seconds, verify_seconds, draft.parents, verdict.path, cut)
+    return step.answered(len(new))
 
 
 def cut_at_eos(tokens: list[int], eos_token_ids: frozenset[int]) -> list[int]:

@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import Tensor
 
@@ -30,6 +30,12 @@ class Step:
     parents: Tensor | None = None  # a tree draft's parent array, None for a chain
     path: tuple[int, ...] | None = None  # a tree draft's accepted nodes
     cut: int = 0  # draft tokens drafted (and paid for) but not verified: cut by the K policy (`KPolicy.keep`)
+
+    def answered(self, kept: int) -> "Step":
+        """The step as far as the answer goes, its first `kept` emitted tokens (an EOS or a stop string ends
+        it there): accepted draft tokens after them, and their nodes on a tree's path, are not counted."""
+        accepted = min(self.accepted, kept)
+        return replace(self, accepted=accepted, emitted=kept, path=None if self.path is None else self.path[:accepted])
 
 
 @dataclass
@@ -75,8 +81,7 @@ class Stats:
         for i in range(step.drafted):
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < step.accepted
-        if step.parents is not None and step.drafted:  # a tree drafter that found nothing verified no tree
-            self.count_tree(step.parents, step.path or (), 1)
+        self.count_tree(step, 1)
 
     def answer_ends(self, kept: int) -> None:
         """The answer ends with the first `kept` tokens of the last step (at a stop string's last token):
@@ -85,21 +90,24 @@ class Stats:
         if step is None or not 0 < kept <= step.emitted:
             raise ValueError(f"the answer cannot end after {kept} tokens of a step that emitted "
                              f"{0 if step is None else step.emitted}")
-        accepted = min(step.accepted, kept)
-        self.generated_tokens -= step.emitted - kept
-        self.accepted_tokens -= step.accepted - accepted
-        for i in range(accepted, step.accepted):
+        answered = step.answered(kept)
+        self.generated_tokens -= step.emitted - answered.emitted
+        self.accepted_tokens -= step.accepted - answered.accepted
+        for i in range(answered.accepted, step.accepted):
             self.accepted_at[i] -= 1
-        if step.parents is not None and step.drafted and accepted < step.accepted:  # the tree's path too
-            self.count_tree(step.parents, step.path, -1)
-            self.count_tree(step.parents, step.path[:accepted], 1)
+        self.count_tree(step, -1)
+        self.count_tree(answered, 1)
 
-    def count_tree(self, parents: Tensor, path: tuple[int, ...], sign: int) -> None:
-        """Add (sign 1) or take back (-1) a tree step: its nodes, accepted depth, and the nodes it reached."""
+    def count_tree(self, step: Step, sign: int) -> None:
+        """Add (sign 1) or take back (-1) a tree step: its nodes, accepted depth, and the nodes it reached.
+        A chain's step, or a tree drafter's that found nothing, verified no tree: it counts nothing."""
+        if step.parents is None or not step.drafted:
+            return
+        path = step.path or ()
         self.tree_steps += sign
-        self.tree_nodes += sign * parents.shape[0]
+        self.tree_nodes += sign * step.parents.shape[0]
         self.tree_depth += sign * len(path)
-        for depth, rank, accepted in reached(parents, path):
+        for depth, rank, accepted in reached(step.parents, path):
             self.reached_at[depth, rank] = self.reached_at.get((depth, rank), 0) + sign
             self.accepted_in_tree[depth, rank] = self.accepted_in_tree.get((depth, rank), 0) + sign * accepted
 
