@@ -49,7 +49,17 @@ def test_a_given_backend_and_a_model_directory_are_not_measured(tiny_dir, monkey
     monkeypatch.setattr(choice, "measure", lambda *a: pytest.fail("measured"))
     assert choice.resolve(tiny_dir, "fast") == ("fast", "given")
     backend, reason = choice.resolve(tiny_dir, "auto")
-    assert backend == "auto" and "not a GGUF file" in reason
+    assert backend == "fast" and "model type 'llama'" in reason and "model directory" in reason
+
+
+def test_a_directory_the_fast_backend_does_not_take_names_transformers(tmp_path):
+    """The backend reported for a model directory is the one that runs it, not "auto"."""
+    from transformers import PhiConfig
+
+    PhiConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path)
+    backend, reason = choice.resolve(tmp_path, "auto")
+    assert backend == "transformers" and "model type 'phi' is not one of" in reason
+    assert choice.resolve(tmp_path / "missing", "auto")[0] == "auto"  # loading names what is missing
 
 
 def test_a_gguf_file_is_measured_once_per_machine_and_thread_count(tiny_gguf, cache, monkeypatch):

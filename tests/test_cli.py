@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,6 +148,33 @@ def test_directory_without_safetensors_is_refused(capsys, tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     code, _, err = cli(capsys, "generate", "hi", "--model", str(tmp_path))
     assert code == 2 and "safetensors" in err
+
+
+def copy_of(directory: Path, into: Path, *, without: str | None = None) -> Path:
+    shutil.copytree(directory, into)
+    if without:
+        for path in into.glob(without):
+            path.unlink()
+    return into
+
+
+@pytest.mark.parametrize("role", ["--model", "--drafter"])
+def test_corrupt_weights_are_named_in_one_line(capsys, tiny_dir, tmp_path, role):
+    """A safetensors file cut short: safetensors' own error, which is neither ValueError nor OSError."""
+    broken = copy_of(tiny_dir, tmp_path / "broken")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    args = ["--model", str(tiny_dir), "--drafter", str(broken)] if role == "--drafter" else ["--model", str(broken)]
+    code, out, err = cli(capsys, "generate", "w2 w3", "--no-chat", *args)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"cannot read the weights in {broken}" in err
+
+
+def test_a_directory_without_tokenizer_says_so(capsys, tiny_dir, tmp_path):
+    bare = copy_of(tiny_dir, tmp_path / "bare", without="tokenizer*")
+    code, _, err = cli(capsys, "generate", "w2 w3", "--no-chat", "--model", str(bare))
+    assert code == 2 and err.strip() == f"specsample: error: no tokenizer in {bare} (none of tokenizer.json, " \
+        "tokenizer.model, vocab.json, tokenizer_config.json)"
 
 
 @pytest.mark.slow

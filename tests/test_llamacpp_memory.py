@@ -83,6 +83,19 @@ def test_a_file_llama_cpp_cannot_load_gives_one_line_and_exit_2(capfd, monkeypat
     assert out == ""
 
 
+@pytest.mark.parametrize("backend", ["gguf", "fast"])
+@pytest.mark.parametrize(("kind", "message"), [("not a GGUF", "is not a GGUF file"),
+                                               ("truncated header", "ends inside its GGUF header"),
+                                               ("truncated data", "past the end of the file")])
+def test_the_project_s_backends_name_what_is_wrong_with_the_file(capfd, bad_files, backend, kind, message):
+    """The blocks and the float32 conversion read the file with the project's own header reader
+    (`TensorIndex`) before anything else does: one line naming the problem, not a converter's traceback."""
+    path, _ = bad_files[kind]
+    code, out, err = cli(capfd, "generate", "hello", "--model", str(path), "--backend", backend)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("specsample: error: ") and message in err and str(path) in err, err
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

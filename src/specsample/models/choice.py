@@ -104,9 +104,26 @@ def resolve(path: str | Path | None, backend: str, *, threads: int | None = None
         return backend, "given"
     gguf = gguf_file(path)
     if gguf is None:
-        return "auto", "auto: the fast backend where it supports the model, else transformers (not a GGUF file)"
+        return directory_backend(Path(path).expanduser(), trust_remote_code)
     made = backend_for(gguf, threads, lambda: measure(path, gguf, threads, trust_remote_code))
     return made.backend, made.reason
+
+
+def directory_backend(directory: Path, trust_remote_code: bool) -> tuple[str, str]:
+    """For a model directory (not measured: its weights load in float32 either way), the fast backend
+    where it reproduces the architecture exactly (`llama.supports`), else transformers, and why. A
+    directory without config.json stays "auto": loading it names what it lacks."""
+    from transformers import AutoConfig
+
+    from specsample.models import llama
+
+    if not (directory / "config.json").is_file():
+        return "auto", "auto: not a model directory"
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    reason = llama.unsupported_reason(config)
+    if reason is None:
+        return "fast", f"auto: the fast backend runs model type {config.model_type!r} (a model directory, float32)"
+    return "transformers", f"auto: the fast backend does not ({reason}; a model directory, float32)"
 
 
 def measure(path: str | Path | None, gguf: Path, threads: int | None, trust_remote_code: bool) -> dict[str, float]:

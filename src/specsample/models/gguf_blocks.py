@@ -310,26 +310,40 @@ class TensorIndex:
         self.path = Path(path)
         self.metadata: dict[str, int | float | bool | str] = {}  # scalars and strings, by key
         self.tensors: dict[str, tuple[list[int], GGMLQuantizationType, int]] = {}  # name -> (dims, type, offset)
-        with open(self.path, "rb") as f:
-            magic, _version, n_tensors, n_kv = struct.unpack("<IIQQ", f.read(24))
-            if magic != 0x46554747:  # "GGUF"
-                raise ValueError(f"{self.path} is not a GGUF file")
-            for _ in range(n_kv):
-                key = self._string(f)
-                kind = self._u32(f)
-                if kind in _SCALAR_FORMATS:
-                    self.metadata[key] = struct.unpack(_SCALAR_FORMATS[kind], f.read(_SCALAR_BYTES[kind]))[0]
-                elif kind == 8:
-                    self.metadata[key] = self._string(f)
-                else:
-                    self._skip(f, kind)
-            alignment = int(self.metadata.get("general.alignment", 32))
-            for _ in range(n_tensors):
-                name = self._string(f)
-                dims = [self._u64(f) for _ in range(self._u32(f))]
-                kind, offset = self._u32(f), self._u64(f)
-                self.tensors[name] = (dims, GGMLQuantizationType(kind), offset)
-            self.data_start = -(-f.tell() // alignment) * alignment
+        try:
+            with open(self.path, "rb") as f:
+                self._read_header(f)
+        except struct.error as error:  # a read came back short
+            raise ValueError(f"{self.path} ends inside its GGUF header: the file is truncated or corrupt") from error
+        size = self.path.stat().st_size
+        for name, (dims, kind, offset) in self.tensors.items():
+            block_size, type_bytes = gguf_quant_sizes(kind)
+            end = self.data_start + offset + int(np.prod(dims, dtype=np.int64)) // block_size * type_bytes
+            if end > size:
+                raise ValueError(f"tensor {name} of {self.path} ends at byte {end}, past the end of the file ({size} bytes): the file is truncated or corrupt")
+
+    def _read_header(self, f) -> None:
+        """The metadata and the tensors' places, from the header at the file's start."""
+        head = f.read(24)
+        if head[:4] != b"GGUF":
+            raise ValueError(f"{self.path} is not a GGUF file")
+        _version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:])
+        for _ in range(n_kv):
+            key = self._string(f)
+            kind = self._u32(f)
+            if kind in _SCALAR_FORMATS:
+                self.metadata[key] = struct.unpack(_SCALAR_FORMATS[kind], f.read(_SCALAR_BYTES[kind]))[0]
+            elif kind == 8:
+                self.metadata[key] = self._string(f)
+            else:
+                self._skip(f, kind)
+        alignment = int(self.metadata.get("general.alignment", 32))
+        for _ in range(n_tensors):
+            name = self._string(f)
+            dims = [self._u64(f) for _ in range(self._u32(f))]
+            kind, offset = self._u32(f), self._u64(f)
+            self.tensors[name] = (dims, GGMLQuantizationType(kind), offset)
+        self.data_start = -(-f.tell() // alignment) * alignment
 
     @staticmethod
     def _u32(f) -> int:

@@ -24,9 +24,12 @@ from pathlib import Path
 from time import perf_counter
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Files one of which a Hugging Face model directory's tokenizer is loaded from.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -81,11 +84,22 @@ def load_model(
         config = GenerationConfig.from_pretrained(directory) if (directory / "generation_config.json").is_file() else None
         return LoadedModel(None, tokenizer, name, eos_ids(config, tokenizer), perf_counter() - start, gguf)
     directory = converted_gguf(gguf) if gguf else checked_hf_dir(source)
-    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        directory, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
-    ).eval()
+    tokenizer = hf_tokenizer(directory, trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+        ).eval()
+    except SafetensorError as error:  # a truncated or corrupt weights file
+        raise ValueError(f"cannot read the weights in {directory}: {error}") from error
     return LoadedModel(model, tokenizer, name, eos_ids(model.generation_config, tokenizer), perf_counter() - start, gguf)
+
+
+def hf_tokenizer(directory: Path, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    """A model directory's tokenizer, or one line saying it has none (transformers' own message for a
+    directory without tokenizer files advises installing sentencepiece)."""
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer in {directory} (none of {', '.join(TOKENIZER_FILES)})")
+    return AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
 
 
 def checked_hf_dir(directory: Path) -> Path:
@@ -141,6 +155,7 @@ def converted_gguf(gguf: Path) -> Path:
     """The cached safetensors conversion of a GGUF file, made on first use."""
 
     def convert(tmp: Path) -> None:
+        checked_gguf(gguf)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are already dequantized to float32: save them as a plain model.
@@ -158,8 +173,18 @@ def converted_tokenizer(gguf: Path) -> Path:
     directory = conversion_dir(gguf)
     return cached(
         directory.with_name(directory.name + "-tokenizer"), "tokenizer_config.json",
-        lambda tmp: AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp),
+        lambda tmp: AutoTokenizer.from_pretrained(gguf.parent, gguf_file=checked_gguf(gguf).name).save_pretrained(tmp),
     )
+
+
+def checked_gguf(gguf: Path) -> Path:
+    """`gguf`, once its header is read and its tensors found within the file: a truncated or corrupt
+    file gets one line naming what is wrong, not the converter's traceback. Read before a conversion
+    only: a file converted already was whole."""
+    from specsample.models.gguf_blocks import TensorIndex
+
+    TensorIndex(gguf)
+    return gguf
 
 
 def cached(target: Path, marker: str, make: Callable[[Path], None]) -> Path:
