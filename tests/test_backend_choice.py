@@ -57,6 +57,7 @@ def test_a_directory_the_fast_backend_does_not_take_names_transformers(tmp_path)
     from transformers import PhiConfig
 
     PhiConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # not read: the backend is chosen from the config
     backend, reason = choice.resolve(tmp_path, "auto")
     assert backend == "transformers" and "model type 'phi' is not one of" in reason
     assert choice.resolve(tmp_path / "missing", "auto")[0] == "auto"  # loading names what is missing

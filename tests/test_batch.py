@@ -444,7 +444,7 @@ def test_a_generation_interrupted_by_another_raises_rather_than_mixing_texts(sam
 
     options = dict(max_new_tokens=10, temperature=0, k=3)
     alone = {p: sampler.generate(p, **options).text for p in ("Write a long story.", "Name three rivers.")}
-    a = iter(sampler.stream("Write a long story.", **options))
+    a = sampler.stream("Write a long story.", **options)  # a Generation is its own iterator
     next(a)
     assert sampler.generate("Name three rivers.", **options).text == alone["Name three rivers."]
     with pytest.raises(Interrupted, match="another generation on the same SpecSampler ran after it"):

@@ -94,3 +94,10 @@ def test_a_prompt_of_one_token_decodes_on_the_bundled_blocks():
     target.prefill(torch.tensor([], dtype=torch.long))
     first = target.score(torch.tensor(sampler.encode("Hi", chat=False)))
     assert first.shape == (1, target.vocab_size) and int(first[0].argmax()) == alone.token_ids[0]
+
+
+def test_a_whitespace_prompt_is_a_prompt():
+    """Whitespace is text a raw completion can continue (OpenAI's API takes it); only "" is refused."""
+    sampler = SpecSampler.load(None, "none", backend="gguf")
+    assert sampler.encode(" \n\t ", chat=False)
+    assert len(sampler.generate(" \n\t ", chat=False, temperature=0, max_new_tokens=3).token_ids) == 3

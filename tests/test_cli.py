@@ -170,6 +170,14 @@ def test_corrupt_weights_are_named_in_one_line(capsys, tiny_dir, tmp_path, role)
     assert f"cannot read the weights in {broken}" in err
 
 
+def test_an_empty_stop_string_is_refused_before_loading(capsys, monkeypatch):
+    from specsample.api import SpecSampler
+
+    monkeypatch.setattr(SpecSampler, "load", lambda *a, **k: pytest.fail("loaded"))
+    code, out, err = cli(capsys, "generate", "hi", "--stop", "")
+    assert code == 2 and out == "" and err.strip() == "specsample: error: a stop string must not be empty"
+
+
 def test_a_directory_without_tokenizer_says_so(capsys, tiny_dir, tmp_path):
     bare = copy_of(tiny_dir, tmp_path / "bare", without="tokenizer*")
     code, _, err = cli(capsys, "generate", "w2 w3", "--no-chat", "--model", str(bare))

@@ -160,6 +160,7 @@ def test_stop_seed_and_top_p_as_the_library(client, sampler):
     words = sampler.generate(PROMPT, max_new_tokens=12, temperature=0, chat=False).text.split()
     stop = words[4]
     expected = sampler.generate(PROMPT, max_new_tokens=12, temperature=0, chat=False, stop=[stop])
+    assert sampler.generate(PROMPT, max_new_tokens=12, temperature=0, chat=False, stop=stop).text == expected.text  # one string
     response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=stop)
     assert response.choices[0].text == expected.text and stop not in expected.text
     assert response.choices[0].finish_reason == "stop"
@@ -225,6 +226,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "w5", "n": 2}),
     ("/v1/completions", {"prompt": "w5", "stream": "yes"}),
     ("/v1/completions", {"prompt": "w5", "stop": 5}),
+    ("/v1/completions", {"prompt": "w5", "stop": ""}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "stop": ["w6", ""]}),
     ("/v1/completions", {"prompt": "w5", "seed": "x"}),
     ("/v1/completions", {"prompt": TOO_LONG, "max_tokens": 1}),
     ("/v1/completions", {"prompt": TOO_LONG, "stream": True}),

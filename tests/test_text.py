@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from transformers import PreTrainedTokenizerFast
 
-from specsample.text import IncrementalDecoder, StopMatcher, encode_prompt
+from specsample.text import IncrementalDecoder, StopMatcher, encode_prompt, stop_strings
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +71,19 @@ def test_held_back_text_is_released_when_the_stop_does_not_complete():
     matcher = StopMatcher(["END"])
     assert matcher.feed("foo EN") == ("foo ", False)
     assert matcher.feed("Dx"[1:]) == ("ENx", False)
+
+
+def test_a_string_is_one_stop_string_not_its_characters():
+    assert stop_strings("END") == ["END"] and stop_strings(("a", "bc")) == ["a", "bc"]
+    matcher = StopMatcher("END")
+    assert matcher.feed("the ") == ("the ", False)  # "E", "N", "D" alone stop nothing
+    assert matcher.feed("NED END") == ("NED ", True)
+
+
+@pytest.mark.parametrize("stop", ["", ["a", ""], [5]])
+def test_an_empty_or_non_string_stop_is_refused(stop):
+    with pytest.raises(ValueError, match="stop string must"):
+        stop_strings(stop)
 
 
 def test_plain_prompt_without_chat_template(byte_tokenizer):

@@ -31,7 +31,7 @@ from specsample.models.target import SlottedTarget, require
 from specsample.policy import KPolicy, SeesCostCurve, SeesDraftCost, parse_batch_k, parse_k
 from specsample.sampling import SamplingParams, request_source
 from specsample.stats import Stats
-from specsample.text import IncrementalDecoder, Message, StopMatcher, encode_prompt
+from specsample.text import IncrementalDecoder, Message, StopMatcher, encode_prompt, stop_strings
 from specsample.verify import ChainVerifier
 
 Prompt = str | Sequence[Message]
@@ -72,7 +72,10 @@ class Generation:
         self.chunks = self._chunks(sampler, prompt_ids, params, policy, max_new_tokens, seed, stop)
 
     def __iter__(self) -> Iterator[Chunk]:
-        return self.chunks
+        return self
+
+    def __next__(self) -> Chunk:
+        return next(self.chunks)
 
     def result(self) -> Completion:
         for _ in self.chunks:
@@ -286,7 +289,7 @@ class SpecSampler:
         min_p: float = 0.0,
         k: int | str | KPolicy | None = None,  # K, "auto" (cost model), "auto:heuristic", a KPolicy; None: the configuration's
         seed: int | None = None,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
         chat: bool = True,
     ) -> Generation:
         """Start a generation; its chunks carry text that never splits a character or a stop string.
@@ -299,7 +302,7 @@ class SpecSampler:
         k = self.configuration.k if k is None else k
         policy = self.informed(self.policy(k) if isinstance(k, (int, str)) else k)
         prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)
-        return Generation(self, prompt_ids, params, policy, max_new_tokens, seed, stop)
+        return Generation(self, prompt_ids, params, policy, max_new_tokens, seed, stop_strings(stop))
 
     def batch(self, max_batch: int, k: int | str | None = None, prefill_chunk: int | None = None) -> Batch:
         """A batch of `max_batch` slots over this sampler's target (`batch.Batch`), drafting with forks
@@ -344,7 +347,7 @@ class SpecSampler:
         *,
         max_batch: int = 8,
         k: int | str | None = None,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
         seeds: Sequence[int | None] | None = None,
         batch: Batch | None = None,
         **options,
@@ -356,6 +359,7 @@ class SpecSampler:
         prompts run in it, and its `totals` and policies stay to be read or reused."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        stop = stop_strings(stop)
         seeds = [None] * len(prompts) if seeds is None else list(seeds)
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")

@@ -61,12 +61,14 @@ def generate(
     from specsample.engine import check_max_new_tokens
     from specsample.policy import parse_k
     from specsample.sampling import SamplingParams
+    from specsample.text import stop_strings
 
     SamplingParams(temperature, top_k, top_p, min_p)  # validate before the slow load
+    stop_strings(stop or ())
     policy = None if k is None else parse_k(k)
     check_max_new_tokens(max_new_tokens)
     text = prompt if prompt is not None else read_stdin()
-    if not text.strip():
+    if not text:
         raise ValueError("the prompt is empty")
     quiet_transformers()
     sampler = SpecSampler.load(model, drafter, backend=backend, trust_remote_code=trust_remote_code, threads=threads)

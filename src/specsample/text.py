@@ -79,11 +79,23 @@ class IncrementalDecoder:
         )
 
 
+def stop_strings(stop: str | Sequence[str]) -> list[str]:
+    """The stop strings of an option that gives one string or several (a string is one stop string, not
+    its characters). An empty one is a ValueError: it would end every answer before its first token."""
+    strings = [stop] if isinstance(stop, str) else list(stop)
+    for string in strings:
+        if not isinstance(string, str):
+            raise ValueError(f"a stop string must be a string, got {string!r}")
+        if not string:
+            raise ValueError("a stop string must not be empty")
+    return strings
+
+
 class StopMatcher:
     """Finds stop strings in streamed text and holds back text that could start one."""
 
-    def __init__(self, stop: Sequence[str]) -> None:
-        self.stop = [s for s in stop if s]
+    def __init__(self, stop: str | Sequence[str]) -> None:
+        self.stop = stop_strings(stop)
         self.text = ""  # all text seen
         self.emitted = 0  # characters of `text` already released
 

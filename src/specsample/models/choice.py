@@ -112,14 +112,15 @@ def resolve(path: str | Path | None, backend: str, *, threads: int | None = None
 def directory_backend(directory: Path, trust_remote_code: bool) -> tuple[str, str]:
     """For a model directory (not measured: its weights load in float32 either way), the fast backend
     where it reproduces the architecture exactly (`llama.supports`), else transformers, and why. A
-    directory without config.json stays "auto": loading it names what it lacks."""
+    path that does not exist stays "auto": loading it says so."""
     from transformers import AutoConfig
 
     from specsample.models import llama
+    from specsample.models.loading import checked_hf_dir
 
-    if not (directory / "config.json").is_file():
-        return "auto", "auto: not a model directory"
-    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    if not directory.exists():
+        return "auto", "auto: no such path"
+    config = AutoConfig.from_pretrained(checked_hf_dir(directory), trust_remote_code=trust_remote_code)
     reason = llama.unsupported_reason(config)
     if reason is None:
         return "fast", f"auto: the fast backend runs model type {config.model_type!r} (a model directory, float32)"

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specsample.engine import check_max_new_tokens
 from specsample.sampling import SamplingParams
-from specsample.text import Message
+from specsample.text import Message, stop_strings
 
 
 # OpenAI options that change what is generated or returned and that this server does not implement,
@@ -86,6 +86,12 @@ class GenerationRequest(BaseModel):
                     raise ValueError(f"{name} is not supported by this server (got {data[name]!r})")
         return data
 
+    @field_validator("stop")
+    @classmethod
+    def check_stop(cls, stop: str | list[str] | None) -> list[str] | None:
+        """`stop` as a list (`text.stop_strings`: a string is one stop string; an empty one is refused)."""
+        return None if stop is None else stop_strings(stop)
+
     @model_validator(mode="after")
     def check_options(self) -> "GenerationRequest":
         SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
@@ -106,10 +112,9 @@ class GenerationRequest(BaseModel):
 
     def generation_options(self) -> dict:
         """Keyword arguments of `SpecSampler.stream`, max_new_tokens None when the client gave none."""
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return dict(
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=stop,
+            top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop or [],
         )
 
 
@@ -142,7 +147,7 @@ class CompletionRequest(GenerationRequest):
     def check_prompt(self) -> "CompletionRequest":
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
             raise ValueError(f"prompt must be a string or a list of one string, got a list of {len(self.prompt)}")
-        if not self.text.strip():
+        if not self.text:
             raise ValueError("the prompt is empty")
         return self
 
