@@ -237,6 +237,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
     ("/v1/chat/completions", {"messages": "w5"}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": TOO_LONG}], "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "w7"}, {"role": "user", "content": "w5"}]}),  # no template
     # OpenAI options this server does not implement, turned on (`schemas.UNSUPPORTED`)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "logprobs": True}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "frequency_penalty": 0.5}),
@@ -261,6 +262,17 @@ def test_bad_request_is_400_and_the_server_keeps_serving(base_url, client, path,
     assert set(error) == {"message", "type", "param", "code"}
     assert outcome_count(base_url, "invalid") == before + 1
     assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ([{"type": "text", "text": "w5"}, {"type": "image_url", "image_url": {"url": "data:,"}}],
+     "messages.0: content parts of type 'image_url' are not supported: this server takes text only"),
+    ([{"type": "refusal", "refusal": "no"}], "content parts of type 'refusal' are not supported"),
+    (None, "messages.0: content must be a string or a list of text parts, got None"),
+])
+def test_content_that_is_not_text_is_named(base_url, content, message):
+    response = httpx.post(base_url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})
+    assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
 
 
 def test_a_prompt_that_fills_the_window_without_max_tokens_names_no_max_tokens(base_url, sampler):
@@ -288,7 +300,15 @@ def test_usage_in_a_chunk_of_its_own_with_include_usage(client):
     assert plain[-1].usage.completion_tokens == 6  # without it, in the finish chunk as before
 
 
-def test_developer_role_is_the_system_role(client):
+# A chat template that writes each role's messages after a word of its own (the tiny tokenizer has no template).
+ROLES_CHAT = ("{% for m in messages %}{{ {'system': 'w7', 'user': 'w2', 'assistant': 'w4'}[m['role']] }} "
+              "{{ m['content'] }} w1 {% endfor %}{% if add_generation_prompt %}w3 {% endif %}")
+
+
+def test_developer_role_is_the_system_role(client, sampler, monkeypatch):
+    monkeypatch.setattr(sampler.model.tokenizer, "chat_template", ROLES_CHAT)
+    assert sampler.encode([{"role": "system", "content": "w5"}]) != sampler.encode([{"role": "user", "content": "w5"}])
+
     def answer(role: str) -> str:
         messages = [{"role": role, "content": "w7 w8"}, {"role": "user", "content": PROMPT}]
         return client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,

@@ -86,5 +86,17 @@ def test_an_empty_or_non_string_stop_is_refused(stop):
         stop_strings(stop)
 
 
+@pytest.mark.parametrize("messages", [
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
+    [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "cat"}],
+    [{"role": "assistant", "content": "hello"}],
+])
+def test_a_chat_a_model_without_template_cannot_write_is_refused(byte_tokenizer, messages):
+    """Joined, their roles would be lost without a word; one user message is its text."""
+    with pytest.raises(ValueError, match="the model has no chat template"):
+        encode_prompt(byte_tokenizer, messages)
+    assert encode_prompt(byte_tokenizer, [{"role": "user", "content": "hello"}]) == byte_tokenizer.encode("hello")
+
+
 def test_plain_prompt_without_chat_template(byte_tokenizer):
     assert encode_prompt(byte_tokenizer, "hello", chat=True) == byte_tokenizer.encode("hello")

@@ -15,9 +15,10 @@ Message = dict[str, str]
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[Message], chat: bool = True) -> list[int]:
-    """Token ids of a prompt; chat prompts go through the model's chat template when it has one. Text that
-    is not Unicode a tokenizer can take (a lone surrogate: invalid UTF-8 bytes on a command line, a bad
-    escape in JSON) is a ValueError naming where it is."""
+    """Token ids of a prompt; chat prompts go through the model's chat template when it has one. Without
+    one, a chat is taken only if it is a single user message, as its text: joining several would silently
+    drop their roles. Text that is not Unicode a tokenizer can take (a lone surrogate: invalid UTF-8 bytes
+    on a command line, a bad escape in JSON) is a ValueError naming where it is."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     for number, message in enumerate(messages, 1):
         if isinstance(message.get("content"), str):
@@ -25,8 +26,10 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[Mes
     if chat and tokenizer.chat_template:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids)
-    text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
-    return tokenizer.encode(text, add_special_tokens=True)
+    if len(messages) != 1 or messages[0].get("role") != "user":
+        raise ValueError(f"the model has no chat template, so a chat of {len(messages)} messages and their roles "
+                         "cannot be written as its input: send one user message, or the text as a completion prompt")
+    return tokenizer.encode(messages[0]["content"], add_special_tokens=True)
 
 
 def check_text(text: str, what: str) -> None:

@@ -131,6 +131,22 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
     content: str | list[TextPart]
 
+    @model_validator(mode="before")
+    @classmethod
+    def text_content_only(cls, data: object) -> object:
+        """A one-line error naming what the content holds, where pydantic's would name the union's first
+        branch ("Input should be a valid string") for an image part, a refusal part or a null."""
+        if isinstance(data, dict) and "content" in data:
+            content = data["content"]
+            if isinstance(content, list):
+                for part in content:
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    if kind != "text":
+                        raise ValueError(f"content parts of type {kind!r} are not supported: this server takes text only")
+            elif not isinstance(content, str):
+                raise ValueError(f"content must be a string or a list of text parts, got {content!r}")
+        return data
+
     def as_message(self) -> Message:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
