@@ -69,6 +69,15 @@ def test_self_drafting_accepts_everything(target_model):
     assert stats.mean_accepted_length == pytest.approx(21 / 5)
 
 
+def test_the_transformers_backend_passes_its_cache_without_a_deprecation_warning(target_model):
+    """transformers 5.24 renamed `past_key_values` to `cache` and warns on every pass given the old name."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run(TransformersTarget(target_model), NoDrafter(), k=0, max_new_tokens=5) == hf_greedy(target_model, 5)
+
+
 def make_target_of(model):
     return BACKENDS["auto"](model)
 

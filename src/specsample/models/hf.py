@@ -8,6 +8,7 @@ trees (`ScoresTrees`) with a 4D attention mask and each token's position ids.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -18,12 +19,19 @@ from specsample.models.target import FeatureStore, normalized
 from specsample.tree import depths, visibility
 
 
+def cache_argument(model: PreTrainedModel) -> str:
+    """The name `model.forward` takes its cache by: `cache` since transformers 5.24, which warns on every
+    pass given `past_key_values` (to be removed in 5.40), and `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class TransformersTarget:
     def __init__(self, model: PreTrainedModel, max_length: int | None = None) -> None:
         self.model = model.eval()
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_length = max_length or int(getattr(model.config, "max_position_embeddings", 4096))
         self.cache = DynamicCache(config=model.config)
+        self.cache_argument = cache_argument(model)
         config = model.config
         self._features = FeatureStore(config.num_hidden_layers, config.hidden_size, self.max_length)
 
@@ -52,7 +60,7 @@ class TransformersTarget:
         mask = torch.zeros(1, 1, n, start + n, dtype=self.model.dtype)
         mask.masked_fill_(~seen, torch.finfo(self.model.dtype).min)
         out = self.model(
-            input_ids=token_ids[None], past_key_values=self.cache, use_cache=True, attention_mask=mask,
+            input_ids=token_ids[None], **{self.cache_argument: self.cache}, use_cache=True, attention_mask=mask,
             position_ids=(start + depths(parents))[None],
         )
         self._features.truncate(start)  # a tree's positions are not the text's
@@ -86,7 +94,7 @@ class TransformersTarget:
         recording = self._features.recording
         out = self.model(
             input_ids=token_ids[None],
-            past_key_values=self.cache,
+            **{self.cache_argument: self.cache},
             use_cache=True,
             output_hidden_states=recording,
             logits_to_keep=logits_to_keep,
