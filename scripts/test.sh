@@ -7,4 +7,4 @@ bash scripts/install.sh
 # two workers share the cores: OpenMP threads that spin would take turns with the other worker's
 export OMP_WAIT_POLICY=PASSIVE
 # loadgroup: tests marked with one xdist_group share a worker (test_ray_serve.py: one Ray cluster, not two)
-python -m pytest -q -n 2 --dist loadgroup "$@"
+python -m pytest -q -n 2 --dist loadgroup --durations=25 "$@"
