@@ -179,6 +179,20 @@ def test_the_head_drafts_from_the_features_it_was_trained_on(layers):
 
 
 @pytest.mark.parametrize("backend", ["fast", "transformers"])
+def test_an_empty_prefill_records_nothing_and_the_first_pass_records_its_position(backend):
+    """A one-token prompt prefills no position: the head's layers then have no output to record (the fast
+    backend raised a KeyError, so every one-token prompt with the head failed)."""
+    loaded = tiny_loaded(tiny_llama(64, seed=3))
+    _, final, layer_features = teacher_forced_features(loaded, [[5, 9]], (1,))
+    target = make_target(loaded, backend)
+    target.record_features((1,))
+    target.prefill(torch.tensor([], dtype=torch.long))
+    target.score(torch.tensor([5, 9]))
+    stored = torch.cat([layer_features, final], -1).float()
+    torch.testing.assert_close(target.features(0, 2, (1,)), stored, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("backend", ["fast", "transformers"])
 def test_a_target_records_only_its_own_layers(backend):
     target = make_target(tiny_loaded(tiny_llama(64, seed=3)), backend)
     for layers in ([7], [2]):  # the tiny target has 2 layers: the second one's output is the final state

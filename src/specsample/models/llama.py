@@ -600,7 +600,7 @@ class LlamaTarget:
         self.last_hidden = self.final_norm(x)  # [n, hidden]
         if layers is not None:  # a pass through some of the layers leaves these positions' features stale
             self._features.truncate(start)
-        elif self._features.recording:
+        elif self._features.recording and n:  # an empty prefill (a one-token prompt) ran no layer
             self._features.write(start, self.last_hidden, outputs)
         if not logits:
             return None
