@@ -32,6 +32,24 @@ def test_chi_square_p_edge_cases():
     assert chi_square_p(np.array([700.0, 200, 100, 0]), probs) < ALPHA
 
 
+def test_a_thinly_spread_distribution_is_still_tested():
+    """Every token expected below 5 times (100 samples over 49,152 near-uniform tokens, a temperature of
+    10,000): samples all on one token are rejected, samples spread as drawn from the distribution pass,
+    and the level holds (about ALPHA of 2,000 honest draws rejected at ALPHA)."""
+    rng = np.random.default_rng(0)
+    vocab = 49_152
+    probs = rng.uniform(0.9, 1.1, vocab)
+    probs /= probs.sum()
+    stuck = np.zeros(vocab)
+    stuck[123] = 100
+    assert chi_square_p(stuck, probs) < 1e-12
+    p_values = np.array([chi_square_p(rng.multinomial(100, probs).astype(float), probs) for _ in range(200)])
+    assert (p_values < 0.05).mean() < 0.12 and p_values.min() > 0  # honest draws: tested, not rejected
+    peaked = probs**8  # a sampler that skips the temperature: the likelier tokens likelier still
+    drawn = rng.multinomial(2_000, peaked / peaked.sum()).astype(float)
+    assert chi_square_p(drawn, probs) < ALPHA
+
+
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=5)], ids=["t1", "t0.8-top_k5"])
 def test_certificate_passes_the_sampler_and_rejects_always_accept(sampler, params):
     good = certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=300, seed=1)
@@ -59,6 +77,18 @@ def test_check_command_and_its_broken_self_test(capsys, tiny_dir, tiny_draft_dir
 def test_check_rejects_bad_arguments(capsys, tiny_dir):
     code, _, err = cli(capsys, "check", "--model", str(tiny_dir), "--samples", "0", "--drafter", "none")
     assert code == 2 and "samples" in err
+    code, _, err = cli(capsys, "check", "--model", str(tiny_dir), "--min-p", "1.5", "--drafter", "none")
+    assert code == 2 and "min_p must be in [0, 1]" in err
+
+
+def test_check_takes_min_p_as_generate_does(capsys, tiny_dir, tiny_draft_dir):
+    """The certificate's exact probabilities use the same min_p as the sampled path: it passes, and a
+    sampler that always accepts is rejected."""
+    args = ["check", "--model", str(tiny_dir), "--drafter", str(tiny_draft_dir), "--k", "2", "--samples", "300",
+            "--context", CONTEXTS[0], "--seed", "3", "--min-p", "0.2"]
+    for extra, verdict in (([], "PASS"), (["--broken"], "REJECTED")):
+        code, out, err = cli(capsys, *args, *extra)
+        assert code == 0 and verdict in out, out + err
 
 
 @pytest.mark.parametrize("layers", [(), (1,)])

@@ -6,7 +6,8 @@ from scipy.stats import chisquare
 from hypothesis import given, settings, strategies as st
 
 from specsample.sampling import (
-    CoupledSource, GeneratorSource, SamplingParams, argmax, draw_draft_token, make_generator, probs_from_logits, sample,
+    CoupledSource, GeneratorSource, SamplingParams, argmax, check_seed, draw_draft_token, make_generator, probs_from_logits,
+    sample,
 )
 
 
@@ -175,11 +176,29 @@ def test_probabilities_are_a_distribution(seed, temperature, top_k, top_p, min_p
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
         ({"min_p": 2.0}, "min_p"),
+        ({"top_k": 1.5}, "top_k must be an integer"),
+        ({"top_k": True}, "top_k must be an integer"),
+        ({"temperature": "hot"}, "temperature must be a number"),
+        ({"top_p": None}, "top_p must be a number"),
     ],
 )
 def test_bad_parameters_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_numpy_numbers_are_their_values():
+    import numpy as np
+
+    params = SamplingParams(np.float32(0.5), np.int64(3), np.float64(0.9))
+    assert params == SamplingParams(0.5, 3, 0.9) and type(params.top_k) is int
+    assert check_seed(np.uint64(2**64 - 1)) == 2**64 - 1 and type(check_seed(np.int64(5))) is int
+
+
+@pytest.mark.parametrize("seed", [5.0, "5", True, -1, 2**64])
+def test_a_seed_that_is_not_a_64_bit_unsigned_integer_is_refused(seed):
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        check_seed(seed)
 
 
 def test_seeded_generators_repeat():

@@ -29,7 +29,7 @@ from specsample.models.choice import resolve
 from specsample.models.loading import conversion_dir
 from specsample.models.target import SlottedTarget, require
 from specsample.policy import KPolicy, SeesCostCurve, SeesDraftCost, parse_batch_k, parse_k
-from specsample.sampling import SamplingParams, request_source
+from specsample.sampling import SamplingParams, check_seed, request_source
 from specsample.stats import Stats
 from specsample.text import IncrementalDecoder, Message, StopMatcher, encode_prompt, stop_strings
 from specsample.verify import ChainVerifier
@@ -299,6 +299,7 @@ class SpecSampler:
         from OS entropy and verified by modified rejection sampling (`sampling.request_source`).
         """
         params = SamplingParams(temperature, top_k, top_p, min_p)
+        seed = None if seed is None else check_seed(seed)
         k = self.configuration.k if k is None else k
         policy = self.informed(self.policy(k) if isinstance(k, (int, str)) else k)
         prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)

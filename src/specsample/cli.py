@@ -253,6 +253,7 @@ def check(
     temperature: Annotated[float, typer.Option(help="Sampling temperature (0 is greedy).")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")] = 0,
+    min_p: Annotated[float, typer.Option(help="Drop tokens below min_p times the top probability.")] = 0.0,
     samples: Annotated[int, typer.Option(help="Token pairs sampled per context.")] = 300,
     context: Annotated[Optional[list[str]], typer.Option(help="A chat prompt to test after (repeatable; default: three built in).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the sampling; with --identity, the first seed.")] = 0,
@@ -272,7 +273,7 @@ def check(
     from specsample.verify import ChainVerifier
     from specsample.verify import check as certificate
 
-    params = SamplingParams(temperature, top_k, top_p)
+    params = SamplingParams(temperature, top_k, top_p, min_p)
     policy = None if k is None else parse_k(k)  # validated before the slow load
     if identity and seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")

@@ -38,6 +38,8 @@ variation distance, which is near the 1 - TV of the best coupling
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -59,6 +61,8 @@ class SamplingParams:
     min_p: float = 0.0  # 0.0: off
 
     def __post_init__(self) -> None:
+        for name, kind in (("temperature", real), ("top_k", integer), ("top_p", real), ("min_p", real)):
+            object.__setattr__(self, name, kind(getattr(self, name), name))  # numpy scalars become Python's
         if not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -426,10 +430,30 @@ class CoupledSource:
         return verifier.coupled(draft_tokens, parents, target_probs, lambda offset: self.noise(offset, vocab))
 
 
-def check_seed(seed: int, what: str = "seed") -> None:
-    """Refuse a seed that is not a 64-bit unsigned integer (a generator would wrap it onto one that is)."""
+def real(value: object, what: str) -> float:
+    """`value` as a float if it is a real number (a Python or numpy one; not a bool, not a string)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} must be a number, got {value!r}")
+    return float(value)
+
+
+def integer(value: object, what: str) -> int:
+    """`value` as an int if it is an integer (a Python or numpy one; not a bool, a float or a string)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {value!r}") from None
+
+
+def check_seed(seed: object, what: str = "seed") -> int:
+    """The seed as an int, or a ValueError for one that is not a 64-bit unsigned integer (a generator
+    would wrap it onto one that is; numpy's integers are taken as their value)."""
+    seed = integer(seed, what)
     if not 0 <= seed < 2**64:
         raise ValueError(f"{what} must be an integer from 0 to 2**64 - 1, got {seed}")
+    return seed
 
 
 def request_source(seed: int | None) -> RandomSource:
@@ -438,6 +462,4 @@ def request_source(seed: int | None) -> RandomSource:
     modified rejection sampling, whose acceptance is the best any coupling can have
     (docs/coupled-sampling.md has the measured difference). A seed is a 64-bit unsigned integer: others
     would wrap onto one of those, two seeds giving one text."""
-    if seed is not None:
-        check_seed(seed)
-    return GeneratorSource(make_generator(None)) if seed is None else CoupledSource(seed)
+    return GeneratorSource(make_generator(None)) if seed is None else CoupledSource(check_seed(seed))
