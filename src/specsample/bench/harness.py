@@ -353,13 +353,15 @@ RUNNERS: dict[str, RunnerFactory] = {
 }
 
 
-def converse(runner: Runner, prompt: Prompt) -> list[Output]:
-    """Answer each turn after the earlier turns and the runner's own earlier answers."""
+def converse(runner: Runner, prompt: Prompt, templated: bool = True) -> list[Output]:
+    """Answer each turn after the earlier turns and the runner's own earlier answers. A model without a
+    chat template (`templated` False) cannot be given the roles: it reads the conversation so far as
+    one user message, the turns' and answers' texts on lines of their own."""
     messages: list[Message] = []
     outputs = []
     for turn in prompt.turns:
         messages.append({"role": "user", "content": turn})
-        out = runner.run(messages)
+        out = runner.run(messages if templated else [{"role": "user", "content": "\n".join(m["content"] for m in messages)}])
         messages.append({"role": "assistant", "content": out.text})
         outputs.append(out)
     return outputs
@@ -402,7 +404,7 @@ def run(
     for i, prompt in enumerate(prompts):
         for c in rotated(configs, i):
             bar.set_postfix_str(f"{prompt.category} {c.name}", refresh=False)
-            for turn, out in enumerate(converse(runners[c.name], prompt)):
+            for turn, out in enumerate(converse(runners[c.name], prompt, bool(model.tokenizer.chat_template))):
                 stats = out.stats.to_dict() if out.stats is not None else None
                 records.append(Record(c.name, prompt.question_id, prompt.category, turn, out.prompt_tokens,
                                       out.timed_tokens, out.wall_seconds, stats))
