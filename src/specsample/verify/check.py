@@ -132,8 +132,8 @@ def chi_square_p(observed: np.ndarray, probs: np.ndarray) -> float:
 
     A cell expected at least MIN_EXPECTED times is a bin of its own; the others are grouped, most likely
     first (ties by index), into consecutive bins of at least MIN_EXPECTED expected, the last one's
-    shortfall joining the bin before. The bins follow from `probs` alone, so the test is exact in
-    level, and a thinly spread distribution is still tested: at a temperature of 10,000 over 49,152
+    shortfall joining the bin before. The bins follow from `probs` alone (never from the counts), so
+    the test keeps its level, and a thinly spread distribution is still tested: at a temperature of 10,000 over 49,152
     tokens, 100 samples make about 20 bins, where pooling every small cell into one remainder made a
     single bin and p = 1 whatever was drawn. An outcome of probability zero that was observed gives
     p = 0; when all the mass is in one bin (greedy decoding) and every sample fell there, p = 1.
