@@ -57,6 +57,8 @@ def test_configs_from_toml_and_pairs_with_precedence(tmp_path):
     ("seed=-5", "seed must be an integer from 0 to 2\\*\\*64 - 1, got -5"),
     ("drafter=ngram,k=banana", "k must be an integer >= 0 or one of auto"),
     (f"seed={2**64}", "seed must be an integer from 0 to 2"),
+    ("drafter=sufix,k=4", "unknown drafter 'sufix'"),  # before any model loads (it was an unavailable row)
+    ("drafter=ngram+nope,k=4", "unknown drafter 'nope'"),
 ])
 def test_bad_configurations_are_clear_errors(spec, message):
     with pytest.raises(ValueError, match=message):

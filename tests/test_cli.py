@@ -170,6 +170,15 @@ def test_corrupt_weights_are_named_in_one_line(capsys, tiny_dir, tmp_path, role)
     assert f"cannot read the weights in {broken}" in err
 
 
+@pytest.mark.parametrize("spec", ["nosuch", "suffix+nosuch", "nosuch:/tmp"])
+def test_an_unknown_drafter_is_refused_before_loading(capsys, monkeypatch, spec):
+    import specsample.api
+
+    monkeypatch.setattr(specsample.api, "resolve", lambda *a, **k: pytest.fail("resolved the model"))
+    code, out, err = cli(capsys, "generate", "hi", "--drafter", spec)
+    assert code == 2 and out == "" and "specsample: error: unknown drafter 'nosuch" in err
+
+
 def test_an_empty_stop_string_is_refused_before_loading(capsys, monkeypatch):
     from specsample.api import SpecSampler
 

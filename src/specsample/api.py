@@ -21,7 +21,7 @@ import torch
 from specsample.batch import Batch, Request
 from specsample.cost_curve import machine_ratios
 from specsample.defaults import Configuration, default_configuration, given
-from specsample.drafters import Drafter, make_drafter
+from specsample.drafters import Drafter, check_spec, make_drafter
 from specsample.drafters.base import draft_cost
 from specsample.engine import decode
 from specsample.models import LoadedModel, Target, load_target
@@ -226,7 +226,9 @@ class SpecSampler:
         the default configuration for the target's backend on this machine, `specsample.defaults`).
         `backend` "auto" runs a GGUF file where it measures faster on this machine (`models.choice`).
         `wrap`, if given, wraps the target before the drafter is made, so both see the wrapper (a check's
-        `PrefixCache`)."""
+        `PrefixCache`). A drafter of no known name is refused before anything loads."""
+        if drafter is not None:
+            check_spec(drafter)
         backend, reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
         loaded, target = load_target(model, backend, trust_remote_code=trust_remote_code, threads=threads)
         target = target if wrap is None else wrap(target)

@@ -37,7 +37,7 @@ from specsample.bench import baselines
 from specsample.bench import llamacpp_baselines as llamacpp
 from specsample.bench.baselines import Output
 from specsample.defaults import given
-from specsample.drafters import REGISTRY, DraftModelDrafter, make_drafter
+from specsample.drafters import REGISTRY, DraftModelDrafter, check_spec, make_drafter
 from specsample.models import LoadedModel, Target, load_model, make_target
 from specsample.models.target import NotOnThisBackend
 from specsample.policy import KPolicy, SeesCostCurve, SeesDraftCost, parse_k
@@ -68,11 +68,14 @@ class Config:
     max_new_tokens: int = 128
 
     def __post_init__(self) -> None:
-        """Bad sampling options, seeds and K specs are refused as the configuration is read, before a model loads."""
+        """Bad sampling options, seeds, K specs and drafter names are refused as the configuration is read,
+        before a model loads."""
         SamplingParams(self.temperature, self.top_k, self.top_p)  # raises on a bad option
         check_seed(self.seed)
         if self.kind == "engine":
             parse_k(self.k)
+            if self.drafter != SELF_DRAFTER:
+                check_spec(self.drafter)
 
     @property
     def params(self) -> SamplingParams:

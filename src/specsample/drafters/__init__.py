@@ -134,13 +134,33 @@ def make_drafter(
         return PATH_REGISTRY[name](model, target, path)
     method, path = (name, path) if sep and name in METHODS else ("auto", spec)
     if not Path(path).expanduser().exists():
-        names = ", ".join(sorted(REGISTRY))
-        raise ValueError(f"unknown drafter {spec!r}: expected one of {names}, or the path of a draft model")
+        raise unknown_drafter(spec)
     draft, draft_target = load_draft(path, backend, trust_remote_code, threads)
     if method == "auto" and same_vocabulary(model.tokenizer, draft.tokenizer):
         check_same_width(target, draft_target)
         return DraftModelDrafter(draft_target, relative_pass_cost(draft_target, target))
     return cross_vocab_drafter(method, model, target, draft, draft_target)
+
+
+def unknown_drafter(spec: str) -> ValueError:
+    names = ", ".join(sorted(REGISTRY))
+    return ValueError(f"unknown drafter {spec!r}: expected one of {names}, or the path of a draft model")
+
+
+def check_spec(spec: str) -> None:
+    """Refuse, before any model loads, a drafter spec that names no drafter `make_drafter` knows: a
+    registered name, NAME:PATH, A+B of two such, or the path of a draft model. Whether a known drafter
+    runs on the target is decided when it is made."""
+    if spec in REGISTRY or (spec and Path(spec).expanduser().exists()):
+        return
+    first, plus, second = spec.partition("+")
+    if plus:
+        check_spec(first)
+        check_spec(second)
+        return
+    name, sep, _ = spec.partition(":")
+    if not (sep and (name in PATH_REGISTRY or name in METHODS)):
+        raise unknown_drafter(spec)
 
 
 def load_draft(path: str, backend: str, trust_remote_code: bool, threads: int | None) -> tuple[LoadedModel, Target]:
