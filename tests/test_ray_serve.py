@@ -223,7 +223,7 @@ def test_errors_and_api_key(server, client):
     bad = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "temperature": -1},
                      headers={"Authorization": f"Bearer {KEY}"})
     assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
-    empty = httpx.post(f"{url}/v1/completions", json={"prompt": " "}, headers={"Authorization": f"Bearer {KEY}"})
+    empty = httpx.post(f"{url}/v1/completions", json={"prompt": ""}, headers={"Authorization": f"Bearer {KEY}"})
     assert empty.status_code == 400 and empty.json()["error"]["type"] == "invalid_request_error"
     for stream in (False, True):  # refused by the replica's engine: a 400 through the gateway, before any event
         long = httpx.post(f"{url}/v1/completions", json={"prompt": "word " * 10_000, "stream": stream},
