@@ -12,13 +12,12 @@ machine (`specsample.defaults`); `sampler.configuration` says which, and why.
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from specsample.batch import Batch, Request
+from specsample.batch import Batch, Request, drain
 from specsample.cost_curve import machine_ratios
 from specsample.defaults import Configuration, default_configuration, given
 from specsample.drafters import Drafter, check_spec, make_drafter
@@ -369,14 +368,12 @@ class SpecSampler:
         requests = [self.request(prompt, seed=seed, **options) for prompt, seed in zip(prompts, seeds)]
         outputs = {request: TextOutput(self.model.tokenizer, stop, self.model.eos_token_ids) for request in requests}
         batch = batch or self.batch(max(1, min(max_batch, len(prompts))), k)
-        waiting = deque(requests)
-        while waiting or batch.busy:
-            while waiting and not batch.full:
-                batch.add(waiting.popleft())
-            for request, new in batch.step():
-                outputs[request].feed(new)
-                if outputs[request].stopped:
-                    batch.remove(request)
+
+        def feed(request: Request, new: list[int]) -> bool:
+            outputs[request].feed(new)
+            return outputs[request].stopped
+
+        drain(batch, requests, feed)
         for output in outputs.values():
             output.finish()
         return [outputs[request].completion(request.stats) for request in requests]

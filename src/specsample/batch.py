@@ -24,7 +24,8 @@ batch) chooses K knowing it and the other requests' rows, and drafts less where 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -245,3 +246,16 @@ class Batch:
         request.pending = verdict.next_token
         request.done = new[-1] in self.eos_token_ids or request.produced >= request.max_new_tokens
         return new
+
+
+def drain(batch: Batch, requests: Iterable[Request], feed: Callable[[Request, list[int]], bool]) -> None:
+    """Run `requests` through `batch` until all have ended, each joining as soon as a slot frees
+    (continuous batching). `feed` takes a request's new tokens after each step and says whether the
+    request stops there (a stop string), besides ending by EOS or max_new_tokens."""
+    waiting = deque(requests)
+    while waiting or batch.busy:
+        while waiting and not batch.full:
+            batch.add(waiting.popleft())
+        for request, new in batch.step():
+            if feed(request, new):
+                batch.remove(request)

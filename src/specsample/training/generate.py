@@ -1,6 +1,9 @@
 """The training data: prompts the target writes itself, its answers, and their features in shards.
 
-Shards are written whole or not at all and named by batch and round, so an
+The target writes on its batched slots where its backend has them (continuous batching on the C++
+kernels or llama.cpp: several times transformers' `generate` on a CPU), else with `generate`. Sampled
+text has a seed per prompt drawn from the run's seed and the shard's name, so a run and its resumption
+write the same data. Shards are written whole or not at all and named by batch and round, so an
 interrupted run resumes with the shards it lacks.
 """
 
@@ -17,20 +20,23 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
 
-from specsample.models import LoadedModel
-from specsample.models.target import normalized
+from specsample.batch import Batch, Request, drain
+from specsample.drafters.none import NoDrafter
+from specsample.models import LoadedModel, Target
+from specsample.models.target import SlottedTarget, normalized
+from specsample.policy import FixedK
+from specsample.sampling import SamplingParams, request_source
 from specsample.text import encode_prompt, user_turn_opening
 from specsample.training.options import TrainOptions
 
 
 @torch.inference_mode()
-def write_prompts(model: LoadedModel, path: Path, options: TrainOptions) -> list[str]:
+def write_prompts(model: LoadedModel, target: Target, path: Path, options: TrainOptions) -> list[str]:
     """`options.self_prompts` distinct prompts written by the target, sampled at temperature 1 after
     its chat template's opening of a user turn; only those it ends (EOS) within `self_prompt_tokens`.
     Kept in `path` (one JSON line each) as they come, so a resumed run writes only the rest."""
     prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines()] if path.is_file() else []
-    opening = torch.tensor([user_turn_opening(model.tokenizer)] * options.generate_batch)
-    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
+    opening = user_turn_opening(model.tokenizer)
     bar = tqdm(desc="writing prompts", unit="prompt", initial=len(prompts), total=options.self_prompts)
     tries = 0
     while len(prompts) < options.self_prompts:
@@ -38,12 +44,10 @@ def write_prompts(model: LoadedModel, path: Path, options: TrainOptions) -> list
         if tries > 4 * options.self_prompts / options.generate_batch + 4:
             raise ValueError(f"the model ended only {len(prompts)} of {options.self_prompts} prompts within "
                              f"{options.self_prompt_tokens} tokens: give it prompts with --prompts instead")
-        out = model.model.generate(
-            input_ids=opening, attention_mask=torch.ones_like(opening), max_new_tokens=options.self_prompt_tokens,
-            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad, eos_token_id=sorted(model.eos_token_ids) or None,
-        )
+        seeds = seeds_for(f"prompts-{len(prompts)}-{tries}", options)
+        rows = write(model, target, [opening] * options.generate_batch, options.self_prompt_tokens, seeds, options)
         new = []
-        for row in out[:, opening.shape[1] :].tolist():
+        for row in rows:
             end = next((i for i, t in enumerate(row) if t in model.eos_token_ids), None)
             text = model.tokenizer.decode(row[:end], skip_special_tokens=True).strip() if end is not None else ""
             if text and text not in prompts and text not in new:
@@ -57,12 +61,12 @@ def write_prompts(model: LoadedModel, path: Path, options: TrainOptions) -> list
     return prompts
 
 
-def generate_shards(model: LoadedModel, prompts: list[str], data_dir: Path, options: TrainOptions) -> list[Path]:
-    """Answer the prompts in batches and store tokens + features, one shard per batch (resumable).
+def generate_shards(model: LoadedModel, target: Target, prompts: list[str], data_dir: Path,
+                    options: TrainOptions) -> list[Path]:
+    """Answer the prompts in batches on `target` and store tokens + features, one shard per batch (resumable).
 
     Every batch is answered greedily first; then, `sampled_answers` times over, by
-    sampling at temperature 1 (from torch's global generator, seeded once by `train`),
-    so the head also sees the continuations it will draft for at temperature > 0.
+    sampling at temperature 1, so the head also sees the continuations it will draft for at temperature > 0.
     """
     data_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = model.tokenizer
@@ -76,7 +80,8 @@ def generate_shards(model: LoadedModel, prompts: list[str], data_dir: Path, opti
     for batch, round_, shard in tqdm(todo, desc="generating answers", unit="batch", initial=len(jobs) - len(todo), total=len(jobs)):
         if options.data_minutes and perf_counter() - start > 60 * options.data_minutes:
             break  # out of time: train on the shards made so far (a later run resumes generating)
-        answers = generate_batch(model, batch, options.max_new_tokens, sampled=round_ > 0)
+        seeds = seeds_for(shard.name, options) if round_ else None
+        answers = write(model, target, batch, options.max_new_tokens, seeds, options)
         sequences = [prompt + answer for prompt, answer in zip(batch, answers)]
         prompt_lengths = torch.tensor([len(p) for p in batch])
         write_shard(model, shard, sequences, prompt_lengths, options.feature_layers)
@@ -119,9 +124,43 @@ def stored_layers(shard: Path) -> list[int]:
         return f.get_tensor("layers").tolist() if "layers" in f.keys() else []
 
 
+def seeds_for(name: str, options: TrainOptions) -> list[int]:
+    """`generate_batch` seeds for the sampled text named `name`, the same in every run with `options.seed`."""
+    draw = random.Random(f"{options.seed}-{name}")
+    return [draw.getrandbits(64) for _ in range(options.generate_batch)]
+
+
+def write(model: LoadedModel, target: Target, prompts: list[list[int]], max_new_tokens: int,
+          seeds: list[int] | None, options: TrainOptions) -> list[list[int]]:
+    """The target's continuations of `prompts` (greedy without `seeds`, else sampled at temperature 1 with
+    seed i for prompt i), each cut after its first EOS: on the target's slots where it has them."""
+    if isinstance(target, SlottedTarget):
+        return slotted_write(target, model.eos_token_ids, prompts, max_new_tokens, seeds, options.generate_batch)
+    return generate_batch(model, prompts, max_new_tokens, sampled=seeds is not None)
+
+
+def slotted_write(target: SlottedTarget, eos_token_ids: frozenset[int], prompts: list[list[int]], max_new_tokens: int,
+                  seeds: list[int] | None, width: int) -> list[list[int]]:
+    """`write` by continuous batching over `width` slots of the target: plain decoding, a seeded request's
+    text that of `SpecSampler.generate` with its seed."""
+    batch = Batch(target.slots(min(width, len(prompts))), NoDrafter(), lambda: FixedK(0), eos_token_ids=eos_token_ids)
+    params = SamplingParams(temperature=0.0 if seeds is None else 1.0)
+    requests = [Request(torch.tensor(prompt), params, max_new_tokens, request_source(None if seeds is None else seeds[i]))
+                for i, prompt in enumerate(prompts)]
+    text: dict[Request, list[int]] = {request: [] for request in requests}
+
+    def feed(request: Request, new: list[int]) -> bool:
+        text[request] += new
+        return False  # ends by EOS or max_new_tokens only
+
+    drain(batch, requests, feed)
+    return [text[request] for request in requests]
+
+
 @torch.inference_mode()
 def generate_batch(model: LoadedModel, prompts: list[list[int]], max_new_tokens: int, sampled: bool = False) -> list[list[int]]:
-    """Answers to a batch of prompts (left-padded), greedy or sampled at temperature 1, each cut after its first EOS."""
+    """Answers to a batch of prompts (left-padded) by transformers' `generate`, greedy or sampled at temperature 1
+    (from torch's global generator, seeded once by `train`), each cut after its first EOS."""
     pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
     width = max(map(len, prompts))
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from specsample.drafters.head import DraftHead, HeadConfig, HeadDrafter, save_head
-from specsample.models import LoadedModel, make_target
+from specsample.models import LoadedModel, Target, make_target
 from specsample.models.target import recordable
 from specsample.training.dataset import Batcher, Sequence, distinct_prompts, frequent_tokens, load_sequences, split
 from specsample.training.generate import generate_shards, with_layer_features, write_prompts
@@ -27,16 +27,20 @@ def train(
     options: TrainOptions,
     log: Callable[[str], None] = print,
     extra_shards: list[Path] = (),
+    writer: Target | None = None,
 ) -> dict:
     """Generate data, train the head, save it to `out_dir`; returns the final report.
-    `extra_shards`: data of earlier runs to train on as well."""
+    `extra_shards`: data of earlier runs to train on as well. `writer`: the target that writes the
+    prompts and answers (`generate.write`; None: `model`'s own, as `make_target` makes it); the
+    features always come from `model`'s transformers forward."""
     recordable(options.feature_layers, model.model.config.num_hidden_layers)  # refuses layers before any work
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(options.seed)
     start = perf_counter()
+    writer = make_target(model) if writer is None else writer
     if options.self_prompts:
-        prompts = prompts + write_prompts(model, out_dir / "self_prompts.jsonl", options)
-    shards = generate_shards(model, prompts, out_dir / "data", options)
+        prompts = prompts + write_prompts(model, writer, out_dir / "self_prompts.jsonl", options)
+    shards = generate_shards(model, writer, prompts, out_dir / "data", options)
     if options.feature_layers:
         extra_shards = with_layer_features(model, list(extra_shards), options.feature_layers, out_dir / "data")
     sequences = load_sequences(shards + list(extra_shards), options.feature_layers)
