@@ -170,13 +170,19 @@ def test_corrupt_weights_are_named_in_one_line(capsys, tiny_dir, tmp_path, role)
     assert f"cannot read the weights in {broken}" in err
 
 
-@pytest.mark.parametrize("spec", ["nosuch", "suffix+nosuch", "nosuch:/tmp"])
-def test_an_unknown_drafter_is_refused_before_loading(capsys, monkeypatch, spec):
+@pytest.mark.parametrize("spec, message", [
+    ("nosuch", "unknown drafter 'nosuch'"), ("suffix+nosuch", "unknown drafter 'nosuch'"),
+    ("nosuch:/tmp", "unknown drafter 'nosuch:/tmp'"), ("none+suffix", "an A+B drafter names two drafters"),
+    ("suffix+ngram+head", "an A+B drafter names two drafters"),
+])
+def test_a_drafter_spec_naming_no_drafter_is_refused_before_loading(capsys, monkeypatch, spec, message):
+    """`check_spec` parses as `make_drafter` does (one `parse_spec`), so what the text alone rules out
+    never waits for a model to load."""
     import specsample.api
 
     monkeypatch.setattr(specsample.api, "resolve", lambda *a, **k: pytest.fail("resolved the model"))
     code, out, err = cli(capsys, "generate", "hi", "--drafter", spec)
-    assert code == 2 and out == "" and "specsample: error: unknown drafter 'nosuch" in err
+    assert code == 2 and out == "" and f"specsample: error: {message}" in err
 
 
 def test_an_empty_stop_string_is_refused_before_loading(capsys, monkeypatch):

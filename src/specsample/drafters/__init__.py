@@ -11,6 +11,8 @@ it holds.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from specsample.drafters.base import Draft, Drafter
@@ -104,6 +106,20 @@ def require_features(target: Target) -> Target:
     return require(target, RecordsFeatures, "the head drafter")
 
 
+@dataclass(frozen=True)
+class MakeOptions:
+    """How a drafter is made beside its target: the target's `backend` (a draft model runs on llama.cpp
+    too when it is `llamacpp`), whether a model's own code may run, the target's `threads`."""
+
+    backend: str = "auto"
+    trust_remote_code: bool = False
+    threads: int | None = None
+
+
+# A parsed spec (`parse_spec`): makes its drafter for a loaded target model and its Target backend.
+Recipe = Callable[[LoadedModel, Target, MakeOptions], Drafter]
+
+
 def make_drafter(
     spec: str,
     model: LoadedModel,
@@ -117,25 +133,49 @@ def make_drafter(
     file, which runs on llama.cpp too when `backend` (the target's) is `llamacpp`, with the target's
     `threads` (None: the backend's default). A draft model's cost per token, relative to a target pass,
     is measured once here (`drafters.cost`), so that the K policy knows it before any draft."""
+    return parse_spec(spec)(model, target, MakeOptions(backend, trust_remote_code, threads))
+
+
+def check_spec(spec: str) -> None:
+    """Refuse, before any model loads, a drafter spec that `make_drafter` would refuse by its text alone
+    (`parse_spec`). Whether a known drafter runs on the target is decided when it is made."""
+    parse_spec(spec)
+
+
+def parse_spec(spec: str) -> Recipe:
+    """The recipe of a drafter spec: a registered name, NAME:PATH, A+B of two such (A a lookup drafter,
+    neither none), or the path of a draft model (a path that exists is taken whole, `+` or `:` in it);
+    a spec naming none of these is a ValueError."""
     if spec in REGISTRY:
-        return REGISTRY[spec](model, target)
+        return lambda model, target, options: REGISTRY[spec](model, target)
     first, plus, second = spec.partition("+")
     if plus and not Path(spec).expanduser().exists():
         three = "+" in second and not Path(second).expanduser().exists()
         if not first or not second or "none" in (first, second) or three:
             raise ValueError(f"an A+B drafter names two drafters, a lookup drafter and a second one, neither "
                              f"of them none (for example suffix+quantized); got {spec!r}")
-        options = dict(backend=backend, trust_remote_code=trust_remote_code, threads=threads)
-        lookup = make_drafter(first, model, target, **options)
-        check_lookup(lookup, first)
-        return FallbackDrafter(lookup, make_drafter(second, model, target, **options))
+        return partial(fallback_drafter, first, parse_spec(first), parse_spec(second))
     name, sep, path = spec.partition(":")
     if sep and name in PATH_REGISTRY:
-        return PATH_REGISTRY[name](model, target, path)
+        return lambda model, target, options: PATH_REGISTRY[name](model, target, path)
     method, path = (name, path) if sep and name in METHODS else ("auto", spec)
     if not Path(path).expanduser().exists():
         raise unknown_drafter(spec)
-    draft, draft_target = load_draft(path, backend, trust_remote_code, threads)
+    return partial(draft_model_drafter, method, path)
+
+
+def fallback_drafter(name: str, lookup: Recipe, second: Recipe, model: LoadedModel, target: Target,
+                     options: MakeOptions) -> Drafter:
+    """A+B: the lookup drafter `name`'s draft when it finds one, else the second drafter's."""
+    made = lookup(model, target, options)
+    check_lookup(made, name)
+    return FallbackDrafter(made, second(model, target, options))
+
+
+def draft_model_drafter(method: str, path: str, model: LoadedModel, target: Target, options: MakeOptions) -> Drafter:
+    """The draft model at `path`: drafting its own tokens where its vocabulary is the target's (`auto`),
+    else through `cross_vocab` by `method`."""
+    draft, draft_target = load_draft(path, options.backend, options.trust_remote_code, options.threads)
     if method == "auto" and same_vocabulary(model.tokenizer, draft.tokenizer):
         check_same_width(target, draft_target)
         return DraftModelDrafter(draft_target, relative_pass_cost(draft_target, target))
@@ -145,22 +185,6 @@ def make_drafter(
 def unknown_drafter(spec: str) -> ValueError:
     names = ", ".join(sorted(REGISTRY))
     return ValueError(f"unknown drafter {spec!r}: expected one of {names}, or the path of a draft model")
-
-
-def check_spec(spec: str) -> None:
-    """Refuse, before any model loads, a drafter spec that names no drafter `make_drafter` knows: a
-    registered name, NAME:PATH, A+B of two such, or the path of a draft model. Whether a known drafter
-    runs on the target is decided when it is made."""
-    if spec in REGISTRY or (spec and Path(spec).expanduser().exists()):
-        return
-    first, plus, second = spec.partition("+")
-    if plus:
-        check_spec(first)
-        check_spec(second)
-        return
-    name, sep, _ = spec.partition(":")
-    if not (sep and (name in PATH_REGISTRY or name in METHODS)):
-        raise unknown_drafter(spec)
 
 
 def load_draft(path: str, backend: str, trust_remote_code: bool, threads: int | None) -> tuple[LoadedModel, Target]:
