@@ -126,6 +126,15 @@ def test_train_draft_needs_prompts_of_some_kind(capsys, tiny_dir, tmp_path):
     assert code == 2 and "no data shards in" in err and len(err.strip().splitlines()) == 1
 
 
+def test_train_draft_names_a_backend_it_cannot_write_on(capsys, tiny_dir, tmp_path):
+    code, _, err = cli(capsys, "train-draft", "--out", str(tmp_path), "--model", str(tiny_dir), "--self-prompts", "2",
+                       "--backend", "nosuch")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "nosuch" in err, err
+    code, _, err = cli(capsys, "train-draft", "--out", str(tmp_path), "--model", str(tiny_dir), "--self-prompts", "2",
+                       "--backend", "gguf")
+    assert code == 2 and err.strip() == f"specsample: error: the gguf backend runs GGUF files, and {tiny_dir} is not one"
+
+
 @pytest.mark.parametrize(("value", "message"), [("2,x", "--feature-layers must be comma-separated"),
                                                 ("1,1", "feature_layers must be distinct layer numbers")])
 def test_train_draft_refuses_bad_feature_layers(capsys, tiny_dir, tmp_path, value, message):
