@@ -212,14 +212,15 @@ def train_draft(
     lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 1e-3,
     eval_every: Annotated[int, typer.Option(help="Steps between held-out evaluations and checkpoints.")] = 200,
     seed: Annotated[int, typer.Option(help="Seed of the split, the windows, the sampled text and the initialisation.")] = 0,
-    backend: Annotated[str, typer.Option(help="Backend that writes the prompts and answers, batched where it can: " + BACKEND_HELP)] = "auto",
+    backend: Annotated[str, typer.Option(help="Backend that writes the prompts and answers, batched where it can: auto (float32: the C++ kernels "
+                                          "where they run the model, else transformers), fast, transformers, gguf or llamacpp (a GGUF file's "
+                                          "own blocks: twice as fast again, but their greedy text departs from float32's).")] = "auto",
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model's own Python code.")] = False,
 ) -> None:
     """Train a draft head for a target by self-distillation on the CPU (resumes from OUT's checkpoint)."""
     from pathlib import Path
 
-    from specsample.models import load_model, make_target
-    from specsample.models.choice import resolve
+    from specsample.models import check_backend, load_model, make_target
     from specsample.prompts import read_prompts
     from specsample.training import TrainOptions, data_shards, train
 
@@ -234,7 +235,7 @@ def train_draft(
     texts = [p.turns[0] for p in read_prompts(*prompts, split=question_ids)] if prompts else []
     extra = [shard for d in extra_data or () for shard in data_shards(Path(d))]
     quiet_transformers()
-    backend, _ = resolve(model, backend, trust_remote_code=trust_remote_code)
+    check_backend(backend)
     loaded = load_model(model, trust_remote_code=trust_remote_code)
     report = train(loaded, texts, Path(out), options, log=lambda line: print(line, file=sys.stderr), extra_shards=extra,
                    writer=make_target(loaded, backend))
