@@ -213,8 +213,8 @@ def train_draft(
     eval_every: Annotated[int, typer.Option(help="Steps between held-out evaluations and checkpoints.")] = 200,
     seed: Annotated[int, typer.Option(help="Seed of the split, the windows, the sampled text and the initialisation.")] = 0,
     backend: Annotated[str, typer.Option(help="Backend that writes the prompts and answers, batched where it can: auto (float32: the C++ kernels "
-                                          "where they run the model, else transformers), fast, transformers, gguf or llamacpp (a GGUF file's "
-                                          "own blocks: twice as fast again, but their greedy text departs from float32's).")] = "auto",
+                                          "where they run the model, else transformers), fast, transformers, gguf (a GGUF file's own blocks: twice as "
+                                          "fast again on the bundled model, but greedy text that departs from float32's) or llamacpp.")] = "auto",
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model's own Python code.")] = False,
 ) -> None:
     """Train a draft head for a target by self-distillation on the CPU (resumes from OUT's checkpoint)."""
