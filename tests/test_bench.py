@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -184,8 +185,17 @@ def test_report_of_a_directory_without_results_is_a_clear_error(capsys, tmp_path
 
 
 @pytest.mark.parametrize("toml", sorted((Path(__file__).parent.parent / "benchmarks").glob("*.toml")), ids=lambda p: p.name)
-def test_shipped_benchmark_configs_parse(toml):
-    defaults, configs = harness.read_configs([str(toml)], {})
+def test_shipped_benchmark_configs_parse(toml, tmp_path):
+    """Every shipped configuration is read as a bench run reads it. A draft model's GGUF file that a
+    configuration names (made by benchmarks/format_copies.py before the run) stands in as an empty file
+    under tmp_path, since a drafter path that does not exist is refused as the configuration is read."""
+    text = toml.read_text().replace('"/tmp/formats/', f'"{tmp_path}/formats/')
+    (tmp_path / "formats").mkdir()
+    for name in re.findall(rf'"{re.escape(str(tmp_path))}/formats/([^"]+)"', text):
+        (tmp_path / "formats" / name).touch()
+    copy = tmp_path / toml.name
+    copy.write_text(text)
+    defaults, configs = harness.read_configs([str(copy)], {})
     names = [c.name for c in harness.with_baselines(defaults, configs, transformers=False)]
     assert len(configs) >= 1 and names[0] == harness.REFERENCE
     # A+B: both registered; or a draft model's GGUF file (made by a benchmark script before the run)
