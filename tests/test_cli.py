@@ -182,7 +182,9 @@ def test_corrupt_weights_are_named_in_one_line(capsys, tiny_dir, tmp_path, role)
 @pytest.mark.parametrize("spec, message", [
     ("nosuch", "unknown drafter 'nosuch'"), ("suffix+nosuch", "unknown drafter 'nosuch'"),
     ("nosuch:/tmp", "unknown drafter 'nosuch:/tmp'"), ("none+suffix", "an A+B drafter names two drafters"),
-    ("suffix+ngram+head", "an A+B drafter names two drafters"),
+    ("suffix+ngram+head", "an A+B drafter names two drafters"), ("", "the drafter '' names no draft model"),
+    ("text:", "the drafter 'text:' names no draft model"), ("head: ", "the drafter 'head: ' names no draft model"),
+    ("suffix+draft-tree:", "the drafter 'draft-tree:' names no draft model"),
 ])
 def test_a_drafter_spec_naming_no_drafter_is_refused_before_loading(capsys, monkeypatch, spec, message):
     """`check_spec` parses as `make_drafter` does (one `parse_spec`), so what the text alone rules out

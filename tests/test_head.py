@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from specsample.stats import Stats
 from specsample.prompts import read_prompts
 from specsample.training import TrainOptions, data_shards, train
 from specsample.training.dataset import Sequence, load_sequences, split
-from specsample.training.generate import generate_shards, seeds_for, teacher_forced_features, write, write_prompts
+from specsample.training.generate import Writer, generate_shards, seeds_for, teacher_forced_features, write_prompts
 from specsample.training.objective import Objective
 from test_lossless import ALPHA, VOCAB, chi_square_p, exact_distribution, sampled_counts
 
@@ -392,11 +393,11 @@ def test_the_target_writes_distinct_prompts_and_a_resumed_run_keeps_them(tiny_di
     loaded = load_model(tiny_dir)
     loaded.tokenizer.chat_template = TINY_CHAT
     path = tmp_path / "self_prompts.jsonl"
-    target = make_target(loaded)
-    first = write_prompts(loaded, target, path, TrainOptions(self_prompts=6, generate_batch=32, self_prompt_tokens=64))
+    writer = Writer(loaded, partial(make_target, loaded), 32)
+    first = write_prompts(loaded, writer, path, TrainOptions(self_prompts=6, generate_batch=32, self_prompt_tokens=64))
     assert len(first) == len(set(first)) == 6 and all(first)
     assert all(p.split()[0] != "w2" for p in first)  # the template's opening is not part of a prompt
-    more = write_prompts(loaded, target, path, TrainOptions(self_prompts=9, generate_batch=32, self_prompt_tokens=64))
+    more = write_prompts(loaded, writer, path, TrainOptions(self_prompts=9, generate_batch=32, self_prompt_tokens=64))
     assert more[:6] == first and len(set(more)) == 9
     assert [json.loads(line)["prompt"] for line in path.read_text().splitlines()] == more
 
@@ -407,11 +408,12 @@ def test_the_batched_writer_writes_what_the_target_writes_alone(tiny_dir, sample
     decoding gives it alone, whatever else shares the batch; transformers' generate, the fallback for a
     target without slots, writes greedy text of the same length limits."""
     loaded = load_model(tiny_dir)
-    target = make_target(loaded)
     prompts = [[3 + i, 9, 4 + 2 * i, 7][: 2 + i % 3] for i in range(5)]
     options = TrainOptions(generate_batch=3)
     seeds = seeds_for("test", options) + [11, 12] if sampled else None
-    written = write(loaded, target, prompts, 10, seeds, options)
+    writer = Writer(loaded, partial(make_target, loaded), options.generate_batch)
+    written = writer(prompts, 10, seeds)
+    assert writer(prompts[:2], 10, None if seeds is None else seeds[:2]) == written[:2]  # its slots serve again
     params = SamplingParams(temperature=1.0 if sampled else 0.0)
     for i, (prompt, text) in enumerate(zip(prompts, written)):
         alone = decode(make_target(loaded), NoDrafter(), FixedK(0), torch.tensor(prompt), params, max_new_tokens=10,
@@ -419,7 +421,7 @@ def test_the_batched_writer_writes_what_the_target_writes_alone(tiny_dir, sample
                        stats=Stats())
         assert text == [t for step in alone for t in step]
     if not sampled:
-        fallback = write(loaded, make_target(loaded, "transformers"), prompts, 10, None, options)
+        fallback = Writer(loaded, partial(make_target, loaded, "transformers"), options.generate_batch)(prompts, 10, None)
         assert [len(text) for text in fallback] == [len(text) for text in written]
 
 
@@ -427,23 +429,36 @@ def test_sampled_data_is_the_same_in_a_run_and_its_resumption(tiny_dir, tmp_path
     """Seeds come from the run's seed and the shard's name: a shard made again after an interruption
     holds what it held, and another --seed samples other answers."""
     loaded = load_model(tiny_dir)
-    target = make_target(loaded)
     prompts = [f"w{i} w{i + 5}" for i in range(2, 8)]
     options = TrainOptions(generate_batch=3, sampled_answers=1, max_new_tokens=12)
-    shards = generate_shards(loaded, target, prompts, tmp_path / "a", options)
+    writer = Writer(loaded, partial(make_target, loaded), options.generate_batch)
+    shards = generate_shards(loaded, writer, prompts, tmp_path / "a", options)
     assert len(shards) == 4
     before = [load_file(shard)["tokens"] for shard in shards]
     shards[3].unlink()
-    again = generate_shards(loaded, target, prompts, tmp_path / "a", options)
+    again = generate_shards(loaded, writer, prompts, tmp_path / "a", options)
     assert all(torch.equal(a, load_file(b)["tokens"]) for a, b in zip(before, again))
-    other = generate_shards(loaded, target, prompts, tmp_path / "b", replace(options, seed=1))
+    other = generate_shards(loaded, writer, prompts, tmp_path / "b", replace(options, seed=1))
     assert not torch.equal(before[3], load_file(other[3])["tokens"])
 
 
 def test_a_target_without_a_chat_template_cannot_write_prompts(tiny_dir, tmp_path):
     with pytest.raises(ValueError, match="no chat template"):
         loaded = load_model(tiny_dir)
-        write_prompts(loaded, make_target(loaded), tmp_path / "p.jsonl", TrainOptions(self_prompts=2))
+        write_prompts(loaded, Writer(loaded, partial(make_target, loaded), 2), tmp_path / "p.jsonl", TrainOptions(self_prompts=2))
+
+
+def test_a_run_that_writes_nothing_never_makes_the_writers_target(tiny_dir, tmp_path):
+    """Shards all made (a resumed run, or data given with --extra-data): no second copy of the weights."""
+    loaded = load_model(tiny_dir)
+    options = TrainOptions(generate_batch=3, max_new_tokens=6)
+    prompts = [f"w{i} w{i + 5}" for i in range(2, 5)]
+    made = generate_shards(loaded, Writer(loaded, partial(make_target, loaded), 3), prompts, tmp_path, options)
+
+    def refuse() -> None:
+        raise AssertionError("the writer's target was made")
+
+    assert generate_shards(loaded, Writer(loaded, refuse, 3), prompts, tmp_path, options) == made
 
 
 def test_held_out_split_keeps_every_answer_to_a_prompt_on_one_side():

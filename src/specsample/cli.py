@@ -218,11 +218,13 @@ def train_draft(
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model's own Python code.")] = False,
 ) -> None:
     """Train a draft head for a target by self-distillation on the CPU (resumes from OUT's checkpoint)."""
+    from functools import partial
     from pathlib import Path
 
-    from specsample.models import check_backend, load_model, make_target
+    from specsample.models import check_backend, check_backend_runs, load_model, make_target
     from specsample.prompts import read_prompts
     from specsample.training import TrainOptions, data_shards, train
+    from specsample.training.generate import Writer
 
     options = TrainOptions(
         generate_batch=generate_batch, sampled_answers=sampled_answers, self_prompts=self_prompts, batch_size=batch_size,
@@ -237,8 +239,10 @@ def train_draft(
     quiet_transformers()
     check_backend(backend)
     loaded = load_model(model, trust_remote_code=trust_remote_code)
+    check_backend_runs(backend, loaded)
+    writer = Writer(loaded, partial(make_target, loaded, backend), options.generate_batch)
     report = train(loaded, texts, Path(out), options, log=lambda line: print(line, file=sys.stderr), extra_shards=extra,
-                   writer=make_target(loaded, backend))
+                   writer=writer)
     print(json.dumps({k: v for k, v in report.items() if k != "history"}))
 
 

@@ -156,6 +156,9 @@ def parse_spec(spec: str) -> Recipe:
                              f"of them none (for example suffix+quantized); got {spec!r}")
         return partial(fallback_drafter, first, parse_spec(first), parse_spec(second))
     name, sep, path = spec.partition(":")
+    if not spec.strip() or (sep and (name in PATH_REGISTRY or name in METHODS) and not path.strip()):
+        raise ValueError(f"the drafter {spec!r} names no draft model: give a drafter name, NAME:PATH or a path "
+                         f"(an empty path is not taken as the current directory)")
     if sep and name in PATH_REGISTRY:
         return lambda model, target, options: PATH_REGISTRY[name](model, target, path)
     method, path = (name, path) if sep and name in METHODS else ("auto", spec)

@@ -16,6 +16,14 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
 
 
+def check_backend_runs(backend: str, loaded: LoadedModel) -> None:
+    """Refuse, before anything is built, a backend that cannot run the loaded model (a GGUF backend for a
+    model directory)."""
+    check_backend(backend)
+    if backend in ("gguf", "llamacpp") and loaded.gguf is None:
+        raise ValueError(f"the {backend} backend runs GGUF files, and {loaded.name} is not one")
+
+
 def check_threads(threads: int | None) -> None:
     """Refuse a thread count below 1 (None: all cores) on every backend, before anything slow."""
     if threads is not None and threads < 1:
@@ -28,9 +36,7 @@ def make_target(loaded: LoadedModel, backend: str = "auto", *, threads: int | No
     `gguf`: the fast backend with its linear maps on the file's own GGUF blocks (Q4_0 to Q8_0, Q4_K,
     Q6_K; `gguf_blocks`), built from the file alone when `loaded` holds no weights; `llamacpp` runs
     the GGUF file `loaded` came from on llama.cpp (`threads`: default all cores)."""
-    check_backend(backend)
-    if backend in ("gguf", "llamacpp") and loaded.gguf is None:
-        raise ValueError(f"the {backend} backend runs GGUF files, and {loaded.name} is not one")
+    check_backend_runs(backend, loaded)
     if backend == "llamacpp":
         from specsample.models.llamacpp import LlamaCppTarget
 

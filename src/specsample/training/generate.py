@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from time import perf_counter
 
@@ -31,7 +32,7 @@ from specsample.training.options import TrainOptions
 
 
 @torch.inference_mode()
-def write_prompts(model: LoadedModel, target: Target, path: Path, options: TrainOptions) -> list[str]:
+def write_prompts(model: LoadedModel, writer: Writer, path: Path, options: TrainOptions) -> list[str]:
     """`options.self_prompts` distinct prompts written by the target, sampled at temperature 1 after
     its chat template's opening of a user turn; only those it ends (EOS) within `self_prompt_tokens`.
     Kept in `path` (one JSON line each) as they come, so a resumed run writes only the rest."""
@@ -45,7 +46,7 @@ def write_prompts(model: LoadedModel, target: Target, path: Path, options: Train
             raise ValueError(f"the model ended only {len(prompts)} of {options.self_prompts} prompts within "
                              f"{options.self_prompt_tokens} tokens: give it prompts with --prompts instead")
         seeds = seeds_for(f"prompts-{len(prompts)}-{tries}", options)
-        rows = write(model, target, [opening] * options.generate_batch, options.self_prompt_tokens, seeds, options)
+        rows = writer([opening] * options.generate_batch, options.self_prompt_tokens, seeds)
         new = []
         for row in rows:
             end = next((i for i, t in enumerate(row) if t in model.eos_token_ids), None)
@@ -61,9 +62,9 @@ def write_prompts(model: LoadedModel, target: Target, path: Path, options: Train
     return prompts
 
 
-def generate_shards(model: LoadedModel, target: Target, prompts: list[str], data_dir: Path,
+def generate_shards(model: LoadedModel, writer: Writer, prompts: list[str], data_dir: Path,
                     options: TrainOptions) -> list[Path]:
-    """Answer the prompts in batches on `target` and store tokens + features, one shard per batch (resumable).
+    """Answer the prompts in batches with `writer` and store tokens + features, one shard per batch (resumable).
 
     Every batch is answered greedily first; then, `sampled_answers` times over, by
     sampling at temperature 1, so the head also sees the continuations it will draft for at temperature > 0.
@@ -81,7 +82,7 @@ def generate_shards(model: LoadedModel, target: Target, prompts: list[str], data
         if options.data_minutes and perf_counter() - start > 60 * options.data_minutes:
             break  # out of time: train on the shards made so far (a later run resumes generating)
         seeds = seeds_for(shard.name, options) if round_ else None
-        answers = write(model, target, batch, options.max_new_tokens, seeds, options)
+        answers = writer(batch, options.max_new_tokens, seeds)
         sequences = [prompt + answer for prompt, answer in zip(batch, answers)]
         prompt_lengths = torch.tensor([len(p) for p in batch])
         write_shard(model, shard, sequences, prompt_lengths, options.feature_layers)
@@ -130,20 +131,32 @@ def seeds_for(name: str, options: TrainOptions) -> list[int]:
     return [draw.getrandbits(64) for _ in range(options.generate_batch)]
 
 
-def write(model: LoadedModel, target: Target, prompts: list[list[int]], max_new_tokens: int,
-          seeds: list[int] | None, options: TrainOptions) -> list[list[int]]:
-    """The target's continuations of `prompts` (greedy without `seeds`, else sampled at temperature 1 with
-    seed i for prompt i), each cut after its first EOS: on the target's slots where it has them."""
-    if isinstance(target, SlottedTarget):
-        return slotted_write(target, model.eos_token_ids, prompts, max_new_tokens, seeds, options.generate_batch)
-    return generate_batch(model, prompts, max_new_tokens, sampled=seeds is not None)
+class Writer:
+    """Writes the target's continuations of prompts (`__call__`). The target is made at the first call, so
+    a run that writes nothing (its data given with --extra-data, or all made by the run it resumes) never
+    holds a second copy of the weights; on a target with slots, one batch of `width` slots serves the run."""
+
+    def __init__(self, model: LoadedModel, make: Callable[[], Target], width: int) -> None:
+        self.model, self.make, self.width = model, make, width
+        self.target: Target | None = None
+        self.batch: Batch | None = None
+
+    def __call__(self, prompts: list[list[int]], max_new_tokens: int, seeds: list[int] | None) -> list[list[int]]:
+        """The continuations of `prompts` (greedy without `seeds`, else sampled at temperature 1 with seed i
+        for prompt i), each cut after its first EOS: on the target's slots where it has them."""
+        if self.target is None:
+            self.target = self.make()
+        if not isinstance(self.target, SlottedTarget):
+            return generate_batch(self.model, prompts, max_new_tokens, sampled=seeds is not None)
+        if self.batch is None:
+            self.batch = Batch(self.target.slots(self.width), NoDrafter(), lambda: FixedK(0),
+                               eos_token_ids=self.model.eos_token_ids)
+        return slotted_write(self.batch, prompts, max_new_tokens, seeds)
 
 
-def slotted_write(target: SlottedTarget, eos_token_ids: frozenset[int], prompts: list[list[int]], max_new_tokens: int,
-                  seeds: list[int] | None, width: int) -> list[list[int]]:
-    """`write` by continuous batching over `width` slots of the target: plain decoding, a seeded request's
-    text that of `SpecSampler.generate` with its seed."""
-    batch = Batch(target.slots(min(width, len(prompts))), NoDrafter(), lambda: FixedK(0), eos_token_ids=eos_token_ids)
+def slotted_write(batch: Batch, prompts: list[list[int]], max_new_tokens: int, seeds: list[int] | None) -> list[list[int]]:
+    """`Writer`'s text by continuous batching on `batch`'s slots: plain decoding, a seeded request's text
+    that of `SpecSampler.generate` with its seed."""
     params = SamplingParams(temperature=0.0 if seeds is None else 1.0)
     requests = [Request(torch.tensor(prompt), params, max_new_tokens, request_source(None if seeds is None else seeds[i]))
                 for i, prompt in enumerate(prompts)]

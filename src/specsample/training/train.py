@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from time import perf_counter
 
@@ -12,10 +13,10 @@ import torch
 from tqdm import tqdm
 
 from specsample.drafters.head import DraftHead, HeadConfig, HeadDrafter, save_head
-from specsample.models import LoadedModel, Target, make_target
+from specsample.models import LoadedModel, make_target
 from specsample.models.target import recordable
 from specsample.training.dataset import Batcher, Sequence, distinct_prompts, frequent_tokens, load_sequences, split
-from specsample.training.generate import generate_shards, with_layer_features, write_prompts
+from specsample.training.generate import Writer, generate_shards, with_layer_features, write_prompts
 from specsample.training.objective import EVAL_K, Objective
 from specsample.training.options import TrainOptions
 
@@ -27,17 +28,17 @@ def train(
     options: TrainOptions,
     log: Callable[[str], None] = print,
     extra_shards: list[Path] = (),
-    writer: Target | None = None,
+    writer: Writer | None = None,
 ) -> dict:
     """Generate data, train the head, save it to `out_dir`; returns the final report.
-    `extra_shards`: data of earlier runs to train on as well. `writer`: the target that writes the
-    prompts and answers (`generate.write`; None: `model`'s own, as `make_target` makes it); the
+    `extra_shards`: data of earlier runs to train on as well. `writer`: what writes the prompts
+    and answers (`generate.Writer`; None: `model`'s own target, as `make_target` makes it); the
     features always come from `model`'s transformers forward."""
     recordable(options.feature_layers, model.model.config.num_hidden_layers)  # refuses layers before any work
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(options.seed)
     start = perf_counter()
-    writer = make_target(model) if writer is None else writer
+    writer = Writer(model, partial(make_target, model), options.generate_batch) if writer is None else writer
     if options.self_prompts:
         prompts = prompts + write_prompts(model, writer, out_dir / "self_prompts.jsonl", options)
     shards = generate_shards(model, writer, prompts, out_dir / "data", options)
