@@ -245,6 +245,14 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "w5", "logprobs": 2}),
     ("/v1/completions", {"prompt": "w5", "echo": True}),
     ("/v1/completions", {"prompt": "w5", "logit_bias": {"5": 100}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "tool_choice": "required"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "modalities": ["text", "audio"]}),
+    ("/v1/completions", {"prompt": "w5", "ignore_eos": True}),  # vLLM's extensions
+    ("/v1/completions", {"prompt": "w5", "min_tokens": 30}),
+    ("/v1/completions", {"prompt": "w5", "stop_token_ids": [13]}),
+    ("/v1/completions", {"prompt": "w5", "stop": "w6", "include_stop_str_in_output": True}),
+    ("/v1/completions", {"prompt": "w5", "guided_json": {"type": "object"}}),
+    ("/v1/completions", {"prompt": "w5", "stream_options": {"include_usage": True}}),  # without stream
     # a lone surrogate (valid JSON, not valid UTF-8 text)
     ("/v1/completions", '{"prompt": "w5 \\ud800 w9"}'),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "w5 \\ud800"}]}'),
@@ -367,6 +375,27 @@ def test_null_options_take_their_defaults(base_url):
     assert response.json()["choices"][0]["text"]
 
 
+@pytest.mark.parametrize("body, message", [
+    ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens must be >= 1, got 0"),
+    ({"max_tokens": 1000}, "the prompt (3 tokens) and up to 1000 new tokens exceed the context window of 128 tokens"),
+    ({"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream: true"),
+    ({"ignore_eos": True}, "ignore_eos is not supported by this server (got True)"),
+    ({"tool_choice": "required"}, "tool_choice is not supported by this server (got 'required')"),
+])
+def test_a_bad_request_names_the_option_the_client_sent(base_url, body, message):
+    response = httpx.post(base_url + "/v1/completions", json={"prompt": "w5 w6 w7", **body})
+    assert response.status_code == 400 and response.json()["error"]["message"] == message, response.text
+
+
+@pytest.mark.parametrize("headers", [{}, {"Content-Type": "text/plain"}])
+def test_a_body_sent_without_a_json_content_type_is_named_so(base_url, headers):
+    response = httpx.post(base_url + "/v1/completions", content='{"prompt": "w5"}', headers=headers)
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert message.startswith("send the body as JSON with Content-Type: application/json (got "), message
+
+
 def test_openai_options_left_off_are_accepted(client):
     """A client that sends the options of `schemas.UNSUPPORTED` at their "off" values, as some SDKs do, is served."""
     response = client.completions.create(
@@ -376,7 +405,8 @@ def test_openai_options_left_off_are_accepted(client):
     assert response.choices[0].text
     chat = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "w5 w6"}], max_tokens=2, temperature=0, logprobs=False,
-        response_format={"type": "text"},
+        response_format={"type": "text"}, tool_choice="none", modalities=["text"],
+        extra_body={"ignore_eos": False, "min_tokens": 0, "stop_token_ids": [], "include_stop_str_in_output": False},
     )
     assert chat.choices[0].message.content
 

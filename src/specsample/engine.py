@@ -234,8 +234,8 @@ def check_lengths(target: Target, prompt_tokens: int, max_new_tokens: int) -> No
     check_max_new_tokens(max_new_tokens)
     if prompt_tokens + max_new_tokens > target.max_length:
         raise ValueError(
-            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
-            f"exceeds the context window of {target.max_length} tokens"
+            f"the prompt ({prompt_tokens} tokens) and up to {max_new_tokens} new tokens exceed the context "
+            f"window of {target.max_length} tokens"
         )
 
 

@@ -7,6 +7,7 @@ U+FFFD there) and never shows text that may turn out to be part of a stop string
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
@@ -24,12 +25,44 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[Mes
         if isinstance(message.get("content"), str):
             check_text(message["content"], "the prompt" if isinstance(prompt, str) else f"message {number}")
     if chat and tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return list(ids)
+        return chat_ids(tokenizer, messages)
     if len(messages) != 1 or messages[0].get("role") != "user":
         raise ValueError(f"the model has no chat template, so a chat of {len(messages)} messages and their roles "
                          "cannot be written as its input: send one user message, or the text as a completion prompt")
     return tokenizer.encode(messages[0]["content"], add_special_tokens=True)
+
+
+def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> list[int]:
+    """The chat template's token ids for `messages`, where text in a message that spells a special token
+    (`<|im_end|>`) is encoded as plain text: only the template writes control tokens, so a message cannot
+    close its own turn and open another role's (a user's text posing as a system turn). Messages without
+    such text are encoded as transformers' `apply_chat_template` encodes them; a message with it is
+    rendered with a placeholder there, and the template's text around each placeholder is encoded apart
+    from the placeholder's special-token text, which is split into ordinary tokens."""
+    specials = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True)
+    contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    if not any(special in content for special in specials for content in contents):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    placeholder = "\ue000"
+    while any(placeholder in content for content in contents):
+        placeholder += "\ue000"
+    pattern = re.compile("|".join(map(re.escape, specials)))
+    hidden: list[str] = []
+
+    def hide(match: re.Match) -> str:
+        hidden.append(match.group())
+        return placeholder
+
+    masked = [{**m, "content": pattern.sub(hide, m["content"])} if isinstance(m.get("content"), str) else m for m in messages]
+    pieces = tokenizer.apply_chat_template(masked, add_generation_prompt=True, tokenize=False).split(placeholder)
+    if len(pieces) != len(hidden) + 1:
+        raise ValueError("the model's chat template does not keep the messages' text as it is, so the special-token "
+                         "text in them cannot be kept plain: leave it out of the messages")
+    ids = tokenizer.encode(pieces[0], add_special_tokens=False)
+    for text, piece in zip(hidden, pieces[1:]):
+        ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        ids += tokenizer.encode(piece, add_special_tokens=False)
+    return ids
 
 
 def check_text(text: str, what: str) -> None:

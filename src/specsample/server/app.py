@@ -292,7 +292,7 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.requests.labels(request.url.path, "invalid").inc()
-        message, param = describe(exc.errors()[0])
+        message, param = describe(exc.errors()[0], request.headers.get("content-type"))
         return JSONResponse(error_body(message, param=param), status_code=400)
 
     @app.exception_handler(QueueFull)
@@ -311,11 +311,14 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return JSONResponse(error_body(f"internal error: {exc}", type="server_error"), status_code=500)
 
 
-def describe(error: dict) -> tuple[str, str | None]:
-    """A one-line message and the offending parameter of a pydantic or JSON error."""
+def describe(error: dict, content_type: str | None = None) -> tuple[str, str | None]:
+    """A one-line message and the offending parameter of a pydantic or JSON error (`content_type`: the
+    request's, for a body that was not read as JSON)."""
     loc = [str(part) for part in error.get("loc", ()) if part != "body"]
     if error["type"] == "json_invalid":
         return f"malformed JSON: {error.get('ctx', {}).get('error', error['msg'])}", None
+    if isinstance(error.get("input"), bytes):  # FastAPI reads a body as JSON only under a JSON content type
+        return f"send the body as JSON with Content-Type: application/json (got {content_type or 'no Content-Type'})", None
     message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
     if not loc and error["type"] != "value_error":
         message = f"the request body must be a JSON object ({message})"

@@ -15,7 +15,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specsample.engine import check_max_new_tokens
 from specsample.sampling import SamplingParams
 from specsample.text import Message, stop_strings
 
@@ -35,7 +34,21 @@ UNSUPPORTED: dict[str, tuple] = {
     "suffix": (None, ""),
     "tools": (None, []),
     "functions": (None, []),
+    "tool_choice": (None, "none", "auto"),  # with no tools, "required" or a named function cannot be met
+    "function_call": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "web_search_options": (None,),
+    # vLLM's extensions beside top_k and min_p, which are implemented
+    "ignore_eos": (None, False),
+    "min_tokens": (None, 0),
+    "stop_token_ids": (None, []),
+    "include_stop_str_in_output": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
 }
 
 
@@ -95,8 +108,11 @@ class GenerationRequest(BaseModel):
     @model_validator(mode="after")
     def check_options(self) -> "GenerationRequest":
         SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
-        if self.max_new_tokens is not None:
-            check_max_new_tokens(self.max_new_tokens)
+        for name in ("max_tokens", "max_completion_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
         if self.n != 1:
             raise ValueError(f"n must be 1 (one completion per request), got {self.n}")
         return self
