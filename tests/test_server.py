@@ -381,6 +381,8 @@ def test_null_options_take_their_defaults(base_url):
     ({"max_tokens": 1000}, "the prompt (3 tokens) and up to 1000 new tokens exceed the context window of 128 tokens"),
     ({"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream: true"),
     ({"ignore_eos": True}, "ignore_eos is not supported by this server (got True)"),
+    ({"prompt": [1, 2, 3]}, "prompt: a string or a list of one string is expected: prompts of token ids are not supported"),
+    ({"prompt": [[1, 2, 3]]}, "prompt: a string or a list of one string is expected: prompts of token ids are not supported"),
     ({"tool_choice": "required"}, "tool_choice is not supported by this server (got 'required')"),
 ])
 def test_a_bad_request_names_the_option_the_client_sent(base_url, body, message):

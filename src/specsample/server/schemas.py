@@ -175,6 +175,17 @@ class ChatCompletionRequest(GenerationRequest):
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str]
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def text_prompt(cls, prompt: object) -> object:
+        """A one-line error for a prompt of token ids (OpenAI takes them; this server takes text), where
+        pydantic's would name the union's branches ("prompt.str: Input should be a valid string")."""
+        if isinstance(prompt, list) and any(not isinstance(part, str) for part in prompt):
+            raise ValueError("a string or a list of one string is expected: prompts of token ids are not supported")
+        if not isinstance(prompt, (str, list)):
+            raise ValueError(f"a string or a list of one string is expected, got {prompt!r}")
+        return prompt
+
     @model_validator(mode="after")
     def check_prompt(self) -> "CompletionRequest":
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
