@@ -400,6 +400,9 @@ def test_the_target_writes_distinct_prompts_and_a_resumed_run_keeps_them(tiny_di
     more = write_prompts(loaded, writer, path, TrainOptions(self_prompts=9, generate_batch=32, self_prompt_tokens=64))
     assert more[:6] == first and len(set(more)) == 9
     assert [json.loads(line)["prompt"] for line in path.read_text().splitlines()] == more
+    # the same writer answers them, outside write_prompts' inference mode, on the slots made inside it
+    shards = generate_shards(loaded, writer, more, tmp_path / "data", TrainOptions(generate_batch=32, max_new_tokens=8))
+    assert len(shards) == 1
 
 
 @pytest.mark.parametrize("sampled", [False, True])

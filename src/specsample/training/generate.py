@@ -141,9 +141,11 @@ class Writer:
         self.target: Target | None = None
         self.batch: Batch | None = None
 
+    @torch.inference_mode()
     def __call__(self, prompts: list[list[int]], max_new_tokens: int, seeds: list[int] | None) -> list[list[int]]:
         """The continuations of `prompts` (greedy without `seeds`, else sampled at temperature 1 with seed i
-        for prompt i), each cut after its first EOS: on the target's slots where it has them."""
+        for prompt i), each cut after its first EOS: on the target's slots where it has them. Always in
+        inference mode: the slots' caches, made at the first call, are written at every later one."""
         if self.target is None:
             self.target = self.make()
         if not isinstance(self.target, SlottedTarget):
