@@ -451,6 +451,37 @@ def test_a_target_without_a_chat_template_cannot_write_prompts(tiny_dir, tmp_pat
         write_prompts(loaded, Writer(loaded, partial(make_target, loaded), 2), tmp_path / "p.jsonl", TrainOptions(self_prompts=2))
 
 
+def test_a_run_resumed_with_other_prompts_or_options_is_refused(tiny_dir, tmp_path):
+    """Shards are named by batch: resumed with other prompts, the old shards would be taken for the new."""
+    loaded = load_model(tiny_dir)
+    writer = Writer(loaded, partial(make_target, loaded), 3)
+    options = TrainOptions(generate_batch=3, max_new_tokens=6)
+    prompts = [f"w{i} w{i + 5}" for i in range(2, 5)]
+    made = generate_shards(loaded, writer, prompts, tmp_path, options)
+    assert generate_shards(loaded, writer, prompts, tmp_path, options) == made
+    with pytest.raises(ValueError, match=r"holds answers made from other data \(prompts, prompts_sha256 differ\)"):
+        generate_shards(loaded, writer, prompts + ["w9 w10"], tmp_path, options)
+    with pytest.raises(ValueError, match=r"\(max_new_tokens differ\)"):
+        generate_shards(loaded, writer, prompts, tmp_path, replace(options, max_new_tokens=7))
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 a zip cut short"])
+def test_an_unreadable_checkpoint_is_named(tmp_path, content):
+    from specsample.training.train import resume
+
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=f"cannot read the checkpoint {path}"):
+        resume(path, None, None, torch.Generator())
+
+
+def test_an_unreadable_data_shard_is_named(tmp_path):
+    shard = tmp_path / "shard-00000.safetensors"
+    shard.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    with pytest.raises(ValueError, match=f"cannot read the data shard {shard}"):
+        load_sequences([shard])
+
+
 def test_a_run_that_writes_nothing_never_makes_the_writers_target(tiny_dir, tmp_path):
     """Shards all made (a resumed run, or data given with --extra-data): no second copy of the weights."""
     loaded = load_model(tiny_dir)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
@@ -31,7 +32,11 @@ def load_sequences(shards: list[Path], layers: tuple[int, ...] = ()) -> list[Seq
     """The sequences of these shards, with the outputs of `layers` (which every shard must hold)."""
     out = []
     for shard in shards:
-        data = load_file(shard)
+        try:
+            data = load_file(shard)
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"cannot read the data shard {shard} ({error}): delete it (a resumed run makes it "
+                             f"again) or leave its directory out") from None
         lengths = data["lengths"].tolist()
         features = data["features"]
         if layers:

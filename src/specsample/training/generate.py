@@ -9,6 +9,7 @@ interrupted run resumes with the shards it lacks.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Callable
@@ -72,6 +73,7 @@ def generate_shards(model: LoadedModel, writer: Writer, prompts: list[str], data
     data_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = model.tokenizer
     encoded = sorted((encode_prompt(tokenizer, p, True)[-options.max_prompt_tokens :] for p in prompts), key=len)
+    check_manifest(data_dir / "manifest.json", encoded, options)
     batches = [encoded[i : i + options.generate_batch] for i in range(0, len(encoded), options.generate_batch)]
     random.Random(options.seed).shuffle(batches)  # similar lengths in a batch, all lengths among the first shards
     jobs = [(batch, round_, data_dir / (f"shard-{i:05d}" + (f"-s{round_}" if round_ else "") + ".safetensors"))
@@ -87,6 +89,23 @@ def generate_shards(model: LoadedModel, writer: Writer, prompts: list[str], data
         prompt_lengths = torch.tensor([len(p) for p in batch])
         write_shard(model, shard, sequences, prompt_lengths, options.feature_layers)
     return [shard for _, _, shard in jobs if shard.exists()]
+
+
+def check_manifest(path: Path, encoded: list[list[int]], options: TrainOptions) -> None:
+    """Record what a data directory's shards are made from (the prompts and the options that shape the
+    answers), or refuse to resume one made from something else: its shards, named by batch, would be taken
+    as they are and the new prompts never answered."""
+    digest = hashlib.sha256(json.dumps(encoded).encode()).hexdigest()
+    manifest = {"prompts": len(encoded), "prompts_sha256": digest, "max_new_tokens": options.max_new_tokens,
+                "generate_batch": options.generate_batch, "sampled_answers": options.sampled_answers,
+                "seed": options.seed, "max_prompt_tokens": options.max_prompt_tokens}
+    if path.is_file():
+        earlier = json.loads(path.read_text())
+        changed = [key for key in manifest if earlier.get(key) != manifest[key]]
+        if changed:
+            raise ValueError(f"{path.parent} holds answers made from other data ({', '.join(changed)} differ): "
+                             f"resume with the same prompts and options, or give another --out")
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 def write_shard(model: LoadedModel, shard: Path, sequences: list[list[int]], prompt_lengths: Tensor,

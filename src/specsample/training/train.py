@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -116,7 +117,11 @@ def resume(path: Path, head: DraftHead, optimizer, generator: torch.Generator) -
     """Restore a checkpoint written by this module; (0, []) when there is none."""
     if not path.is_file():
         return 0, []
-    state = torch.load(path, weights_only=True)
+    try:
+        state = torch.load(path, weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:  # a file cut short (a kill, a full disk)
+        raise ValueError(f"cannot read the checkpoint {path} ({error}): delete it to train from the start, "
+                         f"or use another --out") from None
     try:
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
