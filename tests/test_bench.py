@@ -106,6 +106,25 @@ def test_bench_run_refuses_a_file_as_its_output_directory_before_running(capsys,
     assert code == 2 and err.strip() == f"specsample: error: --out {taken} is a file, not a directory for the results"
 
 
+def test_bench_outputs_and_drafters_are_checked_before_loading(capsys, tmp_path):
+    """A place the results cannot be written to, or a drafter that does not exist, is refused before the
+    model loads, not after the run."""
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    cases = [
+        (["run", "--out", str(a_file / "sub")], f"--out {a_file / 'sub'}: {a_file} is a file, so nothing can be written under it"),
+        (["run", "--out", ""], "--out is empty: name a path"),
+        (["decode", "--json", str(tmp_path)], f"--json {tmp_path} is a directory, not a file for the results"),
+        (["cost-curve", "--json", str(a_file / "x.json")], f"--json {a_file / 'x.json'}: {a_file} is a file"),
+        (["batch", "--json", " "], "--json is empty: name a path"),
+        (["decode", "--drafter", "bogus"], "unknown drafter 'bogus'"),
+        (["decode", "--drafter", "ngram+bogus"], "unknown drafter 'bogus'"),
+    ]
+    for args, message in cases:
+        code, _, err = cli(capsys, "bench", *args, "--model", "/nonexistent/model")
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, (args, err)
+
+
 @pytest.mark.parametrize("args, message", [
     (["decode", "--threads", "0"], "--threads must be >= 1, got 0"),
     (["batch", "--threads", "-1"], "--threads must be >= 1, got -1"),

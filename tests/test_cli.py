@@ -135,6 +135,15 @@ def test_train_draft_names_a_backend_it_cannot_write_on(capsys, tiny_dir, tmp_pa
     assert code == 2 and err.strip() == f"specsample: error: the gguf backend runs GGUF files, and {tiny_dir} is not one"
 
 
+def test_train_draft_refuses_an_output_it_cannot_write_before_loading(capsys, tmp_path):
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    for out, message in [("", "--out is empty: name a path"), (str(a_file), f"--out {a_file} is a file, not a directory"),
+                         (str(a_file / "head"), f"--out {a_file / 'head'}: {a_file} is a file")]:
+        code, _, err = cli(capsys, "train-draft", "--out", out, "--model", "/nonexistent/model", "--self-prompts", "2")
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
 @pytest.mark.parametrize(("value", "message"), [("2,x", "--feature-layers must be comma-separated"),
                                                 ("1,1", "feature_layers must be distinct layer numbers")])
 def test_train_draft_refuses_bad_feature_layers(capsys, tiny_dir, tmp_path, value, message):

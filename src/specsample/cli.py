@@ -222,6 +222,7 @@ def train_draft(
     from pathlib import Path
 
     from specsample.models import check_backend, check_backend_runs, load_model, make_target
+    from specsample.outputs import check_output_dir
     from specsample.prompts import read_prompts
     from specsample.training import TrainOptions, data_shards, train
     from specsample.training.generate import Writer
@@ -234,6 +235,7 @@ def train_draft(
     )
     if not prompts and not self_prompts and not extra_data:
         raise ValueError("give --prompts, --self-prompts, --extra-data or several of them")
+    out_dir = check_output_dir(out, "--out")
     texts = [p.turns[0] for p in read_prompts(*prompts, split=question_ids)] if prompts else []
     extra = [shard for d in extra_data or () for shard in data_shards(Path(d))]
     quiet_transformers()
@@ -241,7 +243,7 @@ def train_draft(
     loaded = load_model(model, trust_remote_code=trust_remote_code)
     check_backend_runs(backend, loaded)
     writer = Writer(loaded, partial(make_target, loaded, backend), options.generate_batch)
-    report = train(loaded, texts, Path(out), options, log=lambda line: print(line, file=sys.stderr), extra_shards=extra,
+    report = train(loaded, texts, out_dir, options, log=lambda line: print(line, file=sys.stderr), extra_shards=extra,
                    writer=writer)
     print(json.dumps({k: v for k, v in report.items() if k != "history"}))
 

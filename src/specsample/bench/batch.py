@@ -23,6 +23,7 @@ from time import perf_counter
 
 from specsample.api import Completion, SpecSampler
 from specsample.batch import Totals
+from specsample.outputs import write_text
 
 
 @dataclass
@@ -89,5 +90,5 @@ def run(one: SpecSampler, many: SpecSampler, warmup: list[str], rounds: list[lis
 
 
 def save(path: Path, rows: list[Row], about: dict) -> None:
-    path.write_text(json.dumps({**about, "rows": [{**asdict(r), "tokens_per_second": r.tokens_per_second}
+    write_text(path, json.dumps({**about, "rows": [{**asdict(r), "tokens_per_second": r.tokens_per_second}
                                                    for r in rows]}, indent=1))

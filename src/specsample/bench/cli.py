@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from specsample.drafters import check_spec
+from specsample.outputs import check_output_dir, check_output_file, write_text
 from specsample.prompts import TUNED_PER_CATEGORY, Prompt, packaged_prompts, read_prompts
 
 app = typer.Typer(
@@ -51,7 +53,7 @@ def cost_curve(
     repeats: Annotated[int, typer.Option(help="Repetitions; each f(n) is their median.")] = 7,
     backends: Annotated[str, typer.Option(help="Comma-separated Target backends: fast, transformers, llamacpp, gguf.")] = "fast,transformers",
     threads: Annotated[Optional[int], typer.Option(help="CPU threads of every backend (default: one per core).")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
+    json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
 ) -> None:
     """f(n)/f(1): the cost of one forward pass over n new tokens, for n = 1..max_n (llamacpp: the GGUF
     file at its own quantization on llama.cpp; gguf: on its own blocks; the other backends: its float32 weights)."""
@@ -66,6 +68,7 @@ def cost_curve(
     from specsample.models import check_backend, load_model
 
     names = [b.strip() for b in backends.split(",") if b.strip()]
+    json_file = None if json_path is None else check_output_file(json_path, "--json")
     if max_n < 1 or context_length < 1 or repeats < 1 or not names:
         raise ValueError("--max-n, --context-length and --repeats must be positive, --backends non-empty")
     for name in names:
@@ -90,9 +93,9 @@ def cost_curve(
     for i, n in enumerate(curves[0].ns):
         table.add_row(str(n), *[cell for c in curves for cell in (f"{c.ms[i]:.1f}", f"{c.ratios[i]:.2f}")])
     Console(width=None if sys.stdout.isatty() else 120).print(table)
-    if json_path is not None:
-        json_path.write_text(json.dumps({"model": loaded.name, "threads": threads, "backends": cc.describe(targets),
-                                         "curves": [c.to_dict() for c in curves]}, indent=2))
+    if json_file is not None:
+        write_text(json_file, json.dumps({"model": loaded.name, "threads": threads, "backends": cc.describe(targets),
+                                          "curves": [c.to_dict() for c in curves]}, indent=2))
 
 
 @app.command("decode")
@@ -111,7 +114,7 @@ def decode(
                                          "too).")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core); llamacpp: "
                                                    "threads per pass, of the engine and of llama.cpp's decoding.")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
+    json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
 ) -> None:
     """Greedy decoding tokens/s: our engine against transformers generate (and on the llamacpp backend,
     llama.cpp's own plain decoding), on the same prompts."""
@@ -124,6 +127,10 @@ def decode(
 
     if limit < 1 or max_new_tokens < 1 or k < 1:
         raise ValueError("--limit, --max-new-tokens and --k must be positive")
+    json_file = None if json_path is None else check_output_file(json_path, "--json")
+    for spec in drafter or ():
+        if spec != "self":
+            check_spec(spec)
     items = read_bench_prompts(prompts, split)[:limit]
     _setup(threads)
     backend, backend_reason = resolve(model, backend, threads=threads)
@@ -144,8 +151,8 @@ def decode(
     print(f"backend {backend}: {backend_reason}")
     for name, reason in unavailable.items():
         print(f"{name}: not available: {reason}")
-    if json_path is not None:
-        bench_decode.save(json_path, summaries, records)
+    if json_file is not None:
+        bench_decode.save(json_file, summaries, records)
 
 
 @app.command("batch")
@@ -162,7 +169,7 @@ def batch(
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate per prompt.")] = 48,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds of every run, each on prompts of its own.")] = 2,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core).")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
+    json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
 ) -> None:
     """Batched decoding in one process: generate_batch against the same prompts one at a time, aggregate
     tokens/s, and per batched step the rows, the target pass and everything else (greedy)."""
@@ -181,6 +188,7 @@ def batch(
         raise ValueError(f"--k needs one or more distinct K specs, comma-separated, got {k!r}")
     for spec in ks:
         parse_batch_k(spec)  # a bad spec refused before the models load
+    json_file = None if json_path is None else check_output_file(json_path, "--json")
     items = [p.turns[0] for p in read_bench_prompts(prompts, split, skip=skip)]
     if len(items) < limit * rounds + 2:
         raise ValueError(f"{len(items)} prompts: --limit {limit} x --rounds {rounds} and 2 to warm up need more")
@@ -204,8 +212,8 @@ def batch(
                       cell(r.rows_per_step, ".1f"), cell(r.pass_ms, ".1f"), cell(r.other_ms, ".1f"),
                       cell(r.prefill_seconds, ".2f"), cell(r.differing, "d"))
     Console(width=None if sys.stdout.isatty() else 140).print(table)
-    if json_path is not None:
-        bench_batch.save(json_path, rows, {"model": model or many.model.name, "backend": many.backend, "drafter": drafter,
+    if json_file is not None:
+        bench_batch.save(json_file, rows, {"model": model or many.model.name, "backend": many.backend, "drafter": drafter,
                                            "max_batch": max_batch, "max_new_tokens": max_new_tokens,
                                            "prompts_per_round": limit, "threads": threads})
 
@@ -235,7 +243,7 @@ def run(
         help="Also run llama.cpp's plain decoding, llama-lookup and (with a draft GGUF among the configurations) "
         "llama-speculative-simple (default: with --backend llamacpp; tools: scripts/build_llamacpp_tools.sh).")] = None,
     warmup: Annotated[int, typer.Option(help="Warm-up generations of every configuration (on a prompt not measured).")] = 1,
-    out: Annotated[Path, typer.Option(help="Directory for results.json, table.md, plot.png and notes.md.")] = Path("bench-results"),
+    out: Annotated[str, typer.Option(help="Directory for results.json, table.md, plot.png and notes.md.")] = "bench-results",
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model's own Python code.")] = False,
 ) -> None:
     """Spec-Bench style run: speedup over plain decoding per category, mean accepted length, mismatches."""
@@ -253,7 +261,7 @@ def run(
 
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
-    report.check_out(out)
+    out = check_output_dir(out, "--out")
     backend, backend_reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
     overrides = {"k": k, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                  "max_new_tokens": max_new_tokens}

@@ -24,6 +24,7 @@ from pathlib import Path
 from specsample.bench import harness
 from specsample.bench.harness import Config, Record
 from specsample.models import LoadedModel, Target
+from specsample.outputs import write_text
 from specsample.prompts import Prompt
 
 TRANSFORMERS = "transformers"
@@ -102,4 +103,4 @@ def summarize(records: Sequence[Record]) -> list[Summary]:
 def save(path: str | Path, summaries: Sequence[Summary], records: Sequence[Record]) -> None:
     """The summaries and every answer's record as JSON."""
     data = {"summaries": [asdict(s) for s in summaries], "records": harness.record_dicts(records)}
-    Path(path).write_text(json.dumps(data, indent=2))
+    write_text(Path(path), json.dumps(data, indent=2))

@@ -172,10 +172,6 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def check_out(out: Path) -> None:
-    """Refuse an output directory that cannot be one, before a run spends its time."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a directory for the results")
 
 
 def write(results: dict, out: Path) -> str:
