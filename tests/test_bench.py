@@ -60,6 +60,9 @@ def test_configs_from_toml_and_pairs_with_precedence(tmp_path):
     (f"seed={2**64}", "seed must be an integer from 0 to 2"),
     ("drafter=sufix,k=4", "unknown drafter 'sufix'"),  # before any model loads (it was an unavailable row)
     ("drafter=ngram+nope,k=4", "unknown drafter 'nope'"),
+    ("kind=hf-assisted", "kind hf-assisted needs drafter=PATH of a draft model, got 'none'"),
+    ("kind=llamacpp-speculative,drafter=/no/such.gguf", "kind llamacpp-speculative needs drafter=PATH"),
+    ("nofile.toml", "--config nofile.toml: No such file or directory"),
 ])
 def test_bad_configurations_are_clear_errors(spec, message):
     with pytest.raises(ValueError, match=message):
@@ -90,6 +93,10 @@ def test_two_files_that_set_a_default_differently_are_refused(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ('drafter = "suffix"\nk = "foo"\n', "found keys 'drafter', 'k'"),  # a configuration without its [[config]]
     ('[defaults]\nk = 3\n', "found no \\[\\[config\\]\\]"),
+    ('defaults = 3\n[[config]]\ndrafter = "ngram"\n', "must be tables of key = value"),
+    ('config = [1, 2]\n', "must be tables of key = value"),
+    ('config = "ngram"\n', "must be tables of key = value"),
+    ('[[config]\ndrafter = "ngram"\n', "c.toml is not valid TOML"),
 ])
 def test_a_configuration_file_without_configurations_is_refused(tmp_path, text, message):
     """Not a run of the baselines alone, with the file's keys silently unread."""
@@ -196,6 +203,17 @@ def test_mismatches_are_counted_when_verification_is_broken(monkeypatch, prompts
     assert rows["plain"]["mismatches"] == 0 and rows["plain"]["checked"] == 4
     assert rows["draft"]["mismatches"] > 0
     assert all(r.mismatch_at is not None for r in records if r.matches_plain is False)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[1, 2]", "unknown schema None"), ('{"schema": 1}', "is not a `bench run` results file (missing or malformed 'configs')"),
+    ("{bad", "is not JSON"), ('{"schema": 1, "configs": [{"name": "a"}], "records": [{"config": "a"}], "meta": {}}',
+                              "is not a `bench run` results file"),
+])
+def test_report_of_a_malformed_results_file_names_it(capsys, tmp_path, text, message):
+    (tmp_path / report.RESULTS_FILE).write_text(text)
+    code, _, err = cli(capsys, "bench", "report", str(tmp_path))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err and report.RESULTS_FILE in err, err
 
 
 def test_report_of_a_directory_without_results_is_a_clear_error(capsys, tmp_path):

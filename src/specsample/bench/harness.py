@@ -76,6 +76,10 @@ class Config:
             parse_k(self.k)
             if self.drafter != SELF_DRAFTER:
                 check_spec(self.drafter)
+        elif self.kind in ("hf-assisted", "llamacpp-speculative") and not Path(self.drafter).expanduser().is_file() \
+                and not Path(self.drafter).expanduser().is_dir():
+            raise ValueError(f"configuration {self.name}: kind {self.kind} needs drafter=PATH of a draft model, "
+                             f"got {self.drafter!r}")
 
     @property
     def params(self) -> SamplingParams:
@@ -130,24 +134,37 @@ def read_configs(specs: Sequence[str], overrides: dict) -> tuple[dict, list[Conf
     defaults, entries, set_by = dict(DEFAULTS), [], {}
     for spec in specs:
         if spec.endswith(".toml"):
-            with open(spec, "rb") as f:
-                data = tomllib.load(f)
+            data = read_toml(spec)
             unknown = sorted(set(data) - {"defaults", "config"})
             if unknown or not data.get("config"):
                 found = "keys " + ", ".join(map(repr, unknown)) if unknown else "no [[config]]"
                 raise ValueError(f"{spec}: a configuration file has a [defaults] table and [[config]] tables, at least "
                                  f"one; found {found}")
+            tables = data["config"] if isinstance(data["config"], list) else [data["config"]]
+            if not isinstance(data.get("defaults", {}), dict) or not all(isinstance(t, dict) for t in tables):
+                raise ValueError(f"{spec}: [defaults] and each [[config]] must be tables of key = value")
             for key, value in data.get("defaults", {}).items():
                 if key in set_by and defaults[key] != value:
                     raise ValueError(f"{set_by[key]} and {spec} set {key} to {defaults[key]!r} and {value!r} in [defaults]: "
                                      "run them apart, or set it in each [[config]]")
                 defaults[key], set_by[key] = value, spec
-            entries += data["config"]
+            entries += tables
         else:
             entries.append(parse_pairs(spec))
     defaults.update({key: value for key, value in overrides.items() if value is not None})
     defaults = coerce(defaults)
     return defaults, [make_config({**defaults, **coerce(entry)}) for entry in entries]
+
+
+def read_toml(path: str) -> dict:
+    """A configuration file's tables; a file that cannot be read or parsed is named in the error."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as error:
+        raise ValueError(f"--config {path}: {error.strerror or error}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"--config {path} is not valid TOML: {error}") from None
 
 
 def parse_pairs(spec: str) -> dict[str, str]:

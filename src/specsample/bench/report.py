@@ -194,9 +194,16 @@ def load(out: Path) -> dict:
     path = Path(out) / RESULTS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {RESULTS_FILE} in {out}")
-    results = json.loads(path.read_text())
-    if results.get("schema") != SCHEMA:
-        raise ValueError(f"{path}: unknown schema {results.get('schema')!r}, expected {SCHEMA}")
-    names = [c["name"] for c in results["configs"]]
-    results["summary"] = summarize(results["records"], names, results["meta"].get("reference", REFERENCE))
+    try:
+        results = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not JSON: {error}") from None
+    if not isinstance(results, dict) or results.get("schema") != SCHEMA:
+        schema = results.get("schema") if isinstance(results, dict) else None
+        raise ValueError(f"{path}: unknown schema {schema!r}, expected {SCHEMA}")
+    try:
+        names = [c["name"] for c in results["configs"]]
+        results["summary"] = summarize(results["records"], names, results["meta"].get("reference", REFERENCE))
+    except (KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{path} is not a `bench run` results file (missing or malformed {error})") from None
     return results
