@@ -317,6 +317,17 @@ def test_train_writes_a_head_and_a_report(trained_dir):
     assert report["engine"]["mean_accepted_length"] >= 1.0
 
 
+def test_a_run_with_nothing_held_out_reports_no_held_out_figures(tiny_dir, tmp_path):
+    """Data of one prompt leaves none to hold out: its figures are null, and said so, not zeros."""
+    options = TrainOptions(generate_batch=2, batch_size=2, max_new_tokens=8, vocab_subset=40, steps=2, seq_len=8,
+                           eval_every=2)
+    lines = []
+    report = train(load_model(tiny_dir), ["w2 w5 w9"], tmp_path, options, log=lines.append)
+    assert report["heldout_sequences"] == 0 and report["history"][-1]["heldout_accepted_length_estimate"] is None
+    assert report["engine"] == {"prompts": 0, "k": 4, "temperature": 0, "mean_accepted_length": None, "acceptance_rate": None}
+    assert any(line.startswith("no prompt held out (1 distinct in the data)") for line in lines)
+
+
 def test_a_head_trains_on_an_earlier_runs_data_alone(trained_dir, tiny_dir, tmp_path):
     options = TrainOptions(batch_size=4, vocab_subset=40, steps=2, seq_len=16, eval_every=2)
     report = train(load_model(tiny_dir), [], tmp_path, options, log=lambda _: None, extra_shards=data_shards(trained_dir))

@@ -69,8 +69,10 @@ def test_a_split_keeps_prompts_without_question_ids_and_refuses_other_names(tmp_
     assert in_split(None, "even") and not in_split(8, "odd") and in_split(8, "even")
     with pytest.raises(ValueError, match="split must be one of all, odd, even, got 'halves'"):
         read_prompts(spec_bench_file, split="halves")
-    with pytest.raises(ValueError, match="needs integer question_ids"):
+    with pytest.raises(ValueError, match="the odd split needs integer question_ids, got 'q1'"):
         in_split("q1", "odd")
+    with pytest.raises(ValueError, match="needs integer question_ids, got True"):
+        in_split(True, "odd")
 
 
 def test_bad_files_are_clear_errors(tmp_path, spec_bench_file):
@@ -88,6 +90,11 @@ def test_bad_files_are_clear_errors(tmp_path, spec_bench_file):
         read_prompts(plain, spec_bench=True)
     with pytest.raises(FileNotFoundError, match="prompts file not found"):
         read_prompts(tmp_path / "absent.jsonl")
+    with pytest.raises(ValueError, match=f"prompts file {tmp_path} is a directory"):
+        read_prompts(tmp_path)
+    plain.write_bytes(b"caf\xe9\n")
+    with pytest.raises(ValueError, match=f"prompts file {plain} is not UTF-8 text"):
+        read_prompts(plain)
     with pytest.raises(ValueError, match="no prompts of split odd in categories math in"):
         read_prompts(spec_bench_file, split="odd", categories=["math"])
 

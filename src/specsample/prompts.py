@@ -49,8 +49,8 @@ def in_split(question_id: int | str | None, split: str) -> bool:
     check_split(split)
     if split == "all" or question_id is None:
         return True
-    if not isinstance(question_id, int):
-        raise ValueError(f"--split {split} needs integer question_ids, got {question_id!r}")
+    if not isinstance(question_id, int) or isinstance(question_id, bool):
+        raise ValueError(f"the {split} split needs integer question_ids, got {question_id!r}")
     return question_id % 2 == (split == "odd")
 
 
@@ -98,9 +98,14 @@ def read_prompts(
 
 def parse_file(path: Path, spec_bench: bool) -> list[Prompt]:
     """Every prompt of one file: JSON lines if it ends in .jsonl, else plain text, one prompt a line."""
+    if path.is_dir():
+        raise ValueError(f"prompts file {path} is a directory")
     if not path.is_file():
         raise FileNotFoundError(f"prompts file not found: {path}")
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise ValueError(f"prompts file {path} is not UTF-8 text ({error.reason} at byte {error.start})") from None
     if path.suffix != ".jsonl":
         if spec_bench:
             raise ValueError(f"{path}: not a Spec-Bench prompts file (JSONL with {SPEC_BENCH_FIELDS})")

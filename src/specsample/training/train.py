@@ -48,6 +48,9 @@ def train(
     sequences = load_sequences(shards + list(extra_shards), options.feature_layers)
     data_seconds = perf_counter() - start
     train_set, eval_set = split(sequences, options.holdout, options.seed)
+    if not eval_set:
+        log(f"no prompt held out ({len(distinct_prompts(sequences))} distinct in the data): the held-out figures "
+            f"are not measured")
     hf = model.model
     embed = hf.get_input_embeddings().weight.detach()
     lm_head = hf.get_output_embeddings().weight.detach()
@@ -90,11 +93,10 @@ def train(
 
 
 def evaluate(objective: Objective, eval_set: list[Sequence], step: int, options: TrainOptions) -> dict:
-    return {
-        "step": step,
-        "train_tokens": step * options.batch_size * options.seq_len,
-        "heldout_accepted_length_estimate": round(objective.accepted_length(eval_set), 3),
-    }
+    """The held-out estimate at `step`: None where nothing is held out (data of one prompt)."""
+    estimate = round(objective.accepted_length(eval_set), 3) if eval_set else None
+    return {"step": step, "train_tokens": step * options.batch_size * options.seq_len,
+            "heldout_accepted_length_estimate": estimate}
 
 
 def set_lr(optimizer: torch.optim.Optimizer, options: TrainOptions, step: int) -> None:
@@ -150,5 +152,7 @@ def engine_acceptance(model: LoadedModel, head_dir: Path, eval_set: list[Sequenc
         )
         for _ in steps:
             pass
+    if not held_out:  # nothing measured, not zeros
+        return {"prompts": 0, "k": EVAL_K, "temperature": 0, "mean_accepted_length": None, "acceptance_rate": None}
     return {"prompts": len(held_out), "k": EVAL_K, "temperature": 0,
             "mean_accepted_length": round(stats.mean_accepted_length, 3), "acceptance_rate": round(stats.acceptance_rate, 3)}
