@@ -140,6 +140,9 @@ def test_bench_outputs_and_drafters_are_checked_before_loading(capsys, tmp_path)
     (["batch", "--k", ","], "--k needs one or more distinct K specs, comma-separated, got ','"),
     (["batch", "--k", "auto,auto"], "--k needs one or more distinct K specs"),
     (["batch", "--k", "3,zz"], "k must be an integer >= 0 or one of auto"),
+    (["batch", "--backend", "transformers"], "bench batch decodes on a backend's slots"),
+    (["run", "--k", "-1", "--no-baselines"], "k must be an integer >= 0 or one of auto"),
+    (["cost-curve", "--backends", "gguf,gguf"], "--backends names a backend twice: 'gguf,gguf'"),
 ])
 def test_bench_commands_refuse_bad_options_in_one_line_before_loading(capsys, args, message):
     code, _, err = cli(capsys, "bench", *args, "--model", "/nonexistent/model")

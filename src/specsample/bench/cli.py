@@ -10,6 +10,7 @@ import typer
 
 from specsample.drafters import check_spec
 from specsample.outputs import check_output_dir, check_output_file, write_text
+from specsample.policy import parse_k
 from specsample.prompts import TUNED_PER_CATEGORY, Prompt, packaged_prompts, read_prompts
 
 app = typer.Typer(
@@ -68,6 +69,8 @@ def cost_curve(
     from specsample.models import check_backend, load_model
 
     names = [b.strip() for b in backends.split(",") if b.strip()]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--backends names a backend twice: {backends!r}")
     json_file = None if json_path is None else check_output_file(json_path, "--json")
     if max_n < 1 or context_length < 1 or repeats < 1 or not names:
         raise ValueError("--max-n, --context-length and --repeats must be positive, --backends non-empty")
@@ -189,6 +192,9 @@ def batch(
     for spec in ks:
         parse_batch_k(spec)  # a bad spec refused before the models load
     json_file = None if json_path is None else check_output_file(json_path, "--json")
+    if backend == "transformers":
+        raise ValueError("bench batch decodes on a backend's slots: fast, gguf or llamacpp (auto picks one); "
+                         "transformers has none")
     items = [p.turns[0] for p in read_bench_prompts(prompts, split, skip=skip)]
     if len(items) < limit * rounds + 2:
         raise ValueError(f"{len(items)} prompts: --limit {limit} x --rounds {rounds} and 2 to warm up need more")
@@ -261,6 +267,8 @@ def run(
 
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if k is not None:
+        parse_k(k)  # refused even where no configuration of the run takes it
     out = check_output_dir(out, "--out")
     backend, backend_reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
     overrides = {"k": k, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
