@@ -26,6 +26,24 @@ def cli(capsys, *args) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+def test_the_command_line_module_loads_without_torch():
+    """torch loads when a command needs it, inside `main`, where Ctrl-C is an exit code, not a traceback."""
+    code = "import sys, specsample.cli; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False", "False"]
+
+
+def test_ctrl_c_while_the_commands_load_is_exit_code_130(capsys, monkeypatch):
+    import specsample.cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(specsample.cli, "mount_subcommands", interrupted)
+    code, out, err = cli(capsys, "generate", "hi")
+    assert code == 130 and out == err == ""
+
+
 def test_generate_json_greedy_matches_transformers(capsys, tiny_dir):
     code, out, err = cli(capsys, "generate", "w5 w9 w7 w3", "--model", str(tiny_dir), "--no-chat",
                          "--temperature", "0", "--max-new-tokens", "12", "--json")

@@ -326,11 +326,14 @@ def mount_subcommands() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: runs the app and turns every user error into one line and exit code 2."""
-    mount_subcommands()
+    """Entry point: runs the app and turns every user error into one line and exit code 2, and Ctrl-C at any
+    point (torch still loading included) into exit code 130 without a traceback."""
     args = sys.argv[1:] if argv is None else argv
     try:
+        mount_subcommands()
         code = app(args=args or ["--help"], standalone_mode=False)
+    except KeyboardInterrupt:
+        sys.exit(130)
     except Exit as done:
         sys.exit(done.exit_code)
     except Abort:

@@ -8,9 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from specsample.drafters import check_spec
 from specsample.outputs import check_output_dir, check_output_file, write_text
-from specsample.policy import parse_k
 from specsample.prompts import TUNED_PER_CATEGORY, Prompt, packaged_prompts, read_prompts
 
 app = typer.Typer(
@@ -131,6 +129,8 @@ def decode(
     if limit < 1 or max_new_tokens < 1 or k < 1:
         raise ValueError("--limit, --max-new-tokens and --k must be positive")
     json_file = None if json_path is None else check_output_file(json_path, "--json")
+    from specsample.drafters import check_spec
+
     for spec in drafter or ():
         if spec != "self":
             check_spec(spec)
@@ -268,6 +268,8 @@ def run(
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
     if k is not None:
+        from specsample.policy import parse_k
+
         parse_k(k)  # refused even where no configuration of the run takes it
     out = check_output_dir(out, "--out")
     backend, backend_reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
