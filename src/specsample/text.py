@@ -53,7 +53,8 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> lis
         hidden.append(match.group())
         return placeholder
 
-    masked = [{**m, "content": pattern.sub(hide, m["content"])} if isinstance(m.get("content"), str) else m for m in messages]
+    masked = [{**m, "content": pattern.sub(hide, m["content"])} if isinstance(m.get("content"), str) else m
+              for m in messages]
     pieces = tokenizer.apply_chat_template(masked, add_generation_prompt=True, tokenize=False).split(placeholder)
     if len(pieces) != len(hidden) + 1:
         raise ValueError("the model's chat template does not keep the messages' text as it is, so the special-token "

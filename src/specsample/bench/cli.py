@@ -123,14 +123,13 @@ def decode(
     from rich.table import Table
 
     from specsample.bench import decode as bench_decode
+    from specsample.drafters import check_spec
     from specsample.models import load_model, make_target
     from specsample.models.choice import resolve
 
     if limit < 1 or max_new_tokens < 1 or k < 1:
         raise ValueError("--limit, --max-new-tokens and --k must be positive")
     json_file = None if json_path is None else check_output_file(json_path, "--json")
-    from specsample.drafters import check_spec
-
     for spec in drafter or ():
         if spec != "self":
             check_spec(spec)
@@ -264,12 +263,11 @@ def run(
     from specsample.gcfreeze import freeze_loaded
     from specsample.models import load_model, make_target
     from specsample.models.choice import resolve
+    from specsample.policy import parse_k
 
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
     if k is not None:
-        from specsample.policy import parse_k
-
         parse_k(k)  # refused even where no configuration of the run takes it
     out = check_output_dir(out, "--out")
     backend, backend_reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)

@@ -76,8 +76,7 @@ class Config:
             parse_k(self.k)
             if self.drafter != SELF_DRAFTER:
                 check_spec(self.drafter)
-        elif self.kind in ("hf-assisted", "llamacpp-speculative") and not Path(self.drafter).expanduser().is_file() \
-                and not Path(self.drafter).expanduser().is_dir():
+        elif self.kind in ("hf-assisted", "llamacpp-speculative") and not Path(self.drafter).expanduser().exists():
             raise ValueError(f"configuration {self.name}: kind {self.kind} needs drafter=PATH of a draft model, "
                              f"got {self.drafter!r}")
 

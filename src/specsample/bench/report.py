@@ -172,8 +172,6 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-
-
 def write(results: dict, out: Path) -> str:
     """results.json, table.md and plot.png in `out`; returns the markdown."""
     out.mkdir(parents=True, exist_ok=True)
