@@ -323,7 +323,9 @@ def describe(error: dict, content_type: str | None = None) -> tuple[str, str | N
     if not loc and error["type"] != "value_error":
         message = f"the request body must be a JSON object ({message})"
     param = ".".join(loc) or None
-    return (f"{param}: {message}" if param else message), (loc[0] if loc else None)
+    if param is None:  # a check over the whole request names its option (`schemas.OptionError`)
+        return message, getattr(error.get("ctx", {}).get("error"), "param", None)
+    return f"{param}: {message}", loc[0]
 
 
 class BearerAuth:

@@ -60,6 +60,15 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class OptionError(ValueError):
+    """An option refused by a check over the whole request, naming it (the error body's `param`): pydantic
+    gives a location to the checks of single fields only."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 NULL_IS_DEFAULT = {"temperature", "top_p", "top_k", "min_p", "n", "stream"}  # options whose null means their default
 
 
@@ -96,7 +105,7 @@ class GenerationRequest(BaseModel):
         if isinstance(data, dict):
             for name, off in UNSUPPORTED.items():
                 if name in data and data[name] not in off:
-                    raise ValueError(f"{name} is not supported by this server (got {data[name]!r})")
+                    raise OptionError(f"{name} is not supported by this server (got {data[name]!r})", name)
         return data
 
     @field_validator("stop")
@@ -107,14 +116,17 @@ class GenerationRequest(BaseModel):
 
     @model_validator(mode="after")
     def check_options(self) -> "GenerationRequest":
-        SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
+        try:
+            SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
+        except ValueError as error:  # its messages start with the option's name
+            raise OptionError(str(error), str(error).split()[0]) from None
         for name in ("max_tokens", "max_completion_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise OptionError(f"{name} must be >= 1, got {getattr(self, name)}", name)
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
+            raise OptionError("stream_options is only allowed with stream: true", "stream_options")
         if self.n != 1:
-            raise ValueError(f"n must be 1 (one completion per request), got {self.n}")
+            raise OptionError(f"n must be 1 (one completion per request), got {self.n}", "n")
         return self
 
     @property
