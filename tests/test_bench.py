@@ -133,10 +133,10 @@ def test_bench_outputs_and_drafters_are_checked_before_loading(capsys, tmp_path)
 
 
 @pytest.mark.parametrize("args, message", [
-    (["decode", "--threads", "0"], "--threads must be >= 1, got 0"),
-    (["batch", "--threads", "-1"], "--threads must be >= 1, got -1"),
-    (["cost-curve", "--threads", "0"], "--threads must be >= 1, got 0"),
-    (["run", "--threads", "0"], "--threads must be >= 1, got 0"),
+    (["decode", "--threads", "0"], "--threads must be from 1 to 512, got 0"),
+    (["batch", "--threads", "-1"], "--threads must be from 1 to 512, got -1"),
+    (["cost-curve", "--threads", "0"], "--threads must be from 1 to 512, got 0"),
+    (["run", "--threads", "0"], "--threads must be from 1 to 512, got 0"),
     (["batch", "--k", ","], "--k needs one or more distinct K specs, comma-separated, got ','"),
     (["batch", "--k", "auto,auto"], "--k needs one or more distinct K specs"),
     (["batch", "--k", "3,zz"], "k must be an integer >= 0 or one of auto"),

@@ -106,8 +106,9 @@ BAD = [
     (["--seed", "-1"], "seed must be an integer from 0 to 2**64 - 1"),
     (["--seed", str(2**64)], "seed must be an integer from 0 to 2**64 - 1"),
     (["--drafter", "none+suffix"], "an A+B drafter names two drafters"),
-    (["--threads", "0"], "--threads must be >= 1, got 0"),
-    (["--threads", "-5", "--backend", "fast"], "--threads must be >= 1, got -5"),
+    (["--threads", "0"], "--threads must be from 1 to 512, got 0"),
+    (["--threads", "-5", "--backend", "fast"], "--threads must be from 1 to 512, got -5"),
+    (["--threads", "100000", "--backend", "llamacpp"], "--threads must be from 1 to 512, got 100000"),  # ggml segfaulted
     (["--drafter", "suffix+suffix+ngram"], "an A+B drafter names two drafters"),
 ]
 
@@ -212,6 +213,7 @@ def test_corrupt_weights_are_named_in_one_line(capsys, tiny_dir, tmp_path, role)
     ("suffix+ngram+head", "an A+B drafter names two drafters"), ("", "the drafter '' names no draft model"),
     ("text:", "the drafter 'text:' names no draft model"), ("head: ", "the drafter 'head: ' names no draft model"),
     ("suffix+draft-tree:", "the drafter 'draft-tree:' names no draft model"),
+    ("/nope/x.gguf", "draft model path does not exist: /nope/x.gguf"), ("text:small.gguf", "draft model path does not exist"),
 ])
 def test_a_drafter_spec_naming_no_drafter_is_refused_before_loading(capsys, monkeypatch, spec, message):
     """`check_spec` parses as `make_drafter` does (one `parse_spec`), so what the text alone rules out

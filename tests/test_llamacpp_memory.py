@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,62 @@ def test_the_project_s_backends_name_what_is_wrong_with_the_file(capfd, bad_file
     code, out, err = cli(capfd, "generate", "hello", "--model", str(path), "--backend", backend)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert err.startswith("specsample: error: ") and message in err and str(path) in err, err
+
+
+def with_value(source: Path, path: Path, key: str, value: int) -> Path:
+    """A copy of the GGUF file `source` with the integer metadata value `key` set to `value`."""
+    data = bytearray(source.read_bytes())
+    at = data.index(struct.pack("<Q", len(key)) + key.encode()) + 8 + len(key)
+    kind = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into({4: "<I", 5: "<i", 10: "<Q", 11: "<q"}[kind], data, at + 4, value)
+    path.write_bytes(data)
+    return path
+
+
+def with_tensor_type(source: Path, path: Path, name: str, kind: int) -> Path:
+    """A copy of `source` whose tensor `name` is said to be of GGML type `kind`."""
+    data = bytearray(source.read_bytes())
+    at = data.index(struct.pack("<Q", len(name)) + name.encode()) + 8 + len(name)
+    dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<I", data, at + 4 + 8 * dims, kind)
+    path.write_bytes(data)
+    return path
+
+
+@pytest.fixture(scope="module")
+def corrupt_headers(tiny_gguf, tiny_model, tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """Well-formed GGUF files whose header says something impossible, and what the error names."""
+    directory = tmp_path_factory.mktemp("corrupt")
+    config = tiny_model.config
+    blocks = config.num_hidden_layers
+    return {
+        "no KV heads": (with_value(tiny_gguf, directory / "kv0.gguf", "llama.attention.head_count_kv", 0),
+                        "llama.attention.head_count_kv is 0, not a positive count"),
+        "uneven KV heads": (with_value(tiny_gguf, directory / "kv3.gguf", "llama.attention.head_count_kv", 3),
+                            f"{config.num_attention_heads} attention heads cannot share 3 KV heads evenly"),
+        "a block too many": (with_value(tiny_gguf, directory / "blocks.gguf", "llama.block_count", blocks + 1),
+                             f"its header says {blocks + 1} blocks, and the tensors of block {blocks} are missing"),
+        "unknown tensor type": (with_tensor_type(tiny_gguf, directory / "type.gguf", "output_norm.weight", 99),
+                                "tensor output_norm.weight of"),
+        "a token past the vocabulary": (with_value(tiny_gguf, directory / "eos.gguf", "tokenizer.ggml.eos_token_id",
+                                                   9_999_999), "transformers cannot convert"),
+    }
+
+
+@pytest.mark.parametrize("backend", ["gguf", "fast", "llamacpp", "transformers"])
+@pytest.mark.parametrize("kind", ["no KV heads", "uneven KV heads", "a block too many", "unknown tensor type",
+                                  "a token past the vocabulary"])
+def test_a_header_that_says_something_impossible_is_one_line(capfd, corrupt_headers, backend, kind):
+    """Not a crash in the kernels (0 KV heads divided by zero), a layer of random weights made up for a
+    missing block, or a converter's traceback."""
+    path, message = corrupt_headers[kind]
+    code, out, err = cli(capfd, "generate", "hello", "--model", str(path), "--backend", backend, "--threads", "1",
+                         "--max-new-tokens", "2")
+    if kind == "a token past the vocabulary" and backend == "llamacpp":  # llama.cpp reads the file itself
+        assert code in (0, 2) and "Traceback" not in err, err
+        return
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert str(path) in err and (message in err or backend == "llamacpp" and "llama.cpp cannot load" in err), err
 
 
 def free_port() -> int:

@@ -163,6 +163,8 @@ def parse_spec(spec: str) -> Recipe:
         return lambda model, target, options: PATH_REGISTRY[name](model, target, path)
     method, path = (name, path) if sep and name in METHODS else ("auto", spec)
     if not Path(path).expanduser().exists():
+        if (not sep or name in METHODS) and ("/" in path or path.endswith(".gguf")):  # meant as a path
+            raise FileNotFoundError(f"draft model path does not exist: {path}")
         raise unknown_drafter(spec)
     return partial(draft_model_drafter, method, path)
 

@@ -24,10 +24,13 @@ def check_backend_runs(backend: str, loaded: LoadedModel) -> None:
         raise ValueError(f"the {backend} backend runs GGUF files, and {loaded.name} is not one")
 
 
+MAX_THREADS = 512  # llama.cpp's GGML_MAX_N_THREADS: past it, ggml writes beyond its thread arrays (a segfault)
+
+
 def check_threads(threads: int | None) -> None:
-    """Refuse a thread count below 1 (None: all cores) on every backend, before anything slow."""
-    if threads is not None and threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
+    """Refuse a thread count below 1 or above MAX_THREADS (None: all cores) on every backend, before anything slow."""
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"--threads must be from 1 to {MAX_THREADS}, got {threads}")
 
 
 def make_target(loaded: LoadedModel, backend: str = "auto", *, threads: int | None = None) -> Target:

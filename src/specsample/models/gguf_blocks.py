@@ -24,6 +24,7 @@ output columns) block after block, so that a pass reads one stream and multiplie
 """
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -293,6 +294,9 @@ def llama_permutation(rows: int, heads: int) -> np.ndarray:
     return file_index.transpose(0, 2, 1).reshape(rows)
 
 
+BLOCK = re.compile(r"blk\.(\d+)\.")  # a decoder block's tensor names
+GGML_TYPE_IDS = {int(kind) for kind in GGMLQuantizationType}
+
 # GGUF metadata value types with a fixed size, by type id (8 is a string, 9 an array).
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -315,6 +319,10 @@ class TensorIndex:
                 self._read_header(f)
         except struct.error as error:  # a read came back short
             raise ValueError(f"{self.path} ends inside its GGUF header: the file is truncated or corrupt") from error
+        except (OverflowError, MemoryError) as error:  # a count or a length read from corrupt bytes
+            raise ValueError(f"{self.path}: its GGUF header holds an impossible count or length ({error}): the "
+                             f"file is corrupt") from None
+        self.check_decoder()
         size = self.path.stat().st_size
         for name, (dims, kind, offset) in self.tensors.items():
             block_size, type_bytes = gguf_quant_sizes(kind)
@@ -342,8 +350,33 @@ class TensorIndex:
             name = self._string(f)
             dims = [self._u64(f) for _ in range(self._u32(f))]
             kind, offset = self._u32(f), self._u64(f)
+            if kind not in GGML_TYPE_IDS:
+                raise ValueError(f"tensor {name} of {self.path} has GGML type {kind}, which this gguf package does not "
+                                 f"know: the file is corrupt, or newer than the package")
             self.tensors[name] = (dims, GGMLQuantizationType(kind), offset)
         self.data_start = -(-f.tell() // alignment) * alignment
+
+    def check_decoder(self) -> None:
+        """The decoder's counts in the metadata are positive, agree with each other and with the tensors: a
+        corrupt count is one line here, not a crash in the kernels (0 KV heads divide by zero) or a layer
+        the converter makes up (a block count past the file's blocks gets random weights)."""
+        arch = self.metadata.get("general.architecture")
+        counts = {key: self.metadata.get(f"{arch}.{key}") for key in
+                  ("block_count", "attention.head_count", "attention.head_count_kv", "embedding_length")}
+        for key, value in counts.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{self.path}: {arch}.{key} is {value!r}, not a positive count: the file is corrupt")
+        heads, kv_heads = counts["attention.head_count"], counts["attention.head_count_kv"]
+        if heads and kv_heads and heads % kv_heads:
+            raise ValueError(f"{self.path}: {heads} attention heads cannot share {kv_heads} KV heads evenly: the file is corrupt")
+        hidden = counts["embedding_length"]
+        if hidden and heads and f"{arch}.attention.key_length" not in self.metadata and hidden % heads:
+            raise ValueError(f"{self.path}: an embedding of {hidden} does not split into {heads} heads: the file is corrupt")
+        blocks = counts["block_count"]
+        present = {int(match.group(1)) for name in self.tensors if (match := BLOCK.match(name))}
+        if blocks and present and (missing := sorted(set(range(blocks)) - present)):
+            raise ValueError(f"{self.path}: its header says {blocks} blocks, and the tensors of block {missing[0]} are "
+                             f"missing: the file is truncated or corrupt")
 
     @staticmethod
     def _u32(f) -> int:

@@ -381,8 +381,10 @@ class LlamaCppTarget:
             raise ValueError(f"the llamacpp backend runs GGUF files, and {path} is a directory")
         if not self.path.is_file():
             raise FileNotFoundError(f"model file does not exist: {path}")
-        if n_threads is not None and n_threads < 1:
-            raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+        from specsample.models import MAX_THREADS
+
+        if n_threads is not None and not 1 <= n_threads <= MAX_THREADS:
+            raise ValueError(f"n_threads must be from 1 to {MAX_THREADS}, got {n_threads}")
         self.n_threads = n_threads or default_threads()
         self.batch_invariant = batch_invariant
         self.cache_type = cache_type

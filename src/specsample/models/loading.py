@@ -18,7 +18,8 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
@@ -156,8 +157,9 @@ def converted_gguf(gguf: Path) -> Path:
 
     def convert(tmp: Path) -> None:
         checked_gguf(gguf)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with converter_errors(gguf):
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are already dequantized to float32: save them as a plain model.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -171,10 +173,24 @@ def converted_gguf(gguf: Path) -> Path:
 def converted_tokenizer(gguf: Path) -> Path:
     """The cached tokenizer files of a GGUF file (no weights), made on first use."""
     directory = conversion_dir(gguf)
-    return cached(
-        directory.with_name(directory.name + "-tokenizer"), "tokenizer_config.json",
-        lambda tmp: AutoTokenizer.from_pretrained(gguf.parent, gguf_file=checked_gguf(gguf).name).save_pretrained(tmp),
-    )
+
+    def convert(tmp: Path) -> None:
+        checked_gguf(gguf)
+        with converter_errors(gguf):
+            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+
+    return cached(directory.with_name(directory.name + "-tokenizer"), "tokenizer_config.json", convert)
+
+
+@contextmanager
+def converter_errors(gguf: Path) -> Iterator[None]:
+    """transformers' GGUF converter, failing on a file whose header passed `checked_gguf` (a token id past
+    the vocabulary, shapes that do not fit), fails as one line naming the file, not as its traceback."""
+    try:
+        yield
+    except Exception as error:  # its errors are of many kinds (IndexError, ZeroDivisionError, RuntimeError, ...)
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"transformers cannot convert {gguf}: {first}") from error
 
 
 def checked_gguf(gguf: Path) -> Path:
