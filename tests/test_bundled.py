@@ -82,6 +82,21 @@ def test_a_gguf_file_is_cached_by_content_not_by_path(tmp_path):
     assert conversion_dir(short) != conversion_dir(source)
 
 
+def test_a_copy_under_another_name_finds_the_conversion_and_a_header_edit_past_a_mib_does_not(tmp_path):
+    """The bundled file's header is 1.7 MB (its vocabulary): a fixed first MiB missed edits past it."""
+    source = bundled_gguf()
+    renamed = tmp_path / "renamed.gguf"
+    shutil.copyfile(source, renamed)
+    link = tmp_path / "link.gguf"
+    link.symlink_to(source)
+    assert conversion_dir(renamed) == conversion_dir(link) == conversion_dir(source)
+    with renamed.open("r+b") as file:
+        at = 1_500_000 + file.read(1_600_000)[1_500_000:].index(b"ing") + 2  # a token's text, in the vocabulary
+        file.seek(at)
+        file.write(b"G")
+    assert conversion_dir(renamed) != conversion_dir(source)
+
+
 def test_a_prompt_of_one_token_decodes_on_the_bundled_blocks():
     """An empty prefill (the prompt's only token is scored by the first pass) reads no row of the tied
     embedding, whose GGUF blocks once failed to unpack zero rows: every one-word completion on the default

@@ -24,6 +24,7 @@ output columns) block after block, so that a pass reads one stream and multiplie
 """
 from __future__ import annotations
 
+import errno
 import re
 import struct
 from dataclasses import dataclass, replace
@@ -322,6 +323,10 @@ class TensorIndex:
         except (OverflowError, MemoryError) as error:  # a count or a length read from corrupt bytes
             raise ValueError(f"{self.path}: its GGUF header holds an impossible count or length ({error}): the "
                              f"file is corrupt") from None
+        except OSError as error:
+            if error.errno != errno.EINVAL:  # not a seek to a length read from corrupt bytes
+                raise
+            raise ValueError(f"{self.path}: its GGUF header holds an impossible length: the file is corrupt") from None
         self.check_decoder()
         size = self.path.stat().st_size
         for name, (dims, kind, offset) in self.tensors.items():

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import cache
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
@@ -116,9 +117,9 @@ FINGERPRINT_SAMPLES = 16  # blocks of 64 KiB read at even steps in between
 FINGERPRINT_BLOCK = 1 << 16
 
 
-def file_fingerprint(path: Path) -> str:
-    """A digest of a file's size and of bytes sampled from all of it (its first and last MiB and
-    16 blocks of 64 KiB between), read in a few milliseconds whatever the file's size.
+def file_fingerprint(path: Path, head: int = FINGERPRINT_EDGE) -> str:
+    """A digest of a file's size and of bytes sampled from all of it (its first `head` bytes, at least a
+    MiB, its last MiB and 16 blocks of 64 KiB between), read in a few milliseconds whatever the file's size.
 
     Caches are keyed by what a file holds, not where it lies: the same model installed in
     another virtual environment, copied or touched, finds its conversion again (a key of path
@@ -130,7 +131,7 @@ def file_fingerprint(path: Path) -> str:
     digest = hashlib.sha256(str(size).encode())
     step = max(size // (FINGERPRINT_SAMPLES + 1), 1)
     with path.open("rb") as file:
-        digest.update(file.read(FINGERPRINT_EDGE))
+        digest.update(file.read(max(head, FINGERPRINT_EDGE)))
         for offset in range(step, size, step)[:FINGERPRINT_SAMPLES]:
             file.seek(offset)
             digest.update(file.read(FINGERPRINT_BLOCK))
@@ -140,10 +141,25 @@ def file_fingerprint(path: Path) -> str:
 
 
 def conversion_dir(gguf: Path) -> Path:
-    """Where the conversion of a GGUF file is cached: named by its file name and content."""
+    """Where the conversion of a GGUF file is cached: named by its content alone (its whole header, past
+    the first MiB where a large vocabulary takes it, and `file_fingerprint`'s samples), so that a copy or a
+    link under another name finds it, and a header edited anywhere does not."""
     if gguf.suffix != ".gguf":
         raise FileNotFoundError(f"model file is not a .gguf file: {gguf}")
-    return cache_root() / f"{gguf.stem}-{file_fingerprint(gguf)}"
+    stat = gguf.stat()
+    return cache_root() / f"gguf-{file_fingerprint(gguf, header_bytes(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns))}"
+
+
+@cache
+def header_bytes(path: str, size: int, mtime_ns: int) -> int:
+    """The length of a GGUF file's header (read once per file version); FINGERPRINT_EDGE where the header
+    cannot be read: its error comes from whatever reads the file next (`checked_gguf`, llama.cpp)."""
+    from specsample.models.gguf_blocks import TensorIndex
+
+    try:
+        return TensorIndex(path).data_start
+    except ValueError:
+        return FINGERPRINT_EDGE
 
 
 def cached_conversion(gguf: Path) -> Path | None:
