@@ -21,8 +21,7 @@ from coupled_cost import cpu_model  # this directory is on sys.path when run as 
 from specsample.models import load_model, make_target
 from specsample.prompts import packaged_prompts, read_prompts
 from specsample.text import encode_prompt
-from specsample.training import TrainOptions
-from specsample.training.generate import generate_batch, write
+from specsample.training.generate import Writer, generate_batch
 
 
 def main() -> None:
@@ -36,7 +35,7 @@ def main() -> None:
     target = make_target(model, args.backend)
     texts = [p.turns[0] for p in read_prompts(packaged_prompts(), split="even")][: args.batch * args.batches]
     prompts = [encode_prompt(model.tokenizer, text, True)[-384:] for text in texts]
-    options = TrainOptions(generate_batch=args.batch)
+    writer = Writer(model, lambda: target, args.batch)
     seconds, tokens, alike = {"slots": 0.0, "generate": 0.0}, {"slots": 0, "generate": 0}, 0
     for i in range(0, len(prompts), args.batch):
         batch = prompts[i : i + args.batch]
@@ -44,7 +43,7 @@ def main() -> None:
         answers = {}
         for name in order:
             start = time.perf_counter()
-            answers[name] = (write(model, target, batch, args.max_new_tokens, None, options) if name == "slots"
+            answers[name] = (writer(batch, args.max_new_tokens, None) if name == "slots"
                              else generate_batch(model, batch, args.max_new_tokens))
             seconds[name] += time.perf_counter() - start
             tokens[name] += sum(map(len, answers[name]))

@@ -27,10 +27,10 @@ def check_backend_runs(backend: str, loaded: LoadedModel) -> None:
 MAX_THREADS = 512  # llama.cpp's GGML_MAX_N_THREADS: past it, ggml writes beyond its thread arrays (a segfault)
 
 
-def check_threads(threads: int | None) -> None:
+def check_threads(threads: int | None, name: str = "--threads") -> None:
     """Refuse a thread count below 1 or above MAX_THREADS (None: all cores) on every backend, before anything slow."""
     if threads is not None and not 1 <= threads <= MAX_THREADS:
-        raise ValueError(f"--threads must be from 1 to {MAX_THREADS}, got {threads}")
+        raise ValueError(f"{name} must be from 1 to {MAX_THREADS}, got {threads}")
 
 
 def make_target(loaded: LoadedModel, backend: str = "auto", *, threads: int | None = None) -> Target:

@@ -381,10 +381,9 @@ class LlamaCppTarget:
             raise ValueError(f"the llamacpp backend runs GGUF files, and {path} is a directory")
         if not self.path.is_file():
             raise FileNotFoundError(f"model file does not exist: {path}")
-        from specsample.models import MAX_THREADS
+        from specsample.models import check_threads
 
-        if n_threads is not None and not 1 <= n_threads <= MAX_THREADS:
-            raise ValueError(f"n_threads must be from 1 to {MAX_THREADS}, got {n_threads}")
+        check_threads(n_threads, "n_threads")
         self.n_threads = n_threads or default_threads()
         self.batch_invariant = batch_invariant
         self.cache_type = cache_type

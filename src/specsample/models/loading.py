@@ -147,19 +147,21 @@ def conversion_dir(gguf: Path) -> Path:
     if gguf.suffix != ".gguf":
         raise FileNotFoundError(f"model file is not a .gguf file: {gguf}")
     stat = gguf.stat()
-    return cache_root() / f"gguf-{file_fingerprint(gguf, header_bytes(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns))}"
+    return cache_root() / f"gguf-{gguf_fingerprint(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)}"
 
 
 @cache
-def header_bytes(path: str, size: int, mtime_ns: int) -> int:
-    """The length of a GGUF file's header (read once per file version); FINGERPRINT_EDGE where the header
-    cannot be read: its error comes from whatever reads the file next (`checked_gguf`, llama.cpp)."""
+def gguf_fingerprint(path: str, size: int, mtime_ns: int) -> str:
+    """`file_fingerprint` of a GGUF file with its whole header, computed once per file version (a load asks
+    for its conversion directory several times). A header that cannot be read counts its first MiB: its
+    error comes from whatever reads the file next (`checked_gguf`, llama.cpp)."""
     from specsample.models.gguf_blocks import TensorIndex
 
     try:
-        return TensorIndex(path).data_start
+        head = TensorIndex(path).data_start
     except ValueError:
-        return FINGERPRINT_EDGE
+        head = FINGERPRINT_EDGE
+    return file_fingerprint(Path(path), head)
 
 
 def cached_conversion(gguf: Path) -> Path | None:

@@ -141,10 +141,12 @@ def engine_acceptance(model: LoadedModel, head_dir: Path, eval_set: list[Sequenc
     from specsample.sampling import GeneratorSource, SamplingParams, make_generator
     from specsample.stats import Stats
 
+    held_out = distinct_prompts(eval_set)[:prompts]
+    if not held_out:  # nothing measured, not zeros
+        return {"prompts": 0, "k": EVAL_K, "temperature": 0, "mean_accepted_length": None, "acceptance_rate": None}
     target = make_target(model)
     drafter = HeadDrafter.load(model, target, head_dir)
     stats = Stats()
-    held_out = distinct_prompts(eval_set)[:prompts]
     for prompt in held_out:
         steps = decode(
             target, drafter, FixedK(EVAL_K), prompt, SamplingParams(temperature=0),
@@ -152,7 +154,5 @@ def engine_acceptance(model: LoadedModel, head_dir: Path, eval_set: list[Sequenc
         )
         for _ in steps:
             pass
-    if not held_out:  # nothing measured, not zeros
-        return {"prompts": 0, "k": EVAL_K, "temperature": 0, "mean_accepted_length": None, "acceptance_rate": None}
     return {"prompts": len(held_out), "k": EVAL_K, "temperature": 0,
             "mean_accepted_length": round(stats.mean_accepted_length, 3), "acceptance_rate": round(stats.acceptance_rate, 3)}
