@@ -452,6 +452,25 @@ def test_a_generation_interrupted_by_another_raises_rather_than_mixing_texts(sam
     assert sampler.generate("Write a long story.", **options).text == alone["Write a long story."]
 
 
+def test_measuring_the_cost_curve_interrupts_a_paused_generation_rather_than_corrupt_it():
+    """The cost model's first request measures f(n) on the target's cache: a generation paused meanwhile
+    raises `Interrupted`, as after another generation's step (it went on from the measurement's cache)."""
+    from conftest import tiny_tokenizer
+    from specsample import Interrupted
+    from specsample.api import SpecSampler
+    from specsample.models.loading import LoadedModel
+
+    model = tiny_llama(64, seed=3, init_scale=0.5)
+    loaded = LoadedModel(model, tiny_tokenizer(64), "tiny", frozenset({1}), 0.0)
+    sampler = SpecSampler(loaded, LlamaTarget.from_hf(model), SuffixDrafter())
+    options = dict(max_new_tokens=20, temperature=0, k=3, chat=False)
+    paused = sampler.stream("w5 w9 w12 w5 w9 w12 w5 w9", **options)
+    next(paused)
+    sampler.stream("w3 w4", max_new_tokens=5, temperature=0, k="auto", chat=False)  # measures, never iterated
+    with pytest.raises(Interrupted):
+        paused.result()
+
+
 def test_generations_from_several_threads_never_mix_their_texts(sampler):
     """Each of four threads' `generate` either gives its prompt's text alone or raises `Interrupted`."""
     from concurrent.futures import ThreadPoolExecutor

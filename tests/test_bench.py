@@ -14,9 +14,11 @@ from specsample.api import SpecSampler
 from specsample.verify import ChainVerifier
 from specsample.verify.check import accept_all_coupled, accept_all_greedy
 from specsample.drafters import REGISTRY
+from specsample.engine import looks
 from specsample.models import load_model, make_target
 from specsample.models.target import NotOnThisBackend
 from specsample.prompts import read_prompts
+from specsample.sampling import SamplingParams
 
 from conftest import needs_kernels
 from test_cli import cli
@@ -208,6 +210,21 @@ def test_mismatches_are_counted_when_verification_is_broken(monkeypatch, prompts
     assert all(r.mismatch_at is not None for r in records if r.matches_plain is False)
 
 
+def test_an_engine_configuration_runs_the_k_policy_generate_runs(prompts_file, tiny_dir):
+    """`--k auto` in `bench run` is the policy `generate` runs: greedy requests of a lookup drafter look at
+    its next token at plain steps (`engine.looks`), which a wrapper around the policy once hid; and each
+    step's K is in the records' statistics."""
+    loaded = load_model(tiny_dir)
+    target = make_target(loaded)
+    defaults, configs = harness.read_configs(["name=auto,drafter=suffix,k=auto"], {"max_new_tokens": 12})
+    runner = harness.engine_runner(configs[0], harness.Setup(loaded, target))
+    assert looks(runner.sampler.drafter, runner.policy, SamplingParams(temperature=0.0))
+    records = harness.run(loaded, target, configs, read_prompts(prompts_file, spec_bench=True), warmup=0,
+                          progress=False)
+    for r in records:
+        assert sum(r.stats["chosen_k"].values()) == r.stats["steps"] > 0
+
+
 @pytest.mark.parametrize("text, message", [
     ("[1, 2]", "unknown schema None"), ('{"schema": 1}', "is not a `bench run` results file (missing or malformed 'configs')"),
     ("{bad", "is not JSON"), ('{"schema": 1, "configs": [{"name": "a"}], "records": [{"config": "a"}], "meta": {}}',
@@ -281,6 +298,8 @@ def test_bench_batch_runs_alone_and_batched(capsys, tmp_path, prompts_file, tiny
     """`bench batch`: the prompts one at a time and through generate_batch, each greedy completion of
     the batch equal to the prompt's alone, the batched steps split into the pass and the rest."""
     out = tmp_path / "batch.json"
+    with prompts_file.open("a") as f:  # a prompt per K spec (a lookup drafter must not see one twice), 2 to warm up
+        f.write(json.dumps({"question_id": 4, "category": "qa", "turns": ["w3 w5 w7 w9"]}) + "\n")
     code, stdout, err = cli(capsys, "bench", "batch", "--model", str(tiny_dir), "--backend", "fast", "--drafter", "ngram",
                             "--prompts", str(prompts_file), "--split", "all", "--skip", "0", "--limit", "1",
                             "--k", "2,0", "--max-batch", "2", "--max-new-tokens", "6", "--rounds", "1", "--json", str(out))
@@ -292,8 +311,8 @@ def test_bench_batch_runs_alone_and_batched(capsys, tmp_path, prompts_file, tiny
         assert row["pass_ms"] > 0 and row["other_ms"] >= 0 and row["prefill_seconds"] > 0
     assert rows[3]["rows_per_step"] == 1.0  # K = 0, one request: one row per step
     code, _, err = cli(capsys, "bench", "batch", "--model", str(tiny_dir), "--prompts", str(prompts_file),
-                       "--split", "all", "--skip", "0", "--limit", "2", "--rounds", "1")
-    assert code == 2 and "3 prompts" in err
+                       "--split", "all", "--skip", "0", "--limit", "1", "--rounds", "2")
+    assert code == 2 and "4 prompts: --limit 1 x --rounds 2 x 2 K specs" in err
 
 
 def test_a_drafter_the_backend_cannot_serve_is_skipped_with_its_reason(prompts_file, tiny_dir):

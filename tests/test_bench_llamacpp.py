@@ -164,7 +164,7 @@ def test_the_k_policy_records_the_k_it_chose_and_the_llamacpp_cost_curve(ggufs, 
                           progress=False, backend="llamacpp", threads=1)
     mine = [r for r in records if r.config == "draft-auto"]
     for r in mine:
-        chosen = r.stats["policy"]["chosen_k"]
+        chosen = r.stats["chosen_k"]
         assert sum(chosen.values()) == r.stats["steps"]  # a K per step, 0 for a plain step
         assert r.stats["policy"]["target_ms"][1] > 0  # f(1), measured on llama.cpp
     assert all(r.matches_plain for r in records)
@@ -192,6 +192,18 @@ def test_tool_output_is_parsed_into_timings_and_text():
         llamacpp_baselines.parse_tool_output(stdout, "error: bad flag\n", prompt)
     with pytest.raises(llamacpp_baselines.IncompleteOutput):  # the log thread lost the last lines at exit
         llamacpp_baselines.parse_tool_output(stdout[:-2], stderr, prompt)
+
+
+def test_a_tool_s_stats_count_its_decoding_past_the_answer_s_end():
+    """llama-lookup decodes 12 tokens (5 accepted from drafts) and the answer ends at the 8th: its mean
+    accepted length is its run's, 11 tokens after the first over 6 steps, not 7 over 2."""
+    run = llamacpp_baselines.ToolRun(31, 0.1, 12, 0.25, 9, 5, b"")
+    stats = llamacpp_baselines.tool_stats(run, 8, True, "llama-lookup")
+    assert (stats.generated_tokens, stats.steps, stats.accepted_tokens) == (11, 6, 5)
+    assert stats.mean_accepted_length == pytest.approx(11 / 6)
+    # llama-speculative-simple stopped at an end token it does not print: the answer has one token more
+    assert llamacpp_baselines.tool_stats(llamacpp_baselines.ToolRun(31, 0.1, 7, 0.2, 4, 2, b""), 8, False,
+                                         "s").generated_tokens == 8
 
 
 @pytest.mark.skipif(not TOOLS_BUILT, reason="llama.cpp tools not built (scripts/build_llamacpp_tools.sh)")

@@ -97,6 +97,11 @@ def test_bad_files_are_clear_errors(tmp_path, spec_bench_file):
         read_prompts(plain)
     with pytest.raises(ValueError, match="no prompts of split odd in categories math in"):
         read_prompts(spec_bench_file, split="odd", categories=["math"])
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text('{"question_id": 7, "category": "qa", "turns": ["a"]}\n' * 2)
+    assert len(read_prompts(twice)) == 2  # training takes both
+    with pytest.raises(ValueError, match="question_id 7 appears twice"):
+        read_prompts(twice, spec_bench=True)  # the harness keyed the second's answers over the first's
 
 
 def test_the_packaged_spec_bench_prompts():

@@ -235,7 +235,7 @@ def test_tree_stats_count_trees_verified_and_the_path_the_answer_holds():
     stats = Stats()
     stats.record(Step(0, 0, 1, 0.0, 0.0, torch.empty(0, dtype=torch.long), ()))
     assert "tree" not in stats.to_dict()
-    step = engine.answer_step(draft, Verdict(3, 7, (0, 2, 4)), [10, 12], 0.0, 0.0, 0)  # the EOS at node 2
+    step = engine.answer_step(draft, Verdict(3, 7, (0, 2, 4)), [10, 12], 0.0, 0.0, 0, None)  # the EOS at node 2
     assert (step.accepted, step.path) == (2, (0, 2))
     stats.record(step)
     stats.record(Step(5, 3, 4, 0.0, 0.0, parents, (0, 2, 4)))
@@ -247,6 +247,19 @@ def test_tree_stats_count_trees_verified_and_the_path_the_answer_holds():
     # depth 0 rank 0 reached twice, accepted twice; rank 1 twice, never; depth 1 rank 0 twice, accepted once
     # (the first step's node 2; the second step's was past its stop); depth 2 once, not accepted
     assert tree["acceptance_by_depth_rank"] == {"0,0": 1.0, "0,1": 0.0, "1,0": 0.5, "1,1": 0.0, "2,0": 0.0}
+    assert stats.acceptance_by_position == []  # a tree's node indices are not positions
+
+
+def test_a_stop_string_that_takes_back_a_tree_s_deepest_reach_leaves_no_empty_depth():
+    """Depth 2 reached only by the accepted path a stop string then cut: its count goes to 0 and it leaves
+    the table (it divided by zero)."""
+    from specsample.stats import Step
+
+    stats = Stats()
+    stats.record(Step(4, 3, 4, 0.0, 0.0, torch.tensor([-1, -1, 0, 2]), (0, 2, 3)))
+    stats.answer_ends(1)
+    # the answer keeps node 0 (accepted); node 1 and node 0's child node 2 were reached; node 3 was not
+    assert stats.to_dict()["tree"]["acceptance_by_depth_rank"] == {"0,0": 1.0, "0,1": 0.0, "1,0": 0.0}
 
 
 def test_tree_size_policy_keeps_the_nodes_that_pay():

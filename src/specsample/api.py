@@ -264,12 +264,15 @@ class SpecSampler:
     def cost_ratios(self) -> dict[int, float]:
         """The target's f(n)/f(1) on this machine (`cost_curve.machine_ratios`), measured at the first
         request under the cost model: remembered for a GGUF file on a named backend, else measured once
-        per sampler."""
+        per sampler. Measuring fills the target's cache, so it takes the sampler's lock as a step does, and a
+        paused generation then raises `Interrupted` rather than go on from the measurement's cache."""
         if self._cost_ratios is None:
             gguf, backend = self.model.gguf, self.named_backend
             key = None if gguf is None or backend is None else "|".join(
                 [conversion_dir(gguf).name, backend, type(self.target).__name__, str(self.threads), str(torch.get_num_threads())])
-            self._cost_ratios = machine_ratios(self.target, key)
+            with self.lock:
+                self._cost_ratios = machine_ratios(self.target, key)
+                self.running = None
         return self._cost_ratios
 
     def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:

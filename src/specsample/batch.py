@@ -82,6 +82,7 @@ class Planned:
     draft_seconds: float
     peeked: Tensor | None = None  # at a plain step, the lookup drafter's next token (`engine.peek`)
     cut: int = 0  # draft tokens the policy left unverified (`KPolicy.keep`)
+    chosen: int | None = None  # the K the policy chose (`KPolicy.choose`)
 
 
 class Batch:
@@ -214,7 +215,8 @@ class Batch:
         if isinstance(policy, SeesBatch):
             other_tokens = sum(r.emitted for r in self.running) - request.emitted
             policy.see_batch(self.cost, self.rows - request.rows, other_tokens, len(self.running) - 1)
-        k = min(policy.choose(), request.max_new_tokens - request.produced - 1)
+        chosen = policy.choose()
+        k = min(chosen, request.max_new_tokens - request.produced - 1)
         numbers = request.random.at(request.produced)  # offset i: output position produced + i
         draft = drafter.propose(k, numbers).trunk() if k > 0 else self.plain[request.slot]  # slots score chains
         peeked = peek(drafter, policy, k, numbers) if request.looks else None
@@ -223,7 +225,7 @@ class Batch:
         request.rows = len(draft) + 1
         seconds = perf_counter() - start
         scored = scored_rows(request.pending, draft)
-        return Planned(request, draft, scored, numbers, self.slots.length(request.slot), seconds, peeked, cut)
+        return Planned(request, draft, scored, numbers, self.slots.length(request.slot), seconds, peeked, cut, chosen)
 
     def _verify(self, planned: Planned, logits: Tensor, pass_seconds: float) -> list[int]:
         """Verify one request's draft on its logits [k + 1, vocab], roll its slot back and record the step.
@@ -237,7 +239,8 @@ class Batch:
         self.drafters[request.slot].observe(emitted)
         new = cut_at_eos(emitted, self.eos_token_ids)
         verify_seconds = pass_seconds + perf_counter() - start  # the shared pass, then its own verification
-        step = answer_step(draft, verdict, new, planned.draft_seconds + observing, verify_seconds, planned.cut)
+        step = answer_step(draft, verdict, new, planned.draft_seconds + observing, verify_seconds, planned.cut,
+                           planned.chosen)
         request.stats.record(step)
         self.policies[request.slot].observe(step)
         tell_peek(self.policies[request.slot], planned.peeked, emitted)

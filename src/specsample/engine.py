@@ -69,11 +69,12 @@ def decode(
     try:
         while produced < max_new_tokens:
             t_draft = perf_counter()
-            k = min(policy.choose(), max_new_tokens - produced - 1)
+            chosen = policy.choose()
+            k = min(chosen, max_new_tokens - produced - 1)
             numbers = random.at(produced)  # offset i: output position produced + i
             draft = drafter.propose(k, numbers) if k > 0 else plain
             peeked = peek(drafter, policy, k, numbers) if looking else None
-            draft, cut = kept(draft, policy)
+            draft, cut = fitted(*kept(draft, policy), target.max_length - target.length - 1)
             t_verify = perf_counter()
             verdict, observing = verify(target, pending, draft, params, numbers, verifier)
             t_other = perf_counter()
@@ -81,7 +82,7 @@ def decode(
             drafter.observe(emitted)
             new = cut_at_eos(emitted, eos_token_ids)
             step = answer_step(draft, verdict, new, t_verify - t_draft + observing - draft.setup_seconds,
-                               t_other - t_verify - observing, cut)
+                               t_other - t_verify - observing, cut, chosen)
             stats.record(step)
             policy.observe(step)
             tell_peek(policy, peeked, emitted)
@@ -108,6 +109,16 @@ def kept(draft: Draft, policy: KPolicy) -> tuple[Draft, int]:
     else:
         return draft, 0
     return short, len(draft) - len(short)
+
+
+def fitted(draft: Draft, cut: int, room: int) -> tuple[Draft, int]:
+    """The draft's nodes that fit the `room` positions left in the target's window (after the pending
+    token), and the cut grown by the rest. A chain never needs it (K is at most the tokens left to
+    generate, which the window holds); a tree may have more nodes than K (a draft model's alternatives).
+    Its first nodes are a tree, and the cut depends on the context's length alone, so verification stays exact."""
+    if len(draft) <= room:
+        return draft, cut
+    return draft.prefix(room), cut + len(draft) - room
 
 
 def verify(
@@ -213,10 +224,11 @@ def tell_peek(policy: Peeks, peeked: Tensor | None, emitted: list[int]) -> None:
 
 
 def answer_step(draft: Draft, verdict: Verdict, new: list[int], draft_seconds: float, verify_seconds: float,
-                cut: int) -> Step:
+                cut: int, chosen: int | None) -> Step:
     """A step's record as far as the answer goes: accepted draft tokens after an EOS (`new` ends there) are
     not emitted, so neither they nor their nodes on a tree's accepted path count as accepted (`Step.answered`)."""
-    step = Step(len(draft), verdict.accepted, len(new), draft_seconds, verify_seconds, draft.parents, verdict.path, cut)
+    step = Step(len(draft), verdict.accepted, len(new), draft_seconds, verify_seconds, draft.parents, verdict.path, cut,
+                chosen)
     return step.answered(len(new))
 
 

@@ -70,15 +70,20 @@ def read_prompts(
     """The prompts of these files, in order: past the first `skip` of each category, those in `split`, of
     `categories` (all when empty), at most `limit` per category (prompts without one count as one
     category). `spec_bench` requires every prompt to carry question_id, category and turns, as the
-    benchmark harness does."""
+    benchmark harness does, and distinct question_ids."""
     check_split(split)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     if skip < 0:
         raise ValueError(f"skip must be >= 0, got {skip}")
-    prompts, per_category, position = [], {}, {}
+    prompts, per_category, position, where = [], {}, {}, {}
     for path in map(Path, paths):
         for prompt in parse_file(path, spec_bench):
+            if spec_bench:  # the harness keys answers by question_id: a second one would replace the first's
+                if prompt.question_id in where:
+                    raise ValueError(f"question_id {prompt.question_id!r} appears twice ({where[prompt.question_id]} "
+                                     f"and {path}): a benchmark's prompts need distinct question_ids")
+                where[prompt.question_id] = path
             position[prompt.category] = position.get(prompt.category, 0) + 1
             if position[prompt.category] <= skip:
                 continue

@@ -3,7 +3,7 @@
 - acceptance rate: accepted draft tokens / drafted tokens.
 - mean accepted length: tokens emitted per verification step, the recovered or
   bonus token included (plain decoding scores 1.0).
-- acceptance by draft position: of the drafts that reached position i, the
+- acceptance by draft position: of the chain drafts that reached position i, the
   fraction whose token i was accepted.
 - of tree drafts (`tree`, only when some step drafted a tree): the tree size,
   the accepted depth, and the acceptance by depth and sibling rank: of the
@@ -30,6 +30,7 @@ class Step:
     parents: Tensor | None = None  # a tree draft's parent array, None for a chain
     path: tuple[int, ...] | None = None  # a tree draft's accepted nodes
     cut: int = 0  # draft tokens drafted (and paid for) but not verified: cut by the K policy (`KPolicy.keep`)
+    chosen: int | None = None  # the K the policy chose for this step (`KPolicy.choose`), before any limit
 
     def answered(self, kept: int) -> "Step":
         """The step as far as the answer goes, its first `kept` emitted tokens (an EOS or a stop string ends
@@ -64,6 +65,7 @@ class Stats:
     tree_depth: int = 0  # their accepted depths, summed
     reached_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (depth, rank) -> nodes reached
     accepted_in_tree: dict[tuple[int, int], int] = field(default_factory=dict)  # of them accepted
+    chosen_k: dict[int, int] = field(default_factory=dict)  # K chosen by the policy -> steps (0: a plain step)
     last: Step | None = field(default=None, repr=False)  # the step recorded last (`answer_ends`)
 
     def record(self, step: Step) -> None:
@@ -74,13 +76,16 @@ class Stats:
         self.generated_tokens += step.emitted
         self.draft_seconds += step.draft_seconds
         self.verify_seconds += step.verify_seconds
-        grow = step.drafted - len(self.drafted_at)
-        if grow > 0:
-            self.drafted_at.extend([0] * grow)
-            self.accepted_at.extend([0] * grow)
-        for i in range(step.drafted):
-            self.drafted_at[i] += 1
-            self.accepted_at[i] += i < step.accepted
+        if step.chosen is not None:
+            self.chosen_k[step.chosen] = self.chosen_k.get(step.chosen, 0) + 1
+        if step.parents is None:  # a tree's nodes are not positions: `tree_dict` counts them by depth and rank
+            grow = step.drafted - len(self.drafted_at)
+            if grow > 0:
+                self.drafted_at.extend([0] * grow)
+                self.accepted_at.extend([0] * grow)
+            for i in range(step.drafted):
+                self.drafted_at[i] += 1
+                self.accepted_at[i] += i < step.accepted
         self.count_tree(step, 1)
 
     def answer_ends(self, kept: int) -> None:
@@ -93,8 +98,9 @@ class Stats:
         answered = step.answered(kept)
         self.generated_tokens -= step.emitted - answered.emitted
         self.accepted_tokens -= step.accepted - answered.accepted
-        for i in range(answered.accepted, step.accepted):
-            self.accepted_at[i] -= 1
+        if step.parents is None:
+            for i in range(answered.accepted, step.accepted):
+                self.accepted_at[i] -= 1
         self.count_tree(step, -1)
         self.count_tree(answered, 1)
 
@@ -108,8 +114,11 @@ class Stats:
         self.tree_nodes += sign * step.parents.shape[0]
         self.tree_depth += sign * len(path)
         for depth, rank, accepted in reached(step.parents, path):
-            self.reached_at[depth, rank] = self.reached_at.get((depth, rank), 0) + sign
-            self.accepted_in_tree[depth, rank] = self.accepted_in_tree.get((depth, rank), 0) + sign * accepted
+            key = depth, rank
+            self.reached_at[key] = self.reached_at.get(key, 0) + sign
+            self.accepted_in_tree[key] = self.accepted_in_tree.get(key, 0) + sign * accepted
+            if not self.reached_at[key]:  # reached only by a path a stop string took back
+                del self.reached_at[key], self.accepted_in_tree[key]
 
     def tree_dict(self) -> dict:
         """Tree size, accepted depth and acceptance by "depth,rank" of the tree steps."""
@@ -161,5 +170,6 @@ class Stats:
             "verify_seconds": self.verify_seconds,
             "other_seconds": self.other_seconds,
             "policy": self.policy,
+            "chosen_k": dict(sorted(self.chosen_k.items())),
             **({"tree": self.tree_dict()} if self.tree_steps else {}),
         }

@@ -5,8 +5,8 @@ the batch; this measures the batch alone. For each K spec, the prompts run one a
 `generate` (the one-at-a-time server's work) and together through `generate_batch` (at most
 `max_batch` at once, a request joining as one ends), rounds interleaved so that a shared machine's
 load falls on both alike. Each way runs on a sampler of its own, as two servers would, and each round
-on prompts of its own: a lookup drafter learns every text it sees, so a prompt seen before (by the
-other way, or in an earlier round) would be drafted from its own earlier answer. A batch is made
+and K spec on prompts of its own: a lookup drafter learns every text it sees, so a prompt seen before
+(by the other way, another K spec, or in an earlier round) would be drafted from its own earlier answer. A batch is made
 once per K spec and reused, warm, as a server's is (its slots committed, its policies keeping what
 they measured). Each batched run is split into the
 prompts' prefill, the target passes of its steps and the rest of its steps (drafting, verifying,
@@ -64,17 +64,17 @@ def batched(sampler: SpecSampler, batch, prompts: list[str], max_new_tokens: int
     return completions, seconds, Totals(**{name: getattr(after, name) - value for name, value in asdict(before).items()})
 
 
-def run(one: SpecSampler, many: SpecSampler, warmup: list[str], rounds: list[list[str]], ks: list[str],
+def run(one: SpecSampler, many: SpecSampler, warmup: list[str], rounds: list[list[list[str]]], ks: list[str],
         max_batch: int, max_new_tokens: int) -> list[Row]:
-    """Every K spec alone (on sampler `one`) and batched (on `many`), a round of prompts each time,
-    interleaved, after a warm-up of each on the `warmup` prompts."""
+    """Every K spec alone (on sampler `one`) and batched (on `many`), interleaved, after a warm-up of each on
+    the `warmup` prompts; rounds[r][i] are the prompts of round r and K spec i."""
     batches = {k: many.batch(max_batch, k) for k in ks}
     for k in ks:  # warm-up: compiled kernels, committed caches, first policy measurements
         alone(one, warmup, k, 8)
         batched(many, batches[k], warmup, 8)
     rows = []
-    for round_, prompts in enumerate(rounds):
-        for k in ks:
+    for round_, sets in enumerate(rounds):
+        for k, prompts in zip(ks, sets, strict=True):
             reference, seconds = alone(one, prompts, k, max_new_tokens)
             rows.append(Row(k, "alone", round_, sum(len(c.token_ids) for c in reference), seconds))
             completions, seconds, totals = batched(many, batches[k], prompts, max_new_tokens)

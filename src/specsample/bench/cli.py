@@ -169,7 +169,7 @@ def batch(
     skip: Annotated[int, typer.Option(help=SKIP_HELP)] = TUNED_PER_CATEGORY,
     limit: Annotated[int, typer.Option(help="Prompts per round (first turns, in file order, each round the next ones).")] = 8,
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate per prompt.")] = 48,
-    rounds: Annotated[int, typer.Option(help="Interleaved rounds of every run, each on prompts of its own.")] = 2,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds of every run, each K spec and round on prompts of its own.")] = 2,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core).")] = None,
     json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
 ) -> None:
@@ -195,12 +195,14 @@ def batch(
         raise ValueError("bench batch decodes on a backend's slots: fast, gguf or llamacpp (auto picks one); "
                          "transformers has none")
     items = [p.turns[0] for p in read_bench_prompts(prompts, split, skip=skip)]
-    if len(items) < limit * rounds + 2:
-        raise ValueError(f"{len(items)} prompts: --limit {limit} x --rounds {rounds} and 2 to warm up need more")
+    if len(items) < limit * rounds * len(ks) + 2:
+        raise ValueError(f"{len(items)} prompts: --limit {limit} x --rounds {rounds} x {len(ks)} K specs and 2 to "
+                         f"warm up need more")
     _setup(threads)
     one, many = (SpecSampler.load(model, drafter, backend=backend, threads=threads) for _ in range(2))
     freeze_loaded()
-    sets = [items[r * limit : (r + 1) * limit] for r in range(rounds)]
+    n = len(ks)
+    sets = [[items[(r * n + i) * limit : (r * n + i + 1) * limit] for i in range(n)] for r in range(rounds)]
     rows = bench_batch.run(one, many, items[-2:], sets, ks, max_batch, max_new_tokens)
     table = Table(title=f"{limit} prompts per round, {max_new_tokens} new tokens, drafter {drafter}, {many.backend}")
     for column in ("K", "run", "round", "tokens", "tok/s", "x alone", "steps", "rows/step", "pass ms/step",

@@ -40,7 +40,7 @@ from specsample.defaults import given
 from specsample.drafters import REGISTRY, DraftModelDrafter, check_spec, make_drafter
 from specsample.models import LoadedModel, Target, load_model, make_target
 from specsample.models.target import NotOnThisBackend
-from specsample.policy import KPolicy, SeesCostCurve, SeesDraftCost, parse_k
+from specsample.policy import parse_k
 from specsample.prompts import Prompt
 from specsample.sampling import SamplingParams, check_seed
 from specsample.text import Message
@@ -272,52 +272,13 @@ def engine_runner(config: Config, setup: Setup) -> Runner:
     return EngineRunner(sampler, config)
 
 
-class ChoiceCounter:
-    """A K policy that counts the K its policy chooses at each step of a request; its estimates add
-    them as `chosen_k` ({K: steps}), so a run's records show what `--k auto` picked."""
-
-    def __init__(self, policy: KPolicy) -> None:
-        self.policy = policy
-        self.chosen: dict[int, int] = {}
-
-    def begin(self) -> None:
-        self.chosen = {}
-        self.policy.begin()
-
-    def see_cost_curve(self, ratios) -> None:
-        if isinstance(self.policy, SeesCostCurve):
-            self.policy.see_cost_curve(ratios)
-
-    def choose(self) -> int:
-        k = self.policy.choose()
-        self.chosen[k] = self.chosen.get(k, 0) + 1
-        return k
-
-    def keep(self, confidence) -> int:
-        return self.policy.keep(confidence)
-
-    def keep_tree(self, parents):
-        return self.policy.keep_tree(parents)
-
-    def observe(self, step) -> None:
-        self.policy.observe(step)
-
-    def see_draft_cost(self, relative: float) -> None:
-        """Passed on to the counted policy, where it sees a drafter's cost (`policy.SeesDraftCost`)."""
-        if isinstance(self.policy, SeesDraftCost):
-            self.policy.see_draft_cost(relative)
-
-    def estimates(self) -> dict:
-        return {**self.policy.estimates(), "chosen_k": dict(sorted(self.chosen.items()))}
-
-
 class EngineRunner:
     """A SpecSampler (sharing the target with the other configurations) with a configuration's settings."""
 
     def __init__(self, sampler: SpecSampler, config: Config) -> None:
         self.sampler = sampler
         self.config = config
-        self.policy = ChoiceCounter(parse_k(config.k))
+        self.policy = parse_k(config.k)  # the policy `generate` runs; each step's K is in Stats.chosen_k
 
     def run(self, messages: Sequence[Message]) -> Output:
         c = self.config

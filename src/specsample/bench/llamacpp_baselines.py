@@ -353,6 +353,19 @@ class LlamaCppTokenizer:
             self.model = None
 
 
+def tool_stats(run: ToolRun, answered: int, first_from_prompt: bool, label: str) -> Stats:
+    """A tool's decoding as it timed it: every token it decoded, past an end token included (and the drafts
+    it accepted there), so that its decoding rate and mean accepted length are its own; `answered` counts
+    the answer's tokens (one more than the tool printed where it stopped at an end token it does not print).
+    llama-lookup samples its first token from the prompt pass, before its decoding timer
+    (`first_from_prompt`)."""
+    decoded = max(run.generated, answered) - first_from_prompt
+    return Stats(drafter=label, prompt_tokens=run.prompt_tokens, prefill_seconds=run.encode_seconds,
+                 decode_seconds=run.decode_seconds, verify_seconds=run.decode_seconds,
+                 steps=max(decoded - run.accepted, 0), drafted_tokens=run.drafted, accepted_tokens=run.accepted,
+                 generated_tokens=decoded)
+
+
 class LlamaCppToolRunner:
     """`llama-lookup` or `llama-speculative-simple` on one chat prompt, in a process of its own.
 
@@ -429,12 +442,7 @@ class LlamaCppToolRunner:
             tokens.append(self.eos)  # it stopped early, at an end token that speculative-simple does not print
             generated = len(tokens)
         tokens = tokens[: self.max_new_tokens]
-        # llama-lookup samples its first token from the prompt pass, before its decoding timer
-        decoded = generated - (self.tool == LOOKUP_TOOL)
-        stats = Stats(drafter=self.label, prompt_tokens=tool_run.prompt_tokens,
-                      prefill_seconds=tool_run.encode_seconds, decode_seconds=tool_run.decode_seconds,
-                      verify_seconds=tool_run.decode_seconds, steps=max(decoded - tool_run.accepted, 0),
-                      drafted_tokens=tool_run.drafted, accepted_tokens=tool_run.accepted, generated_tokens=decoded)
+        stats = tool_stats(tool_run, generated, self.tool == LOOKUP_TOOL, self.label)
         raw = self.cut_at_end(tool_run.text)
         if len(tokens) == self.max_new_tokens and generated > self.max_new_tokens:  # llama-lookup went on past it
             raw = raw[: len(b"".join(self.tokenize.piece(t) for t in tokens))]

@@ -69,7 +69,7 @@ def k_policy(records: Sequence[dict], names: Sequence[str]) -> str:
         steps = sum(s["steps"] for s in stats)
         chosen: dict[int, int] = {}
         for s in stats:
-            for k, count in (s.get("policy") or {}).get("chosen_k", {}).items():
+            for k, count in (s.get("chosen_k") or {}).items():
                 chosen[int(k)] = chosen.get(int(k), 0) + count
         target_ms = {int(n): ms for n, ms in (stats[-1].get("policy") or {}).get("target_ms", {}).items()}
         curve = (", ".join(f"{n}: {ms / target_ms[1]:.2f}" for n, ms in sorted(target_ms.items()))

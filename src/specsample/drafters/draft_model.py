@@ -93,7 +93,11 @@ class DraftModelDrafter:
 
     def propose(self, k: int, random: RandomSource) -> Draft:
         """A chain of k tokens; with `width` > 1, alternative leaves at its low-confidence positions.
-        The time `catch_up` takes is the draft's `setup_seconds`."""
+        The time `catch_up` takes is the draft's `setup_seconds`. A chain of k takes the context and k - 1
+        positions of the model's window, which may be shorter than the target's: it drafts what fits."""
+        k = min(k, self.model.max_length - len(self.context) + 1)
+        if k < 1:
+            return Draft.empty()
         start = perf_counter()
         self.catch_up()
         setup = perf_counter() - start

@@ -56,6 +56,8 @@ class HeadTreeDrafter(HeadDrafter):
         features: dict[int, Tensor] = {}  # expanded candidate -> its predicted feature [hidden]
         latest = self.expand(-1, self.logits, 0.0, tokens, parents, scores)
         for _ in range(min(self.depth, k) - 1):
+            if self.decoder.length + len(tokens) > self.decoder.max_length:  # no room for the next depth's pass
+                break
             chosen = sorted(latest, key=lambda node: (-scores[node], node))[: self.topk]
             logits = self.run_tree(chosen, tokens, parents, features)  # [len(chosen), subset]
             latest = [

@@ -61,19 +61,20 @@ class TransformersTarget:
         mask.masked_fill_(~seen, torch.finfo(self.model.dtype).min)
         out = self.model(
             input_ids=token_ids[None], **{self.cache_argument: self.cache}, use_cache=True, attention_mask=mask,
-            position_ids=(start + depths(parents))[None],
+            position_ids=(start + depths(parents))[None], output_hidden_states=self._features.recording,
         )
-        self._features.truncate(start)  # a tree's positions are not the text's
+        self._record(start, out)  # per node; `keep_path` moves the accepted path's rows into place
         return out.logits[0].float()  # [n, vocab]
 
     @torch.inference_mode()
     def keep_path(self, start: int, nodes: Sequence[int]) -> None:
         """Keep tree tokens `nodes` as positions start.. (`target.ScoresTrees`): their keys and values move."""
-        source = start + torch.as_tensor(list(nodes), dtype=torch.long)
-        target = torch.arange(start, start + source.shape[0])
+        kept = torch.as_tensor(list(nodes), dtype=torch.long)
+        source, target = start + kept, torch.arange(start, start + kept.shape[0])
         for layer in self.cache.layers:
             layer.keys[:, :, target] = layer.keys[:, :, source]
             layer.values[:, :, target] = layer.values[:, :, source]
+        self._features.keep(start, kept)
         self.rollback(start + source.shape[0])
 
     def rollback(self, length: int) -> None:
@@ -99,7 +100,11 @@ class TransformersTarget:
             output_hidden_states=recording,
             logits_to_keep=logits_to_keep,
         )
-        if recording:  # hidden_states[i]: the output of layer i; the last one after the final norm
+        self._record(start, out)
+        return out.logits
+
+    def _record(self, start: int, out) -> None:
+        """Where features are recorded, write a pass's rows from position `start` on."""
+        if self._features.recording:  # hidden_states[i]: the output of layer i; the last one after the final norm
             outputs = {i: normalized(out.hidden_states[i][0]) for i in self._features.layers}
             self._features.write(start, out.hidden_states[-1][0].float(), outputs)
-        return out.logits
