@@ -471,6 +471,26 @@ def test_measuring_the_cost_curve_interrupts_a_paused_generation_rather_than_cor
         paused.result()
 
 
+def test_a_batch_s_finished_requests_are_filed_under_the_suffix_history_and_evicted():
+    """Each `generate_batch` makes a batch of forks sharing the sampler's suffix tree: its requests are filed
+    under the shared history as they end (not at a next request their fork never gets), so the history's
+    bound holds over many batches (their counts stayed in the tree for good)."""
+    from conftest import tiny_tokenizer
+    from specsample.api import SpecSampler
+    from specsample.models.loading import LoadedModel
+
+    model = tiny_llama(64, seed=3, init_scale=0.5)
+    loaded = LoadedModel(model, tiny_tokenizer(64), "tiny", frozenset({1}), 0.0)
+    drafter = SuffixDrafter(history_tokens=40)
+    sampler = SpecSampler(loaded, LlamaTarget.from_hf(model), drafter)
+    options = dict(max_batch=2, temperature=0, k=3, chat=False, max_new_tokens=8)
+    sampler.generate_batch(["w5 w9 w12", "w3 w4"], **options)
+    assert len(drafter.history) == 2  # both filed as they ended
+    for round_ in range(4):
+        sampler.generate_batch([f"w{round_} w{round_ + 9} w7", f"w{round_ + 20} w2"], **options)
+        assert drafter.history_size <= 40
+
+
 def test_generations_from_several_threads_never_mix_their_texts(sampler):
     """Each of four threads' `generate` either gives its prompt's text alone or raises `Interrupted`."""
     from concurrent.futures import ThreadPoolExecutor

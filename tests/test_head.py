@@ -275,6 +275,41 @@ def random_sequences(loaded: LoadedModel, n: int, length: int, seed: int, layers
     return [Sequence(t, f, 0) for t, f in zip(tokens.split(length), features.split(length))]
 
 
+def test_training_windows_reach_into_the_prompt_and_count_the_answer_only():
+    """The head drafts after reading the prompt's last positions, so a training window may start in the
+    prompt; its loss counts the positions that predict answer tokens' features only (prompt_length - 2 on)."""
+    from specsample.training.dataset import Batcher
+
+    hidden = 4
+    seq = Sequence(torch.arange(160), torch.arange(160.0)[:, None].expand(160, hidden).half(), prompt_length=100)
+    batcher = Batcher([seq], seq_len=64, batch_size=1, generator=torch.Generator().manual_seed(0))
+    starts = set()
+    for _ in range(300):
+        tokens, features, mask = batcher()
+        start = int(tokens[0, 0])
+        starts.add(start)
+        assert torch.equal(features[0, :, 0].long(), tokens[0])  # each token's own feature row
+        counted = (start + torch.nonzero(mask[0]).flatten()).tolist()
+        assert counted == list(range(max(start, 98), start + 64))  # positions 98.. predict the answer
+    assert min(starts) == 35 and max(starts) == 95  # from one answer position counted to the window at the end
+
+
+def test_the_estimate_walks_steps_as_the_engine_takes_them():
+    """Long steps over an easy stretch are few: the walk weighs them by the steps taken, not by anchors."""
+    from specsample.training.objective import walk
+
+    lengths = [5] * 10 + [1] * 10  # 10 easy anchors (4 accepted and the bonus), then 10 hard ones
+    assert walk(lengths, 0) == (2 + 10, 10 + 10)  # anchors 0 and 5, then one token a step
+    assert walk(lengths, 12) == (8, 8)
+    assert sum(lengths) / len(lengths) == 3.0 and walk(lengths, 0)[1] / walk(lengths, 0)[0] < 1.7
+
+
+def test_a_head_s_rotary_base_is_its_target_s():
+    model = tiny_llama(16, seed=0)
+    model.config.rope_parameters = {"rope_type": "default", "rope_theta": 50000.0}
+    assert HeadConfig.for_target(tiny_loaded(model)).rope_theta == 50000.0
+
+
 @pytest.mark.parametrize("layers", [(), (1,)])
 def test_training_lowers_the_loss(layers):
     loaded = tiny_loaded(tiny_llama(64, seed=3))

@@ -172,6 +172,21 @@ def test_stop_seed_and_top_p_as_the_library(client, sampler):
         assert response.choices[0].text == expected.text
 
 
+def test_a_prediction_changes_the_speed_not_the_text(client, sampler):
+    """OpenAI's Predicted Outputs: the prediction (a string or text parts) is drafted from first; the answer
+    is the one without it, here the prediction itself, a wrong one, streamed or not."""
+    expected = sampler.generate(PROMPT, max_new_tokens=12, temperature=0, chat=False).text
+    for prediction in (expected, [{"type": "text", "text": expected}], "w1 w2 w3 w4 w5"):
+        response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                                             extra_body={"prediction": {"type": "content", "content": prediction}})
+        assert response.choices[0].text == expected
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5 w6"}], max_tokens=12,
+                                          temperature=0, prediction={"type": "content", "content": expected}, stream=True)
+    text, _ = stream_text(chat)
+    assert text == client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5 w6"}],
+                                                  max_tokens=12, temperature=0).choices[0].message.content
+
+
 def test_default_max_tokens_fills_the_context_window(client, sampler):
     response = client.completions.create(model="tiny", prompt=PROMPT, temperature=0)  # greedy: no EOS here
     assert response.usage.completion_tokens == sampler.target.max_length - 4
@@ -253,6 +268,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "w5", "stop": "w6", "include_stop_str_in_output": True}),
     ("/v1/completions", {"prompt": "w5", "guided_json": {"type": "object"}}),
     ("/v1/completions", {"prompt": "w5", "stream_options": {"include_usage": True}}),  # without stream
+    ("/v1/completions", {"prompt": "w5", "prediction": {"type": "image", "content": "w6"}}),  # Predicted Outputs' kind
+    ("/v1/completions", {"prompt": "w5", "prediction": "w6"}),
     # a lone surrogate (valid JSON, not valid UTF-8 text)
     ("/v1/completions", '{"prompt": "w5 \\ud800 w9"}'),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "w5 \\ud800"}]}'),

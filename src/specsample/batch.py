@@ -31,7 +31,8 @@ from time import perf_counter
 
 from torch import Tensor
 
-from specsample.drafters.base import Draft, Drafter, forked, plain_draft
+from specsample.drafters.base import Draft, Drafter, end_request, forked, plain_draft
+from specsample.drafters.prediction import with_prediction
 from specsample.engine import answer_step, check_lengths, cut_at_eos, kept, looks, observe, peek, scored_rows, tell_peek
 from specsample.models.target import Slots
 from specsample.policy import KPolicy, PassCost, SeesBatch
@@ -57,6 +58,7 @@ class Request:
     rows: int = 1  # rows it scored at its last step (1 before its first)
     emitted: int = 1  # tokens it emitted at its last step
     looks: bool = False  # whether its plain steps look at its drafter (`engine.looks`)
+    prediction: list[int] | None = None  # token ids of a predicted answer, drafted from first (`drafters.prediction`)
 
 
 @dataclass
@@ -103,7 +105,8 @@ class Batch:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.slots, self.eos_token_ids, self.verifier = slots, eos_token_ids, verifier
         self.prefill_chunk = prefill_chunk  # positions a prompt prefills at a time (None: all at once)
-        self.drafters = [forked(drafter) for _ in range(slots.count)]  # per slot
+        self.forks = [forked(drafter) for _ in range(slots.count)]  # per slot
+        self.drafters = list(self.forks)  # per slot: its request's drafter, the fork after any prediction
         self.plain = [plain_draft(d) for d in self.drafters]  # per slot: its drafter's plain-step draft
         self.policies = [policy() for _ in range(slots.count)]  # per slot
         self.free = list(range(slots.count - 1, -1, -1))  # slots without a request, next last
@@ -157,6 +160,9 @@ class Batch:
         prefill since `start` is counted."""
         if request.prefilled == request.prompt_ids.shape[0] - 1:
             slot = request.slot
+            if request.prediction is not None or self.drafters[slot] is not self.forks[slot]:
+                drafter = self.forks[slot] if request.prediction is None else with_prediction(self.forks[slot], request.prediction)
+                self.drafters[slot], self.plain[slot] = drafter, plain_draft(drafter)
             self.drafters[slot].begin(request.prompt_ids, request.params)
             self.policies[slot].begin()
             request.pending = int(request.prompt_ids[-1])
@@ -174,6 +180,7 @@ class Batch:
         elif request in self.running:
             self.running.remove(request)
             request.stats.policy = self.policies[request.slot].estimates()
+            end_request(self.drafters[request.slot])
         else:
             return
         self.free.append(request.slot)

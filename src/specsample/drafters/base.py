@@ -183,6 +183,24 @@ class DeclaresCost(Protocol):
     draft_cost: float | None
 
 
+@runtime_checkable
+class EndsRequests(Protocol):
+    """Keeps what a request taught it once the request ends (the suffix drafter files its text under the
+    history it drafts later requests from, and evicts the oldest). Without `end` that happens at the next
+    `begin`, which a batch's fork may never get: a batch thrown away would leave its slots' last requests
+    counted for good, outside the history's bound."""
+
+    def end(self) -> None:
+        """The request ended."""
+        ...
+
+
+def end_request(drafter: Drafter) -> None:
+    """Tell `drafter` its request ended, where it keeps something from it (`EndsRequests`)."""
+    if isinstance(drafter, EndsRequests):
+        drafter.end()
+
+
 def draft_cost(drafter: Drafter) -> float | None:
     """The drafter's declared cost per draft token relative to a target pass (`DeclaresCost`), or None."""
     return drafter.draft_cost if isinstance(drafter, DeclaresCost) else None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from specsample.drafters.base import Draft, Drafter, WatchesPlainSteps, forked
+from specsample.drafters.base import Draft, Drafter, WatchesPlainSteps, end_request, forked
 from specsample.sampling import RandomSource, SamplingParams
 
 MIN_TOKENS = 3  # the shortest draft of `first` that is verified instead of asking `second`
@@ -67,6 +67,11 @@ class FallbackDrafter:
     def observe(self, tokens: list[int]) -> None:
         self.first.observe(tokens)
         self.second.observe(tokens)
+
+    def end(self) -> None:
+        """The request ended, for those of the two that keep something from it (`base.EndsRequests`)."""
+        end_request(self.first)
+        end_request(self.second)
 
     def observe_plain(self, scored: Tensor, logits: Tensor) -> None:
         """A plain step's row, for those of the two that learn from it (`WatchesPlainSteps`)."""

@@ -104,8 +104,15 @@ class HeadConfig:
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             intermediate_size=config.intermediate_size, eps=getattr(config, "rms_norm_eps", 1e-5),
-            feature_layers=tuple(feature_layers),
+            feature_layers=tuple(feature_layers), rope_theta=rope_base(config),
         )
+
+
+def rope_base(config) -> float:
+    """The target's rotary base (`rope_parameters` in transformers 5, `rope_theta` before): the head starts
+    from the target's last layer, whose queries and keys were trained with it."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
 def target_fingerprint(model: nn.Module) -> str:

@@ -325,6 +325,10 @@ class SuffixDrafter(LookupDrafter):
         while self.history_size > self.history_tokens:
             self.tree.remove(self.history.popleft())
 
+    def end(self) -> None:
+        """The request ended (`base.EndsRequests`): file it now."""
+        self.retire()
+
     @property
     def history_size(self) -> int:
         """Tokens of earlier requests still counted in the tree."""

@@ -72,6 +72,27 @@ class OptionError(ValueError):
 NULL_IS_DEFAULT = {"temperature", "top_p", "top_k", "min_p", "n", "stream"}  # options whose null means their default
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text the answer is expected to be close to, drafted from first; it
+    changes how soon the answer comes, never what it is (`drafters.prediction`)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class GenerationRequest(BaseModel):
     """The options shared by chat and text completions."""
 
@@ -89,6 +110,7 @@ class GenerationRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    prediction: Prediction | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -143,14 +165,8 @@ class GenerationRequest(BaseModel):
         return dict(
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop or [],
+            prediction=None if self.prediction is None else self.prediction.text,
         )
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(BaseModel):

@@ -81,31 +81,41 @@ def distinct_prompts(sequences: list[Sequence]) -> list[Tensor]:
     return list(seen.values())
 
 
+def drafted_from(s: Sequence) -> int:
+    """The first position whose prediction is drafted: position prompt_length - 2 predicts the first answer
+    token's feature (the last prompt token's), and only answers are drafted (the chat template is not)."""
+    return max(0, s.prompt_length - 2)
+
+
 class Batcher:
-    """Random windows of `seq_len` + 1 positions from the training sequences, padded, with a mask."""
+    """Random windows of `seq_len` + 1 positions from the training sequences, padded, with a mask of the
+    positions the loss counts: those of the answer, whose context reaches back into the prompt as it
+    does when the head drafts (it reads the prompt's last positions first, drafters/head.py)."""
 
     def __init__(self, sequences: list[Sequence], seq_len: int, batch_size: int, generator: torch.Generator) -> None:
-        self.sequences = [s for s in sequences if len(s.tokens) >= 2]
+        self.sequences = [s for s in sequences if len(s.tokens) - 1 > drafted_from(s)]
         self.seq_len, self.batch_size, self.generator = seq_len, batch_size, generator
-        weights = torch.tensor([float(len(s.tokens)) for s in self.sequences])
+        weights = torch.tensor([float(len(s.tokens) - 1 - drafted_from(s)) for s in self.sequences])
         self.weights = weights / weights.sum()
 
     def __call__(self) -> tuple[Tensor, Tensor, Tensor]:
-        """tokens [b, t + 1], features [b, t + 1, hidden] float32, mask [b, t] of real positions."""
+        """tokens [b, t + 1], features [b, t + 1, hidden] float32, mask [b, t] of the answer's positions."""
         picks = torch.multinomial(self.weights, self.batch_size, replacement=True, generator=self.generator)
         windows = [self.window(self.sequences[int(i)]) for i in picks]
-        width = max(len(t) for t, _ in windows)
+        width = max(len(t) for t, _, _ in windows)
         tokens = torch.zeros(self.batch_size, width, dtype=torch.long)
         features = torch.zeros(self.batch_size, width, windows[0][1].shape[-1])
         mask = torch.zeros(self.batch_size, width - 1, dtype=torch.bool)
-        for b, (t, f) in enumerate(windows):
-            tokens[b, : len(t)], features[b, : len(t)], mask[b, : len(t) - 1] = t, f.float(), True
+        for b, (t, f, counted) in enumerate(windows):
+            tokens[b, : len(t)], features[b, : len(t)], mask[b, counted : len(t) - 1] = t, f.float(), True
         return tokens, features, mask
 
-    def window(self, s: Sequence) -> tuple[Tensor, Tensor]:
-        """A window inside the answer where it can be: position prompt_length - 2 predicts the first
-        answer token's feature, and only answers are drafted (the fixed chat template is not)."""
+    def window(self, s: Sequence) -> tuple[Tensor, Tensor, int]:
+        """A window holding some of the answer's positions (`drafted_from`), from any start that keeps one,
+        so that the positions near its end see up to `seq_len` earlier ones, the prompt's among them;
+        and the window's first position the loss counts."""
         span = min(self.seq_len + 1, len(s.tokens))
-        first = min(max(0, s.prompt_length - 2), len(s.tokens) - span)
-        start = first + int(torch.randint(len(s.tokens) - span - first + 1, (1,), generator=self.generator))
-        return s.tokens[start : start + span], s.features[start : start + span]
+        first = drafted_from(s)
+        lowest, highest = max(0, first + 2 - span), len(s.tokens) - span
+        start = lowest + int(torch.randint(highest - lowest + 1, (1,), generator=self.generator))
+        return s.tokens[start : start + span], s.features[start : start + span], max(0, first - start)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specsample.drafters.head import DraftHead
-from specsample.training.dataset import Sequence
+from specsample.training.dataset import Sequence, drafted_from
 from specsample.training.options import TrainOptions
 
 EVAL_K = 4
@@ -31,9 +31,11 @@ class Objective:
         target_logp = (truth @ self.lm_head_rows.t()).log_softmax(-1)  # [b, t, n]
         total, parts = torch.zeros(()), {}
         for j, predicted in enumerate(self.passes(tokens, features, options.unroll)):
-            regression = F.smooth_l1_loss(predicted[mask], truth[mask])
+            counted = mask.clone()
+            counted[:, :j] = False  # pass j + 1's first j positions draft from an anchor before the window
+            regression = F.smooth_l1_loss(predicted[counted], truth[counted])
             logp = (predicted @ self.lm_head_rows.t()).log_softmax(-1)
-            distill = -(target_logp.exp() * logp).sum(-1)[mask].mean()
+            distill = -(target_logp.exp() * logp).sum(-1)[counted].mean()
             total = total + (options.feature_weight * regression + options.distill_weight * distill) / (j + 1)
             parts[f"regression{j + 1}"], parts[f"distill{j + 1}"] = float(regression.detach()), float(distill.detach())
         return total, parts
@@ -42,11 +44,13 @@ class Objective:
     def accepted_length(self, sequences: list[Sequence], k: int = EVAL_K) -> float:
         """Estimated greedy mean accepted length at K = k (bonus token included) on `sequences`.
 
-        Anchors are the answer's positions. Drafting step j from a context ending at position m is right when the
-        predictions of passes 1..j at positions m..m + j - 1 all match the
-        target's argmax token.
+        Drafting step j from a context ending at position m is right when the predictions of passes
+        1..j at positions m..m + j - 1 all match the target's argmax token; that gives each anchor its
+        accepted length. The steps are then walked as the engine takes them, from the answer's first
+        anchor, each starting where the last one ended (an average over every anchor would weigh the
+        easy stretches, where steps are long and few, as much as the hard ones).
         """
-        counted, total = 0, 0.0
+        steps, total = 0, 0
         for s in sequences:
             if len(s.tokens) < k + 2:
                 continue
@@ -61,6 +65,16 @@ class Objective:
             for j in range(k):
                 chain &= right[j, j : j + anchors]
                 length += chain.float()
-            answer = length[max(0, s.prompt_length - 2) :]  # drafting happens in the answer only
-            counted, total = counted + answer.numel(), total + float(answer.sum())
-        return total / max(counted, 1)
+            walked = walk(length.long().tolist(), drafted_from(s))
+            steps, total = steps + walked[0], total + walked[1]
+        return total / max(steps, 1)
+
+
+def walk(lengths: list[int], first: int) -> tuple[int, int]:
+    """The steps and tokens of decoding from anchor `first` when a step from anchor a emits lengths[a]
+    tokens (its accepted draft tokens and the bonus), the next step starting where it ended."""
+    steps, tokens, anchor = 0, 0, first
+    while anchor < len(lengths):
+        steps, tokens = steps + 1, tokens + lengths[anchor]
+        anchor += lengths[anchor]
+    return steps, tokens
