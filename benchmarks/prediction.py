@@ -2,7 +2,8 @@
 
 Each prompt asks the model to return a function of Python's standard library with one change (a
 docstring added, a variable renamed, type hints added); the prediction is the function as it stands,
-the text an editor sends. One sampler, the configuration's drafter and K policy, greedy: for every
+the text an editor sends. Two samplers (a lookup drafter learns each answer, so one sampler would draft
+the second request from the first's answer), the configuration's drafter and K policy, greedy: for every
 prompt the request without a prediction and with it, in alternating order, interleaved. Prints per
 prompt the decode tokens/s of both and whether their tokens are the same, then the ratio of the totals
 with a 95% paired-bootstrap interval. The name of the CPU (`lscpu`) goes beside the figures.
@@ -55,17 +56,20 @@ def main() -> None:
     parser.add_argument("--drafter", default=None, help="the drafter (default: the configuration's)")
     parser.add_argument("--json", help="also write the per-prompt figures here")
     args = parser.parse_args()
-    sampler = SpecSampler.load(drafter=args.drafter, backend=args.backend)
+    # a sampler each way: a lookup drafter learns every answer, and the other way's answer to the same prompt
+    # (the same tokens) would be drafted from
+    samplers = {name: SpecSampler.load(drafter=args.drafter, backend=args.backend) for name in ("plain", "predicted")}
     sources = functions(args.prompts)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=0)
-    sampler.generate("Say hello.", max_new_tokens=8, temperature=0)  # warm-up
+    for sampler in samplers.values():
+        sampler.generate("Say hello.", max_new_tokens=8, temperature=0)  # warm-up
     rows = []
     for i, source in enumerate(sources):
         prompt = f"{EDITS[i % len(EDITS)]}\n\n```python\n{source}```"
         prediction = f"```python\n{source}```"
         runs = {}
         for name in (("plain", "predicted") if i % 2 == 0 else ("predicted", "plain")):
-            out = sampler.generate(prompt, prediction=prediction if name == "predicted" else None, **options)
+            out = samplers[name].generate(prompt, prediction=prediction if name == "predicted" else None, **options)
             runs[name] = out
         plain, predicted = runs["plain"], runs["predicted"]
         rows.append({"tokens": len(plain.token_ids), "same": plain.token_ids == predicted.token_ids,
@@ -81,6 +85,7 @@ def main() -> None:
     ratio = plain_s.sum() / predicted_s.sum()
     interval = bootstrap((plain_s, predicted_s), lambda a, b: a.sum() / b.sum(), paired=True, vectorized=False,
                          n_resamples=2000, random_state=0).confidence_interval
+    sampler = samplers["plain"]
     print(f"{sampler.configuration.drafter} on {sampler.backend}: with the prediction {ratio:.2f}x decode speed "
           f"(95% {interval.low:.2f}-{interval.high:.2f}), {sum(r['same'] for r in rows)} of {len(rows)} answers identical")
     if args.json:

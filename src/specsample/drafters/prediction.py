@@ -9,8 +9,8 @@ At the answer's first token the prediction's beginning is proposed.
 
 The draft is a point mass, a function of the prompt, the answer so far and the prediction, so
 verification stays exact at any temperature and the answer is the one the target gives without a
-prediction: a wrong prediction costs time, never text. `with_prediction` puts it before a request's
-drafter (`A+B`): where the prediction offers nothing, the configured drafter drafts.
+prediction: a wrong prediction costs time, never text. `with_prediction` pairs it with a request's
+drafter (`A+B`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from specsample.sampling import SamplingParams
 class PredictionDrafter(LookupDrafter):
     """Up to k tokens of `prediction` (token ids) from where the answer stands in it."""
 
-    def __init__(self, prediction: list[int], max_n: int = 8, min_n: int = 2) -> None:
+    def __init__(self, prediction: list[int], max_n: int = 8, min_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.prediction, self.max_n, self.min_n = list(prediction), max_n, min_n
@@ -73,5 +73,10 @@ class PredictionDrafter(LookupDrafter):
 
 
 def with_prediction(drafter: Drafter, prediction: list[int]) -> Drafter:
-    """A request's drafter: the prediction's draft where it offers one, else `drafter`'s (`FallbackDrafter`)."""
+    """A request's drafter with the prediction (`FallbackDrafter`, both orders exact): after a lookup
+    drafter, which matches the prompt and earlier answers as well (where the prompt holds the text being
+    edited it drafts it already), the prediction drafting where it finds nothing; before a model drafter,
+    whose draft costs passes."""
+    if drafter.is_lookup:
+        return FallbackDrafter(drafter, PredictionDrafter(prediction))
     return FallbackDrafter(PredictionDrafter(prediction), drafter)
