@@ -29,6 +29,8 @@ class TableModel:
     """A draft model made of a table: logits [VOCAB] of the token after a context of tokens after PROMPT
     (`Tables.key`); keeps the tokens it was given as its cache, rolled back by length."""
 
+    max_length = 1 << 20  # a table has no context window of its own (`Target.max_length`)
+
     def __init__(self, logits: torch.Tensor) -> None:
         self.logits = logits  # [POSITIONS, VOCAB, VOCAB, VOCAB]
         self.tokens: list[int] = []
