@@ -3,8 +3,8 @@
 A caller who knows most of the answer already (a file to edit, a document to return with a few changes)
 sends it as `prediction`. The drafter proposes the prediction's next tokens from where the answer stands
 in it: while the answer follows the prediction, from the token after the last one copied (`cursor`); once
-it departs, from the latest occurrence, at or after the cursor if there is one, of the answer's last n
-tokens (n from `max_n` down to `min_n`) in the prediction, which picks the copy up again after an edit.
+it departs, from the first occurrence at or after the cursor (else the last one before it) of the answer's
+last n tokens (n from `max_n` down to `min_n`) in the prediction, which picks the copy up again after an edit.
 At the answer's first token the prediction's beginning is proposed.
 
 The draft is a point mass, a function of the prompt, the answer so far and the prediction, so

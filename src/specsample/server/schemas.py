@@ -80,8 +80,8 @@ class TextPart(BaseModel):
 
 
 class Prediction(BaseModel):
-    """OpenAI's Predicted Outputs: text the answer is expected to be close to, drafted from first; it
-    changes how soon the answer comes, never what it is (`drafters.prediction`)."""
+    """OpenAI's Predicted Outputs: text the answer is expected to be close to, drafted from beside the
+    server's drafter; it changes how soon the answer comes, never what it is (`drafters.prediction`)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
