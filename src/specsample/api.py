@@ -309,7 +309,8 @@ class SpecSampler:
         K or K policy, on the same backend (`sampling.CoupledSource`); without one, tokens are drawn
         from OS entropy and verified by modified rejection sampling (`sampling.request_source`).
         `prediction`: text the answer is expected to be close to (OpenAI's Predicted Outputs), drafted
-        from before the sampler's drafter (`drafters.prediction`); it changes the speed, never the text.
+        from beside the sampler's drafter (`drafters.prediction.with_prediction`); it changes the speed,
+        never the text.
         """
         params = SamplingParams(temperature, top_k, top_p, min_p)
         seed = None if seed is None else check_seed(seed)
