@@ -259,17 +259,29 @@ def test_shipped_benchmark_configs_parse(toml, tmp_path):
     assert all(part in REGISTRY or part.endswith(".gguf") for c in configs for part in c.drafter.split("+"))
 
 
-def answers(config: str, seconds, tokens=None) -> list[dict]:
-    """Records of `config` answering turns 0..n-1 of question 1 in these times."""
+def answers(config: str, seconds, tokens=None, turns: int = 1) -> list[dict]:
+    """Records of `config` answering, `turns` turns a question, questions 0, 1, ... in these times."""
     tokens = tokens if tokens is not None else [128] * len(seconds)
-    return [{"config": config, "question_id": 1, "turn": t, "category": "qa", "wall_seconds": float(s),
-             "generated_tokens": int(n)} for t, (s, n) in enumerate(zip(seconds, tokens))]
+    return [{"config": config, "question_id": i // turns, "turn": i % turns, "category": "qa", "wall_seconds": float(s),
+             "generated_tokens": int(n)} for i, (s, n) in enumerate(zip(seconds, tokens))]
 
 
 def test_a_uniform_speedup_has_a_point_interval():
     records = answers("plain", [1.0, 2.0, 3.0, 1.5]) + answers("fast", [0.5, 1.0, 1.5, 0.75])
     assert report.speedup_interval(records, "fast") == pytest.approx([2.0, 2.0])
     assert report.speedup_interval(records[:1] + records[4:5], "fast") is None  # one paired turn: no interval
+
+
+def test_a_question_s_turns_are_resampled_together():
+    """Two questions of two turns each, the first question's turns 3x faster, the second's as fast:
+    resampling questions can draw only the three mixes of the two (pooled ratios 3, 1.5 and 1), so
+    the interval's ends are two of those; resampling turns would draw mixes in between. One
+    question alone, however many turns, gives no interval."""
+    records = answers("plain", [3.0, 3.0, 2.0, 2.0], turns=2) + answers("fast", [1.0, 1.0, 2.0, 2.0], turns=2)
+    low, high = report.speedup_interval(records, "fast")
+    assert low == pytest.approx(1.0) and high == pytest.approx(3.0)
+    both = [r for r in records if r["question_id"] == 0]
+    assert report.speedup_interval(both, "fast") is None
 
 
 def test_speedup_intervals_cover_the_true_ratio():

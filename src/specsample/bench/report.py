@@ -12,9 +12,10 @@ Mean accepted length = generated tokens / verification steps; acceptance rate
 = accepted draft tokens / drafted tokens.
 
 Each speedup comes with a 95% confidence interval from a paired bootstrap over
-the answers (an answer and plain decoding's answer to the same turn are
-resampled together), so that a category's ratio can be told from the run's
-noise: the A/A control's intervals show what noise alone gives.
+the questions (a question's turns, each with plain decoding's answer to the
+same turn, are resampled together: a second turn continues its first, so turns
+are not independent draws), so that a category's ratio can be told from the
+run's noise: the A/A control's intervals show what noise alone gives.
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ def summarize(records: Sequence[dict], configs: Sequence[str], reference: str = 
 
 def speedup_interval(records: Sequence[dict], config: str, reference: str = REFERENCE) -> list[float] | None:
     """The CONFIDENCE interval of `config`'s end-to-end speedup over `reference` on these records:
-    percentile bootstrap (fixed seed) over the turns both answered, each turn's pair of answers kept
-    together; None with fewer than two such turns."""
+    percentile bootstrap (fixed seed) over the questions, on the turns both answered, a question's
+    turns and both configurations' answers to them kept together; None with fewer than two questions."""
     answers = {(r["question_id"], r["turn"], r["config"]): r for r in records}
     turns = [(q, t) for q, t, c in answers if c == config and (q, t, reference) in answers]
-    if len(turns) < 2:
+    questions = list(dict.fromkeys(q for q, _ in turns))
+    if len(questions) < 2:
         return None
-    columns = [np.array([answers[(*turn, c)][key] for turn in turns], dtype=float)
+    columns = [np.array([sum(answers[(q, t, c)][key] for q2, t in turns if q2 == q) for q in questions], dtype=float)
                for c in (config, reference) for key in ("generated_tokens", "wall_seconds")]
 
     def speedup(tokens, seconds, ref_tokens, ref_seconds, axis=-1):
@@ -131,7 +133,7 @@ def markdown(results: dict) -> str:
     return "\n\n".join([
         "\n".join(overall),
         "Speedup (end to end) per category\n\n" + per_category(cell, configs, categories, "speedup"),
-        f"{CONFIDENCE:.0%} confidence interval of each speedup (paired bootstrap over the answers)\n\n"
+        f"{CONFIDENCE:.0%} confidence interval of each speedup (paired bootstrap over the questions)\n\n"
         + per_category(cell, [n for n in configs if cell[n, OVERALL]["speedup_interval"]], categories,
                        "speedup_interval"),
         "Mean accepted length per category\n\n" + per_category(
