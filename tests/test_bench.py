@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from specsample.bench import harness, report
+from specsample import api
 from specsample.api import SpecSampler
 from specsample.verify import ChainVerifier
 from specsample.verify.check import accept_all_coupled, accept_all_greedy
@@ -223,6 +224,19 @@ def test_an_engine_configuration_runs_the_k_policy_generate_runs(prompts_file, t
                           progress=False)
     for r in records:
         assert sum(r.stats["chosen_k"].values()) == r.stats["steps"] > 0
+
+
+def test_an_engine_configuration_measures_the_cost_curve_before_it_is_timed(monkeypatch, tiny_dir):
+    """`--k auto` measures the target's cost curve when its configuration is set up, not inside the first
+    timed answer (as it did with `--warmup 0`)."""
+    measured = []
+    monkeypatch.setattr(api, "machine_ratios", lambda target, key: measured.append(key) or {1: 1.0, 2: 1.1})
+    loaded = load_model(tiny_dir)
+    defaults, configs = harness.read_configs(["name=auto,drafter=suffix,k=auto"], {"max_new_tokens": 4})
+    runner = harness.engine_runner(configs[0], harness.Setup(loaded, make_target(loaded)))
+    assert len(measured) == 1
+    runner.run([{"role": "user", "content": "Hello"}])
+    assert len(measured) == 1
 
 
 @pytest.mark.parametrize("text, message", [

@@ -278,7 +278,9 @@ class EngineRunner:
     def __init__(self, sampler: SpecSampler, config: Config) -> None:
         self.sampler = sampler
         self.config = config
-        self.policy = parse_k(config.k)  # the policy `generate` runs; each step's K is in Stats.chosen_k
+        # The policy `generate` runs (each step's K is in Stats.chosen_k), told the cost curve now: measured
+        # inside the first timed answer, it would be timed as that answer's decoding (with `--warmup 0`).
+        self.policy = sampler.informed(parse_k(config.k))
 
     def run(self, messages: Sequence[Message]) -> Output:
         c = self.config
