@@ -108,9 +108,20 @@ def test_an_answer_ending_inside_a_step_takes_the_steps_later_tokens_out_of_the_
     stats.record(Step(drafted=6, accepted=5, emitted=6, draft_seconds=0.0, verify_seconds=0.0))
     stats.answer_ends(2)
     assert (stats.generated_tokens, stats.accepted_tokens, stats.drafted_tokens) == (7, 6, 10)
-    assert stats.accepted_at == [2, 2, 1, 1, 0, 0] and sum(stats.accepted_at) == stats.accepted_tokens
+    assert stats.accepted_at == [2, 2, 1, 1] and sum(stats.accepted_at) == stats.accepted_tokens
+    assert stats.drafted_at == [2, 2, 1, 1]  # the second draft's tokens after the answer's end: not rejections
     with pytest.raises(ValueError, match="cannot end after 7 tokens of a step that emitted 6"):
         stats.answer_ends(7)
+
+
+def test_draft_tokens_after_an_eos_are_not_rejections():
+    """An EOS as the second accepted token of a 4-token draft ends the answer there: positions 2 and 3
+    were not rejected (nor accepted), so the acceptance by position does not count them."""
+    stats = Stats()
+    stats.record(Step(drafted=4, accepted=1, emitted=2, draft_seconds=0.0, verify_seconds=0.0))  # recovered at 1
+    stats.record(Step(drafted=4, accepted=2, emitted=2, draft_seconds=0.0, verify_seconds=0.0))  # EOS accepted at 1
+    assert stats.drafted_at == [2, 2, 1, 1] and stats.accepted_at == [2, 1, 0, 0]
+    assert stats.acceptance_by_position == [1.0, 0.5, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("use_draft", [False, True])

@@ -4,7 +4,8 @@
 - mean accepted length: tokens emitted per verification step, the recovered or
   bonus token included (plain decoding scores 1.0).
 - acceptance by draft position: of the chain drafts that reached position i, the
-  fraction whose token i was accepted.
+  fraction whose token i was accepted. A draft token after the answer's end (an
+  EOS or a stop string among the accepted tokens) counts as neither.
 - of tree drafts (`tree`, only when some step drafted a tree): the tree size,
   the accepted depth, and the acceptance by depth and sibling rank: of the
   nodes verification reached (children of the root or of an accepted node) at
@@ -78,14 +79,7 @@ class Stats:
         self.verify_seconds += step.verify_seconds
         if step.chosen is not None:
             self.chosen_k[step.chosen] = self.chosen_k.get(step.chosen, 0) + 1
-        if step.parents is None:  # a tree's nodes are not positions: `tree_dict` counts them by depth and rank
-            grow = step.drafted - len(self.drafted_at)
-            if grow > 0:
-                self.drafted_at.extend([0] * grow)
-                self.accepted_at.extend([0] * grow)
-            for i in range(step.drafted):
-                self.drafted_at[i] += 1
-                self.accepted_at[i] += i < step.accepted
+        self.count_positions(step, 1)
         self.count_tree(step, 1)
 
     def answer_ends(self, kept: int) -> None:
@@ -98,11 +92,27 @@ class Stats:
         answered = step.answered(kept)
         self.generated_tokens -= step.emitted - answered.emitted
         self.accepted_tokens -= step.accepted - answered.accepted
-        if step.parents is None:
-            for i in range(answered.accepted, step.accepted):
-                self.accepted_at[i] -= 1
-        self.count_tree(step, -1)
-        self.count_tree(answered, 1)
+        for count in self.count_positions, self.count_tree:
+            count(step, -1)
+            count(answered, 1)
+
+    def count_positions(self, step: Step, sign: int) -> None:
+        """Add (sign 1) or take back (-1) a chain step's draft positions: all of them, or, where the answer
+        ended among the accepted tokens (the step emitted no token after them), those before the end.
+        A tree's nodes are not positions: `tree_dict` counts them by depth and rank."""
+        if step.parents is not None:
+            return
+        positions = step.drafted if step.emitted > step.accepted else step.accepted
+        grow = positions - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at.extend([0] * grow)
+            self.accepted_at.extend([0] * grow)
+        for i in range(positions):
+            self.drafted_at[i] += sign
+            self.accepted_at[i] += sign * (i < step.accepted)
+        while self.drafted_at and not self.drafted_at[-1]:  # positions only a taken-back step reached
+            self.drafted_at.pop()
+            self.accepted_at.pop()
 
     def count_tree(self, step: Step, sign: int) -> None:
         """Add (sign 1) or take back (-1) a tree step: its nodes, accepted depth, and the nodes it reached.
