@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import random
+import hashlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,14 +63,25 @@ def frequent_tokens(sequences: list[Sequence], n: int, vocab_size: int) -> Tenso
 
 def split(sequences: list[Sequence], holdout: float, seed: int) -> tuple[list[Sequence], list[Sequence]]:
     """Train and held-out sequences, split by prompt: every answer to a prompt (the greedy one and the
-    sampled ones) falls on the same side, or the held-out figures would reward memorising answers."""
+    sampled ones) falls on the same side, or the held-out figures would reward memorising answers.
+    A prompt is held out when its own hash (with `seed`) falls below `holdout`, so its side does not
+    depend on the other prompts: a run resumed on grown data never holds out a prompt it trained on.
+    With more than one prompt and none below, the lowest is held out."""
     by_prompt: dict[tuple[int, ...], list[Sequence]] = {}
     for s in sequences:
         by_prompt.setdefault(tuple(s.tokens[: s.prompt_length].tolist()), []).append(s)
-    groups = list(by_prompt.values())
-    random.Random(seed).shuffle(groups)
-    n_eval = max(1, round(holdout * len(groups))) if len(groups) > 1 else 0
-    return [s for g in groups[n_eval:] for s in g], [s for g in groups[:n_eval] for s in g]
+    place = {prompt: prompt_hash(prompt, seed) for prompt in by_prompt}
+    held = {prompt for prompt, at in place.items() if at < holdout}
+    if not held and len(by_prompt) > 1:
+        held = {min(place, key=place.get)}
+    return ([s for prompt, g in by_prompt.items() if prompt not in held for s in g],
+            [s for prompt, g in by_prompt.items() if prompt in held for s in g])
+
+
+def prompt_hash(prompt: tuple[int, ...], seed: int) -> float:
+    """A prompt's place in [0, 1), uniform over prompts, fixed by its tokens and `seed`."""
+    digest = hashlib.blake2b(repr((seed, prompt)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
 
 
 def distinct_prompts(sequences: list[Sequence]) -> list[Tensor]:
