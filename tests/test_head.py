@@ -304,6 +304,31 @@ def test_the_estimate_walks_steps_as_the_engine_takes_them():
     assert sum(lengths) / len(lengths) == 3.0 and walk(lengths, 0)[1] / walk(lengths, 0)[0] < 1.7
 
 
+def test_the_estimate_counts_greedy_tokens_of_the_whole_vocabulary_on_the_greedy_path():
+    """A head whose passes predict every feature exactly: 5 tokens a step at K = 4 on a greedy answer; fewer
+    when the target's greedy token is outside the head's subset (it cannot draft it), or when a sampled
+    answer leaves the greedy path (the passes after it read a token the engine would not have drafted from)."""
+    loaded = tiny_loaded(tiny_llama(64, seed=3))
+    head, everything = tiny_head(loaded, 64)
+    hf = loaded.model
+    embed, lm_head = hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach()
+    features = torch.randn(40, head.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    greedy = (features @ lm_head.t()).argmax(-1)  # [40], the token each position's state predicts
+    tokens = torch.cat([torch.tensor([1]), greedy[:-1]])  # the greedy answer: token i + 1 is greedy[i]
+
+    def estimate(token_ids: torch.Tensor, tokens: torch.Tensor) -> float:
+        objective = Objective(head, embed, lm_head, token_ids)
+        objective.passes = lambda tokens, features, depth: [features[:, 1:]] * depth  # feature i + 1, exactly
+        return objective.accepted_length([Sequence(tokens, features, prompt_length=2)])
+
+    assert estimate(everything, tokens) == 5.0
+    commonest = int(greedy.mode().values)
+    assert estimate(everything[everything != commonest], tokens) < 5.0
+    sampled = tokens.clone()
+    sampled[10::8] = (sampled[10::8] + 1) % 64
+    assert estimate(everything, sampled) < 5.0
+
+
 def test_a_head_s_rotary_base_is_its_target_s():
     model = tiny_llama(16, seed=0)
     model.config.rope_parameters = {"rope_type": "default", "rope_theta": 50000.0}
@@ -316,7 +341,8 @@ def test_training_lowers_the_loss(layers):
     sequences = random_sequences(loaded, 8, 24, seed=0, layers=layers)
     head, token_ids = tiny_head(loaded, 64, layers)
     hf = loaded.model
-    objective = Objective(head.train(), hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach())
+    objective = Objective(head.train(), hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach(),
+                          token_ids)
     tokens = torch.stack([s.tokens for s in sequences])
     features = torch.stack([s.features.float() for s in sequences])
     mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.bool)

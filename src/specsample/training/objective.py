@@ -16,10 +16,12 @@ EVAL_K = 4
 class Objective:
     """Losses and the greedy acceptance estimate of a head against stored target features."""
 
-    def __init__(self, head: DraftHead, embed: Tensor, lm_head_rows: Tensor) -> None:
+    def __init__(self, head: DraftHead, embed: Tensor, lm_head: Tensor, token_ids: Tensor) -> None:
         self.head = head
         self.embed = embed  # [vocab, hidden], the target's input embeddings (frozen)
-        self.lm_head_rows = lm_head_rows  # [n, hidden], the target's LM head restricted to the subset
+        self.lm_head = lm_head  # [vocab, hidden], the target's LM head: its greedy tokens
+        self.token_ids = token_ids  # [n], the head's token subset, which it drafts from
+        self.lm_head_rows = lm_head[token_ids]  # [n, hidden], the target's LM head restricted to the subset
 
     def passes(self, tokens: Tensor, features: Tensor, depth: int) -> list[Tensor]:
         """Predicted features [b, t, hidden] of `depth` passes (`DraftHead.forward`): pass d at
@@ -44,20 +46,26 @@ class Objective:
     def accepted_length(self, sequences: list[Sequence], k: int = EVAL_K) -> float:
         """Estimated greedy mean accepted length at K = k (bonus token included) on `sequences`.
 
-        Drafting step j from a context ending at position m is right when the predictions of passes
-        1..j at positions m..m + j - 1 all match the target's argmax token; that gives each anchor its
-        accepted length. The steps are then walked as the engine takes them, from the answer's first
-        anchor, each starting where the last one ended (an average over every anchor would weigh the
-        easy stretches, where steps are long and few, as much as the hard ones).
+        Drafting step j from a context ending at position m is right when the drafts of passes 1..j at
+        positions m..m + j - 1 (each the subset's token of highest draft logit) all are the target's
+        greedy token over the whole vocabulary, and the sequence follows the greedy path there (a
+        sampled answer leaves it where its token is not the target's argmax: past that, the passes
+        read a token the engine would not have drafted from); that gives each anchor its accepted
+        length. The steps are then walked as the engine takes them, from the answer's first anchor,
+        each starting where the last one ended (an average over every anchor would weigh the easy
+        stretches, where steps are long and few, as much as the hard ones).
         """
         steps, total = 0, 0
         for s in sequences:
             if len(s.tokens) < k + 2:
                 continue
             features, tokens = s.features.float()[None], s.tokens[None]
-            target_tokens = (features[0, 1:, -self.head.config.hidden_size :] @ self.lm_head_rows.t()).argmax(-1)  # [t]
+            target_tokens = (features[0, 1:, -self.head.config.hidden_size :] @ self.lm_head.t()).argmax(-1)  # [t]
+            on_path = torch.ones_like(target_tokens, dtype=torch.bool)  # [t], position i predicts token i + 2
+            on_path[:-1] = target_tokens[:-1] == tokens[0, 2:]
             right = torch.stack([
-                (p[0] @ self.lm_head_rows.t()).argmax(-1) == target_tokens for p in self.passes(tokens, features, k)
+                (self.token_ids[(p[0] @ self.lm_head_rows.t()).argmax(-1)] == target_tokens) & on_path
+                for p in self.passes(tokens, features, k)
             ])  # [k, t]
             anchors = right.shape[1] - k + 1
             chain = torch.ones(anchors, dtype=torch.bool)

@@ -59,7 +59,7 @@ def train(
                                    feature_layers=options.feature_layers)
     head = DraftHead(config)
     head.init_from_target(hf)
-    objective = Objective(head, embed, lm_head[token_ids])
+    objective = Objective(head, embed, lm_head, token_ids)
     optimizer = torch.optim.AdamW(head.parameters(), lr=options.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(options.seed)
     step, history = resume(out_dir / "checkpoint.pt", head, optimizer, generator)
