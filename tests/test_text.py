@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from transformers import PreTrainedTokenizerFast
 
+from specsample.api import TextOutput
 from specsample.text import IncrementalDecoder, StopMatcher, encode_prompt, stop_strings
 
 
@@ -65,6 +66,32 @@ def test_streamed_chunks_never_split_a_character_and_add_up(byte_tokenizer, text
     assert "".join(chunks) == text
     if not text.isascii():  # multi-byte characters really were split over tokens
         assert any("\ufffd" in byte_tokenizer.decode([i]) for i in ids)
+
+
+def test_a_literal_replacement_character_streams_as_it_is(byte_tokenizer):
+    text = "a \ufffd b \ufffd\ufffd c 日 \ufffd"
+    decoder = IncrementalDecoder(byte_tokenizer)
+    chunks = [decoder.push(i) for i in byte_tokenizer.encode(text)]
+    assert "".join(chunks) + decoder.flush() == text
+    assert "".join(chunks) == text[:-1]  # the last one is held: it might have been an incomplete character
+
+
+def test_a_stop_string_ends_the_answer_at_the_token_that_completes_it_when_that_token_starts_a_character():
+    """A byte-level token " \xe6" (a space and the first byte of 日) completes the stop string "END ":
+    the answer ends with that token, not two tokens later when 日 is whole."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)} | {"Ġæ": len(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "æ")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok)
+    ids = tokenizer.encode("Done END 日本 more")
+    completing = ids.index(vocab["Ġæ"]) + 1
+    output = TextOutput(tokenizer, ["END "], frozenset())
+    chunk = output.feed(ids)
+    assert output.stopped and chunk.text == "Done " and chunk.token_ids == ids[:completing]
 
 
 def test_special_tokens_are_not_shown(byte_tokenizer):

@@ -86,29 +86,42 @@ def user_turn_opening(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 
 class IncrementalDecoder:
-    """Turns tokens, pushed one at a time, into text deltas that never split a character."""
+    """Turns tokens, pushed one at a time, into text deltas that never split a character.
+
+    A character whose bytes span several tokens decodes as U+FFFD until its last byte arrives, so a
+    trailing run of U+FFFD is held back; the text before it is released at once (a token that ends
+    a stop string and starts a character, " \xe6" of " 日", shows the stop string with that token).
+    A literal U+FFFD at the end is held back too, until the next character."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.prefix_offset = 0  # start of the window decoded for context
-        self.read_offset = 0  # tokens before this have been emitted
+        self.read_offset = 0  # tokens before this have been emitted in full
+        self.sent = 0  # characters after the window's prefix emitted while a character was incomplete
 
     def push(self, token: int) -> str:
         self.ids.append(token)
         prefix = self._decode(self.prefix_offset, self.read_offset)
         text = self._decode(self.prefix_offset, len(self.ids))
-        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+        if len(text) <= len(prefix):
             return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return text[len(prefix) :]
+        final = len(text.rstrip("\ufffd"))
+        if final < len(text):  # a character may be incomplete: release what precedes it
+            delta = text[len(prefix) + self.sent : final]
+            self.sent += len(delta)
+            return delta
+        delta = text[len(prefix) + self.sent :]
+        self.prefix_offset, self.read_offset, self.sent = self.read_offset, len(self.ids), 0
+        return delta
 
     def flush(self) -> str:
         """Whatever is left undecoded, even an incomplete character, at the end of a stream."""
         prefix = self._decode(self.prefix_offset, self.read_offset)
         text = self._decode(self.prefix_offset, len(self.ids))
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return text[len(prefix) :]
+        delta = text[len(prefix) + self.sent :]
+        self.prefix_offset, self.read_offset, self.sent = len(self.ids), len(self.ids), 0
+        return delta
 
     def _decode(self, start: int, end: int) -> str:
         return self.tokenizer.decode(
