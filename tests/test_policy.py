@@ -21,7 +21,7 @@ def test_parse_k(spec, kind):
     assert isinstance(parse_k(spec), kind)
 
 
-@pytest.mark.parametrize("spec", ["-1", "four", "auto:bandit", ""])
+@pytest.mark.parametrize("spec", ["-1", "four", "auto:bandit", "", 2.5, "2.5", True, None])
 def test_parse_k_refuses_bad_values(spec):
     with pytest.raises(ValueError, match="k must be"):
         parse_k(spec)

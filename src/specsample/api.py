@@ -315,7 +315,7 @@ class SpecSampler:
         params = SamplingParams(temperature, top_k, top_p, min_p)
         seed = None if seed is None else check_seed(seed)
         k = self.configuration.k if k is None else k
-        policy = self.informed(self.policy(k) if isinstance(k, (int, str)) else k)
+        policy = self.informed(self.policy(k) if isinstance(k, (int, float, str)) else k)
         prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)
         drafter = self.drafter if prediction is None else with_prediction(self.drafter, self.encode_text(prediction))
         return Generation(self, drafter, prompt_ids, params, policy, max_new_tokens, seed, stop_strings(stop))

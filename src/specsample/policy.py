@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -836,11 +837,13 @@ def parse_k(spec: str | int) -> KPolicy:
     model, also `auto:cost`) or `auto:heuristic` (transformers' schedule)."""
     if isinstance(spec, str) and spec.strip().lower() in AUTO_POLICIES:
         return AUTO_POLICIES[spec.strip().lower()]()
-    try:
-        return FixedK(int(spec))
-    except ValueError:
-        forms = ", ".join(AUTO_POLICIES)
-        raise ValueError(f"k must be an integer >= 0 or one of {forms}, got {spec!r}") from None
+    if not isinstance(spec, bool):  # an integer, or a string of one: not 2.5, which int() would make 2
+        try:
+            return FixedK(int(spec) if isinstance(spec, str) else operator.index(spec))
+        except (TypeError, ValueError):
+            pass
+    forms = ", ".join(AUTO_POLICIES)
+    raise ValueError(f"k must be an integer >= 0 or one of {forms}, got {spec!r}")
 
 
 def parse_batch_k(spec: str | int) -> KPolicy:
