@@ -4,6 +4,9 @@ Used for architectures the fast Llama backend does not cover. Rollback crops
 the cache, which slices views of the key/value tensors rather than copying.
 It keeps per-position features for a draft head (`RecordsFeatures`), and scores
 trees (`ScoresTrees`) with a 4D attention mask and each token's position ids.
+Sliding-window layers keep every position in the cache (transformers' own
+sliding layers drop the oldest, and then cannot be cropped): the window is the
+attention mask's, in chain passes as in tree passes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from specsample.models.target import FeatureStore, normalized
 from specsample.tree import depths, visibility
@@ -25,12 +29,29 @@ def cache_argument(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def rollback_cache(config) -> DynamicCache:
+    """An empty cache for a model of `config` whose positions can all be cropped: its sliding-window
+    layers (which keep only the window's last keys) replaced by full ones."""
+    cache = DynamicCache(config=config)
+    cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer for layer in cache.layers]
+    return cache
+
+
+def attention_windows(config) -> dict[str, int | None]:
+    """The window of each kind of attention layer of `config` (None: the whole context): transformers'
+    `layer_types`, or one kind for all layers, sliding where the config gives a window."""
+    window = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"])
+    return {kind: window if kind == "sliding_attention" else None for kind in kinds}
+
+
 class TransformersTarget:
     def __init__(self, model: PreTrainedModel, max_length: int | None = None) -> None:
         self.model = model.eval()
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_length = max_length or int(getattr(model.config, "max_position_embeddings", 4096))
-        self.cache = DynamicCache(config=model.config)
+        self.cache = rollback_cache(model.config)
+        self.windows = attention_windows(model.config)
         self.cache_argument = cache_argument(model)
         config = model.config
         self._features = FeatureStore(config.num_hidden_layers, config.hidden_size, self.max_length)
@@ -41,7 +62,7 @@ class TransformersTarget:
 
     @torch.inference_mode()
     def prefill(self, token_ids: Tensor) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = rollback_cache(self.model.config)
         self._features.truncate(0)
         if token_ids.shape[0]:
             self._forward(token_ids, logits_to_keep=1)
@@ -53,18 +74,28 @@ class TransformersTarget:
     @torch.inference_mode()
     def score_tree(self, token_ids: Tensor, parents: Tensor) -> Tensor:
         """Append a tree of tokens [n] with `parents` [n] (`target.ScoresTrees`); logits [n, vocab]: a mask
-        [1, 1, n, length + n] lets each see the cache, its ancestors and itself, at position length + depth."""
+        [1, 1, n, length + n] lets each see the cache, its ancestors and itself, at position length + depth
+        (in a sliding-window layer, those of them within its window of that position). One mask when
+        every layer attends alike, else one for each kind of layer, as transformers maps them."""
         start, n = self.length, token_ids.shape[0]
+        positions = start + depths(parents)  # [n]
         seen = torch.ones(n, start + n, dtype=torch.bool)
         seen[:, start:] = visibility(parents)
-        mask = torch.zeros(1, 1, n, start + n, dtype=self.model.dtype)
-        mask.masked_fill_(~seen, torch.finfo(self.model.dtype).min)
+        key_positions = torch.cat([torch.arange(start), positions])  # [start + n]
+        masks = {kind: self._additive(seen if window is None else seen & (positions[:, None] - key_positions < window))
+                 for kind, window in self.windows.items()}
         out = self.model(
-            input_ids=token_ids[None], **{self.cache_argument: self.cache}, use_cache=True, attention_mask=mask,
-            position_ids=(start + depths(parents))[None], output_hidden_states=self._features.recording,
+            input_ids=token_ids[None], **{self.cache_argument: self.cache}, use_cache=True,
+            attention_mask=next(iter(masks.values())) if len(masks) == 1 else masks,
+            position_ids=positions[None], output_hidden_states=self._features.recording,
         )
         self._record(start, out)  # per node; `keep_path` moves the accepted path's rows into place
         return out.logits[0].float()  # [n, vocab]
+
+    def _additive(self, seen: Tensor) -> Tensor:
+        """[1, 1, n, keys] of 0 where `seen` [n, keys], else the dtype's lowest value."""
+        mask = torch.zeros(1, 1, *seen.shape, dtype=self.model.dtype)
+        return mask.masked_fill_(~seen, torch.finfo(self.model.dtype).min)
 
     @torch.inference_mode()
     def keep_path(self, start: int, nodes: Sequence[int]) -> None:
