@@ -16,10 +16,12 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from specsample.defaults import default_configuration
 from specsample.drafters import DraftModelDrafter, NoDrafter
 from specsample.drafters.quantized import QuantizedDrafter
 from specsample.models import gguf_blocks, kernels
 from specsample.models.llamacpp import LlamaCppTarget
+from conftest import needs_kernels
 from test_llamacpp import LOGIT_TOLERANCE, VOCAB, f32_and_q8_0, logits_after, random_ids, run
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the GGUF blocks need the C++ kernels")
@@ -95,3 +97,15 @@ def test_greedy_speculation_on_the_q8_0_qwen3_is_token_identical_to_plain_decodi
     else:
         made = DraftModelDrafter(gguf_blocks.file_target(files[0]))
     assert run(target, made, k, prompt, 80) == plain
+
+
+@needs_kernels  # the default configuration drafts with a quantized copy where the kernels run
+def test_the_f32_file_drafts_with_an_int8_copy_of_its_own_weights(files):
+    """A float GGUF file on the blocks has no lower-bit blocks and no transformers model behind it: its
+    quantized copy is an int8 copy of its own weights, so the default configuration (`suffix+quantized`)
+    can be made, and its greedy output is plain decoding's."""
+    target = gguf_blocks.file_target(files[0])
+    assert default_configuration(target).drafter == "suffix+quantized"
+    prompt = random_ids(8, seed=7)
+    plain = run(target, NoDrafter(), 0, prompt, 40)
+    assert run(target, QuantizedDrafter(target.quantized_copy(), target), 4, prompt, 40) == plain

@@ -513,18 +513,19 @@ class LlamaTarget:
         """A quantized copy of this target with its own cache of the same length: over float32 weights read
         from a GGUF file of at most 8 bits, the file's own blocks (`copy_file`: half the bytes of an int8
         copy or fewer, and the file's weights exactly where int8 would round them again), else an int8 copy
-        (models/quantize.py); over GGUF blocks a lower-bit copy of the blocks (`gguf_blocks.lower_bit_copy`).
+        (models/quantize.py) of the source model, or of this target's weights where it has none (a float
+        GGUF file); over GGUF blocks a lower-bit copy of the blocks (`gguf_blocks.lower_bit_copy`).
         Its first cache slots are committed now: page faults at its first draft would make drafting look
         slower than it is to a K policy that times it (about 8 ms on SmolLM2, for what then costs 0.5 ms)."""
         from specsample.models import gguf_blocks
-        from specsample.models.quantize import int8_target
+        from specsample.models.quantize import int8_copy, int8_target
 
         if gguf_blocks.on_blocks(self):
             copy = gguf_blocks.lower_bit_copy(self)
         elif self.copy_file is not None:
             copy = gguf_blocks.gguf_target(self.source, self.copy_file, self.max_length)
-        elif self.source is None:
-            raise ValueError("an int8 copy needs the transformers model this target was made from (LlamaTarget.from_hf)")
+        elif self.source is None:  # float weights read from a GGUF file
+            copy = int8_copy(self)
         else:
             copy = int8_target(self.source, self.max_length)
         copy.commit_cache(COMMITTED_POSITIONS)

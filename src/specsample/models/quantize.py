@@ -70,7 +70,12 @@ def int8_target(model, max_length: int | None = None) -> LlamaTarget:
     """A LlamaTarget of a transformers Llama-family model with int8 weights; raises UnsupportedModel
     (a ValueError) for architectures the fast backend does not reproduce."""
     dtype = torch.float32 if kernels.available() else ACTIVATIONS
-    base = LlamaTarget.from_hf(model, max_length, dtype=dtype)  # packed when the kernels take it
+    return int8_copy(LlamaTarget.from_hf(model, max_length, dtype=dtype))  # packed when the kernels take it
+
+
+def int8_copy(base: LlamaTarget) -> LlamaTarget:
+    """`base` with int8 weights and a cache of its own: for a target with no transformers model behind it
+    (float weights read from a GGUF file)."""
     embed = base.embed
     if embed is None and not base.lm_head.packed:  # the torch path's tied head has no row lookup
         embed = base.lm_head.weight.t().contiguous()  # [vocab, hidden]
