@@ -110,6 +110,19 @@ def test_generate_batch_equals_generate_on_llamacpp():
         assert completion.token_ids == sampler.generate(text, **greedy).token_ids
 
 
+def test_a_k_above_what_a_slot_scores_in_one_pass_is_cut_to_it():
+    """K = 40 with a prediction that drafts that far: a slot scores at most SLOT_ROWS rows a pass, so the
+    batch drafts SLOT_ROWS - 1 (it failed every running request), with generate's greedy tokens."""
+    from specsample.api import SpecSampler
+
+    sampler = SpecSampler.load(drafter="suffix", backend="llamacpp", threads=1)
+    text = "one two three four five six seven eight nine ten " * 8
+    greedy = dict(max_new_tokens=60, temperature=0, k=40, prediction=text)
+    (completion,) = sampler.generate_batch(["Repeat: " + text], max_batch=2, **greedy)
+    assert completion.token_ids == sampler.generate("Repeat: " + text, **greedy).token_ids
+    assert 0 < max(completion.stats.chosen_k) and completion.stats.drafted_tokens <= (SLOT_ROWS - 1) * completion.stats.steps
+
+
 def test_the_batching_server_on_llamacpp_answers_each_request_as_alone():
     """`serve --backend llamacpp --max-batch 3`: six concurrent streaming requests through the official
     `openai` client, each answer the one `generate` gives its prompt alone (greedy, and seeded)."""

@@ -216,14 +216,15 @@ class Batch:
         totals.step_seconds += step_seconds
 
     def _plan(self, request: Request) -> Planned:
-        """The request's draft: K by its slot's policy, at most what max_new_tokens leaves."""
+        """The request's draft: K by its slot's policy, at most what max_new_tokens leaves and what a slot
+        scores in one pass."""
         start = perf_counter()
         policy, drafter = self.policies[request.slot], self.drafters[request.slot]
         if isinstance(policy, SeesBatch):
             other_tokens = sum(r.emitted for r in self.running) - request.emitted
             policy.see_batch(self.cost, self.rows - request.rows, other_tokens, len(self.running) - 1)
         chosen = policy.choose()
-        k = min(chosen, request.max_new_tokens - request.produced - 1)
+        k = min(chosen, request.max_new_tokens - request.produced - 1, self.slots.max_rows - 1)
         numbers = request.random.at(request.produced)  # offset i: output position produced + i
         draft = drafter.propose(k, numbers).trunk() if k > 0 else self.plain[request.slot]  # slots score chains
         peeked = peek(drafter, policy, k, numbers) if request.looks else None

@@ -743,6 +743,7 @@ class LlamaSlots:
             raise ValueError(f"need at least one slot, got {count}")
         self.target, self.count = target, count
         self.vocab_size, self.max_length = target.vocab_size, target.max_length
+        self.max_rows = self.max_length
         self.drafts_pass_alone = False  # every row of a pass streams the weights once
         self.k_cache = torch.empty(count, *target.k_cache.shape, dtype=target.k_cache.dtype)  # [slots, layers, kv_heads, cap / 16, dim, 16]
         self.v_cache = torch.empty(count, *target.v_cache.shape, dtype=target.v_cache.dtype)  # [slots, layers, kv_heads, cap, dim]

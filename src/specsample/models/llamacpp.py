@@ -618,6 +618,7 @@ class LlamaCppSlots:
             raise ValueError(f"need at least one slot, got {count}")
         self.target, self.count, self.lib = target, count, target.lib
         self.vocab_size, self.max_length = target.vocab_size, target.max_length
+        self.max_rows = SLOT_ROWS  # the context's batch holds SLOT_ROWS rows a slot
         self.drafts_pass_alone = True  # llama.cpp's split_equal: a segment's rows past the first pass apart
         self.ctx = target.context(count * self.max_length, sequences=count, batch=max(N_BATCH, count * SLOT_ROWS))
         self.memory = self.lib.llama_get_memory(self.ctx)

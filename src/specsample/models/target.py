@@ -144,6 +144,7 @@ class Slots(Protocol):
 
     vocab_size: int
     max_length: int  # positions each slot can hold
+    max_rows: int  # positions a slot can score in one pass (a draft and the pending token)
     count: int  # slots: 0..count-1
     # False: every row of a `score` goes in one pass over the weights. True: one pass takes one row of
     # every segment, and a segment's further rows (a draft) pass on their own (llama.cpp), so a draft
