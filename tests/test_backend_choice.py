@@ -76,6 +76,18 @@ def test_a_gguf_file_is_measured_once_per_machine_and_thread_count(tiny_gguf, ca
     assert choice.resolve(tiny_gguf, "auto", threads=2)[0] == "llamacpp"  # another thread count: measured anew
 
 
+def test_a_choice_is_remembered_apart_for_an_installed_llama_cpp_and_measured_again_when_unreadable(tiny_gguf, cache,
+                                                                                                 monkeypatch):
+    """llama.cpp installed after a choice was made among the others, or uninstalled after it won: the file
+    is measured again among what is there. A remembered choice that cannot be read is measured again too."""
+    choice.backend_for(tiny_gguf, None, lambda: {"llamacpp": 0.01, "auto": 0.03})
+    monkeypatch.setattr(choice, "llamacpp_installed", lambda: False)
+    assert choice.backend_for(tiny_gguf, None, lambda: {"auto": 0.03}).backend == "auto"
+    assert len(list((cache / "backend-choice").glob("*.json"))) == 2
+    choice.choice_path(tiny_gguf, None).write_text('{"backend": "auto"}')  # a field missing
+    assert choice.backend_for(tiny_gguf, None, lambda: {"auto": 0.02}).seconds_per_token == {"auto": 0.02}
+
+
 @pytest.mark.parametrize("winner, target_type", [
     ("llamacpp", LlamaCppTarget), pytest.param("gguf", LlamaTarget, marks=needs_kernels), ("auto", LlamaTarget),
 ])

@@ -6,13 +6,13 @@ over the file's own GGUF blocks ("gguf"), or on llama.cpp ("llamacpp", when
 llama-cpp-python is installed). Which is faster depends on the
 model, its quantization and the CPU (llama.cpp's kernels against the project's, AVX-512
 against AVX2), so it is measured rather than assumed: the median time of one single-token
-pass over a 64-token cache, plain decoding's cost per token, on each backend with the same
-threads, the backends' passes taken in turn (`cost_curve.measure`) so that load from other
-work slows them alike rather than whichever was measured while it lasted. The faster one is
-remembered in the cache directory per file, CPU and thread count, so only the first run on a
-machine pays for the measurement (a few seconds, plus the float32 conversion if it is not cached
-yet). Speculation on top is then chosen for the backend picked
-(`specsample.defaults`).
+pass over a 64-token cache, plain decoding's cost per token, on each backend as it would run
+(llama.cpp on `--threads`, all cores by default; the project's kernels on OpenMP's threads, all
+cores), one backend after another (`cost_curve.measure`). The faster one is remembered in the
+cache directory per file, CPU, thread count and whether llama-cpp-python is installed, so only
+the first run on a machine pays for the measurement (a few seconds, plus the float32 conversion
+if it is not cached yet); a remembered choice that cannot be read is measured again. Speculation
+on top is then chosen for the backend picked (`specsample.defaults`).
 """
 
 from __future__ import annotations
@@ -60,21 +60,24 @@ def choose(seconds: dict[str, float]) -> BackendChoice:
 
 
 def choice_path(gguf: Path, threads: int | None) -> Path:
-    """Where the choice for this file (its name and content, `file_fingerprint`), CPU, thread count and kernel
-    build (`kernels.build_key`) is kept."""
+    """Where the choice for this file (its name and content, `file_fingerprint`), CPU, thread count, kernel
+    build (`kernels.build_key`) and candidates (llama.cpp installed or not) is kept."""
     from specsample.models.kernels import machine_digest
     from specsample.models.loading import conversion_dir
 
     directory = conversion_dir(gguf)  # reads the file's sampled bytes: once
-    key = machine_digest(directory.name, threads, CANDIDATES, KERNELS_VERSION)
+    key = machine_digest(directory.name, threads, CANDIDATES, KERNELS_VERSION, llamacpp_installed())
     return directory.parent / "backend-choice" / f"{key}.json"
 
 
 def backend_for(gguf: Path, threads: int | None, measure) -> BackendChoice:
-    """The remembered choice for `gguf`, else `measure()`'s (seconds per token by candidate), remembered."""
+    """The remembered choice for `gguf`, else (none, or one that cannot be read) `measure()`'s (seconds per
+    token by candidate), remembered."""
     path = choice_path(gguf, threads)
-    if path.is_file():
+    try:
         return BackendChoice(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
     made = choose(measure())
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -170,7 +173,7 @@ def project_targets(path: str | Path | None, gguf: Path, trust_remote_code: bool
 
 
 def seconds_per_token(targets: dict[str, Target], context: int = CONTEXT, passes: int = PASSES) -> dict[str, float]:
-    """The median time of scoring one token after `context` cached ones, by target, their passes taken in
-    turn; the targets' caches are empty afterwards."""
+    """The median time of scoring one token after `context` cached ones, by target, one target after
+    another; the targets' caches are empty afterwards."""
     curves = measure_synthetic(targets, context, ns=(1,), repeats=passes, warmup=2)
     return {curve.backend: curve.ms[0] / 1000 for curve in curves}
