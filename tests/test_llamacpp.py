@@ -178,6 +178,10 @@ def test_rollback_then_scoring_again_gives_the_same_logits(tiny_target):
     again = tiny_target.score(ids[23:])  # [7, vocab]
     assert not torch.equal(other[0], again[0])
     assert torch.equal(again, first[3:])
+    for wrong in (-1, 31):  # as every backend: a length the cache does not hold is refused, and nothing moves
+        with pytest.raises(ValueError, match=f"cannot roll back to {wrong}: the cache holds 30"):
+            tiny_target.rollback(wrong)
+    assert tiny_target.length == 30
 
 
 def scored_one_by_one_and_batched(target: LlamaCppTarget, prefix: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -442,10 +442,11 @@ class LlamaCppTarget:
         return self._decode(token_ids, logits=True)  # [n, vocab]
 
     def rollback(self, length: int) -> None:
-        if length < self._length:
-            if not self.lib.llama_memory_seq_rm(self.memory, 0, length, -1):
-                raise RuntimeError(f"llama.cpp cannot roll this model's cache back to {length} positions")
-            self._length = length
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot roll back to {length}: the cache holds {self._length}")
+        if length < self._length and not self.lib.llama_memory_seq_rm(self.memory, 0, length, -1):
+            raise RuntimeError(f"llama.cpp cannot roll this model's cache back to {length} positions")
+        self._length = length
 
     @property
     def file_type(self) -> str:
