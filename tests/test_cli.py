@@ -119,6 +119,17 @@ def test_a_prompt_that_is_not_utf8_gives_one_line_and_exit_2(capsys, tiny_dir):
     assert code == 2 and err.strip() == "specsample: error: the prompt is not valid UTF-8 text: '\\udcff' at character 3"
 
 
+def test_a_token_the_model_has_no_row_for_gives_one_line_and_exit_2(capsys, tiny_dir, tmp_path):
+    """A tokenizer with tokens the model does not have (w70 of an 80-word tokenizer over a 64-row model)."""
+    from conftest import tiny_tokenizer
+
+    shutil.copytree(tiny_dir, tmp_path / "model")
+    tiny_tokenizer(80).save_pretrained(tmp_path / "model")
+    code, out, err = cli(capsys, "generate", "w2 w70", "--model", str(tmp_path / "model"), "--no-chat")
+    assert code == 2 and err.strip() == ("specsample: error: the prompt encodes to token id 70, past the model's "
+                                         "vocabulary of 64: the tokenizer has tokens the model does not")
+
+
 @pytest.mark.parametrize("args, message", BAD)
 def test_bad_arguments_give_one_line_and_exit_2(capsys, tiny_dir, args, message):
     code, out, err = cli(capsys, "generate", "w1 w2", "--model", str(tiny_dir), "--no-chat", *args)

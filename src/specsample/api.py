@@ -278,7 +278,14 @@ class SpecSampler:
         return self._cost_ratios
 
     def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
-        return encode_prompt(self.model.tokenizer, prompt, chat)
+        """The prompt's token ids; a ValueError if the tokenizer gave one the model has no row for (a token
+        added to the tokenizer and not to the model), which a backend would otherwise read as padding."""
+        ids = encode_prompt(self.model.tokenizer, prompt, chat)
+        beyond = [i for i in ids if not 0 <= i < self.target.vocab_size]
+        if beyond:
+            raise ValueError(f"the prompt encodes to token id {beyond[0]}, past the model's vocabulary of "
+                             f"{self.target.vocab_size}: the tokenizer has tokens the model does not")
+        return ids
 
     def encode_text(self, text: str) -> list[int]:
         """The token ids of `text` as a part of an answer: no special tokens added."""
