@@ -491,6 +491,8 @@ def test_api_key_is_checked(small_server):
     (["--k", "many"], "k must be"), (["--max-queue", "0"], "max_queue"),
     (["--drafter", "quantized+suffix"], "must be a lookup drafter"),  # refused before serving, not per request
     (["--port", "70000"], "port must be in 0..65535"), (["--host", "no-such-host.invalid"], "cannot listen on"),
+    (["--api-key", ""], "the API key is empty"),  # an unset variable: no key at all would turn authentication off
+    (["--api-key", "secret "], "printable ASCII without spaces"), (["--api-key", "sécret"], "printable ASCII"),
 ])
 def test_serve_bad_arguments_give_one_line_and_exit_2(capsys, tiny_dir, args, message):
     with pytest.raises(SystemExit) as done:

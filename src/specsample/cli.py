@@ -123,7 +123,11 @@ def serve(
     ray_address: Annotated[Optional[str], typer.Option(help="With replicas: the Ray cluster (host:port; 'auto': the one `ray start` made here; 'local': a new one here, no dashboard). Default: RAY_ADDRESS, else auto, else a new one.")] = None,
 ) -> None:
     """Serve an OpenAI-compatible API (chat and text completions, streaming, /metrics)."""
+    from specsample.server.app import check_api_key
+
     check_listen(host, port)
+    if api_key is not None:
+        check_api_key(api_key)
     if replicas is not None or min_replicas is not None or max_replicas is not None:
         return serve_replicas(locals())
     given = [name for name, value in (("--upscale-delay", upscale_delay), ("--downscale-delay", downscale_delay),

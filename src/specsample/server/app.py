@@ -84,8 +84,8 @@ def serve_worker(worker: Worker, metrics: ServerMetrics, card: dict, *, api_key:
 
     app = FastAPI(title="specsample", lifespan=lifespan)
     app.state.worker, app.state.metrics = worker, metrics
-    if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=check_api_key(api_key))
     add_error_handlers(app, metrics)
     name = card["id"]
 
@@ -326,6 +326,17 @@ def describe(error: dict, content_type: str | None = None) -> tuple[str, str | N
     if param is None:  # a check over the whole request names its option (`schemas.OptionError`)
         return message, getattr(error.get("ctx", {}).get("error"), "param", None)
     return f"{param}: {message}", loc[0]
+
+
+def check_api_key(key: str) -> str:
+    """`key` if a client can send it as `Authorization: Bearer KEY`, else a ValueError: an empty key would
+    turn authentication off, and one with spaces around it or characters outside printable ASCII could
+    never match what a client sends."""
+    if not key:
+        raise ValueError("the API key is empty (is SPECSAMPLE_API_KEY set?): give a key, or no --api-key for no authentication")
+    if key != key.strip() or not all(" " < c <= "~" for c in key):
+        raise ValueError("the API key must be printable ASCII without spaces, as clients send it in an HTTP header")
+    return key
 
 
 class BearerAuth:

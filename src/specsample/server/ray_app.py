@@ -44,7 +44,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from specsample.api import Chunk, Completion, Prompt
 from specsample.policy import parse_k
-from specsample.server.app import make_worker, model_card, serve_worker, serving_sampler
+from specsample.server.app import check_api_key, make_worker, model_card, serve_worker, serving_sampler
 from specsample.server.metrics import ServerMetrics
 from specsample.server.schemas import error_body
 from specsample.server.worker import InvalidRequest, QueueFull
@@ -79,6 +79,8 @@ class RayOptions(BaseModel):
     def check_replicas(self) -> "RayOptions":
         if self.k is not None:
             parse_k(self.k)  # a bad K fails here, not in every replica
+        if self.api_key is not None:
+            check_api_key(self.api_key)
         if self.replicas is None and self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
         return self
