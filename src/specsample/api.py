@@ -23,7 +23,7 @@ from specsample.defaults import Configuration, default_configuration, given
 from specsample.drafters import Drafter, check_spec, make_drafter
 from specsample.drafters.base import draft_cost
 from specsample.drafters.prediction import with_prediction
-from specsample.engine import decode
+from specsample.engine import check_max_new_tokens, decode
 from specsample.models import LoadedModel, Target, load_target
 from specsample.models.choice import resolve
 from specsample.models.loading import conversion_dir
@@ -31,7 +31,7 @@ from specsample.models.target import SlottedTarget, require
 from specsample.policy import KPolicy, SeesCostCurve, SeesDraftCost, parse_batch_k, parse_k
 from specsample.sampling import SamplingParams, check_seed, request_source
 from specsample.stats import Stats
-from specsample.text import IncrementalDecoder, Message, StopMatcher, encode_prompt, stop_strings
+from specsample.text import IncrementalDecoder, Message, StopMatcher, check_text, encode_prompt, stop_strings
 from specsample.verify import ChainVerifier
 
 Prompt = str | Sequence[Message]
@@ -291,6 +291,19 @@ class SpecSampler:
         """The token ids of `text` as a part of an answer: no special tokens added."""
         return self.model.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def encode_prediction(self, prediction: str) -> list[int]:
+        """The token ids of a predicted answer (`stream`'s `prediction`); a ValueError for one that is not
+        text, or longer than any answer can be (the context window): its index would cost memory and time
+        for nothing."""
+        if not isinstance(prediction, str):
+            raise ValueError(f"a prediction must be a string, got {type(prediction).__name__}")
+        check_text(prediction, "the prediction")
+        ids = self.encode_text(prediction)
+        if len(ids) > self.target.max_length:
+            raise ValueError(f"the prediction is {len(ids)} tokens, longer than any answer can be "
+                             f"(the context window holds {self.target.max_length})")
+        return ids
+
     def generate(self, prompt: Prompt, **options) -> Completion:
         """Generate a whole completion; options as for `stream`."""
         return self.stream(prompt, **options).result()
@@ -320,11 +333,12 @@ class SpecSampler:
         never the text.
         """
         params = SamplingParams(temperature, top_k, top_p, min_p)
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
         seed = None if seed is None else check_seed(seed)
         k = self.configuration.k if k is None else k
         policy = self.informed(self.policy(k) if isinstance(k, (int, float, str)) else k)
         prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)
-        drafter = self.drafter if prediction is None else with_prediction(self.drafter, self.encode_text(prediction))
+        drafter = self.drafter if prediction is None else with_prediction(self.drafter, self.encode_prediction(prediction))
         return Generation(self, drafter, prompt_ids, params, policy, max_new_tokens, seed, stop_strings(stop))
 
     def batch(self, max_batch: int, k: int | str | None = None, prefill_chunk: int | None = None) -> Batch:
@@ -361,9 +375,10 @@ class SpecSampler:
     ) -> Request:
         """A request for a `batch`, options as for `stream`."""
         params = SamplingParams(temperature, top_k, top_p, min_p)
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
         prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)
         stats = Stats(load_seconds=self.model.load_seconds, drafter=self.configuration.drafter)
-        predicted = None if prediction is None else self.encode_text(prediction)
+        predicted = None if prediction is None else self.encode_prediction(prediction)
         return Request(prompt_ids, params, max_new_tokens, request_source(seed), stats, prediction=predicted)
 
     def generate_batch(

@@ -36,7 +36,7 @@ from torch import Tensor
 from specsample.drafters.base import Draft, Drafter, plain_draft
 from specsample.models.target import ScoresTrees, Target
 from specsample.policy import KPolicy, Peeks
-from specsample.sampling import RandomSource, SamplingParams
+from specsample.sampling import RandomSource, SamplingParams, integer
 from specsample.stats import Stats, Step
 from specsample.tree import chain_parents
 from specsample.verify import ChainVerifier, TreeVerifier, Verdict
@@ -251,6 +251,9 @@ def check_lengths(target: Target, prompt_tokens: int, max_new_tokens: int) -> No
         )
 
 
-def check_max_new_tokens(max_new_tokens: int) -> None:
+def check_max_new_tokens(max_new_tokens: int) -> int:
+    """`max_new_tokens` if it is an integer >= 1, else a ValueError (2.5, "3" and True are not)."""
+    max_new_tokens = integer(max_new_tokens, "max_new_tokens")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    return max_new_tokens

@@ -129,6 +129,17 @@ class IncrementalDecoder:
         )
 
 
+def prefix_function(s: str) -> list[int]:
+    """KMP's table: for each i, the length of the longest proper prefix of s[: i + 1] that is also its suffix."""
+    table = [0] * len(s)
+    for i in range(1, len(s)):
+        k = table[i - 1]
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        table[i] = k + (s[i] == s[k])
+    return table
+
+
 def stop_strings(stop: str | Sequence[str]) -> list[str]:
     """The stop strings of an option that gives one string or several (a string is one stop string, not
     its characters). An empty one is a ValueError: it would end every answer before its first token."""
@@ -142,33 +153,40 @@ def stop_strings(stop: str | Sequence[str]) -> list[str]:
 
 
 class StopMatcher:
-    """Finds stop strings in streamed text and holds back text that could start one."""
+    """Finds stop strings in streamed text and holds back text that could start one.
+
+    Each stop string has a Knuth-Morris-Pratt automaton whose state is the longest tail of the text
+    that is a prefix of it, advanced one character at a time: text fed costs time in proportion to
+    its own length, whatever the answer's length or the stop strings' (a server takes them from
+    clients)."""
 
     def __init__(self, stop: str | Sequence[str]) -> None:
         self.stop = stop_strings(stop)
+        self.fallback = [prefix_function(s) for s in self.stop]
+        self.state = [0] * len(self.stop)  # per stop string: the longest tail of `text` that is a prefix of it
         self.text = ""  # all text seen
         self.emitted = 0  # characters of `text` already released
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit, whether a stop string was found)."""
+        start = len(self.text)
         self.text += delta
-        hits = [(i + len(s), i) for s in self.stop if (i := self.text.find(s, max(0, self.emitted - len(s)))) >= 0]
-        if hits:  # cut at the stop string that completes first, as a stream would meet it
-            return self._release(min(hits)[1]), True
-        return self._release(len(self.text) - self._held_back()), False
+        for at, char in enumerate(delta if self.stop else "", start):
+            hits = [at + 1 - len(s) for i, s in enumerate(self.stop) if self._advance(i, char) == len(s)]
+            if hits:  # cut at the stop string that completes first, the longest of those completing here
+                return self._release(min(hits)), True
+        return self._release(len(self.text) - max(self.state, default=0)), False
 
     def finish(self) -> str:
         return self._release(len(self.text))
 
-    def _held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        longest = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(s[:n]):
-                    longest = n
-                    break
-        return longest
+    def _advance(self, i: int, char: str) -> int:
+        """Stop string i's state after `char`."""
+        stop, fallback, state = self.stop[i], self.fallback[i], self.state[i]
+        while state and stop[state] != char:
+            state = fallback[state - 1]
+        self.state[i] = state = state + (stop[state] == char)
+        return state
 
     def _release(self, end: int) -> str:
         end = max(end, self.emitted)
