@@ -6,6 +6,8 @@ request with a prediction gives the text the same request gives without one: gre
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -110,3 +112,21 @@ def test_stream_and_generate_batch_take_a_prediction():
     seeded = [sampler.generate(prompts[1], temperature=1.0, seed=5, max_new_tokens=16, k=4, chat=False,
                                prediction=text).token_ids for text in (None, alone[1].text, "w1 w2 w3 w4")]
     assert seeded[0] == seeded[1] == seeded[2]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"prediction": 5}, "a prediction must be a string, got int"),
+    ({"prediction": "w5 \ud800"}, "the prediction is not valid UTF-8 text"),
+    ({"prediction": "w6 " * 1000}, "the prediction is 1000 tokens, longer than any answer can be"),
+    ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer, got 2.5"),
+    ({"max_new_tokens": True}, "max_new_tokens must be an integer, got True"),
+    ({"max_new_tokens": "3"}, "max_new_tokens must be an integer, got '3'"),
+])
+def test_bad_options_of_the_library_are_named(options, message):
+    """The Python API checks what the server's schema and the command line check: a ValueError naming it,
+    alone and in a batch (a prediction that is not text once failed deep in the tokenizer)."""
+    sampler = tiny_sampler()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sampler.generate("w5 w9", chat=False, temperature=0, **{"max_new_tokens": 4, **options})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sampler.generate_batch(["w5 w9"], chat=False, temperature=0, **{"max_new_tokens": 4, **options})

@@ -270,8 +270,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "w5", "stream_options": {"include_usage": True}}),  # without stream
     ("/v1/completions", {"prompt": "w5", "prediction": {"type": "image", "content": "w6"}}),  # Predicted Outputs' kind
     ("/v1/completions", {"prompt": "w5", "prediction": "w6"}),
+    ("/v1/completions", {"prompt": "w5", "logprobs": 0}),  # text completions' 0: the sampled tokens' log probabilities
+    ("/v1/completions", {"prompt": "w5", "prediction": {"type": "content", "content": "w6 " * 1000}}),  # past the window
     # a lone surrogate (valid JSON, not valid UTF-8 text)
     ("/v1/completions", '{"prompt": "w5 \\ud800 w9"}'),
+    ("/v1/completions", '{"prompt": "w5", "prediction": {"type": "content", "content": "w6 \\ud800"}}'),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "w5 \\ud800"}]}'),
 ]
 
@@ -294,6 +297,7 @@ def test_bad_request_is_400_and_the_server_keeps_serving(base_url, client, path,
      "messages.0: content parts of type 'image_url' are not supported: this server takes text only"),
     ([{"type": "refusal", "refusal": "no"}], "content parts of type 'refusal' are not supported"),
     (None, "messages.0: content must be a string or a list of text parts, got None"),
+    ([{"type": "text"}], "messages.0: a text part needs its text as a string, got None"),
 ])
 def test_content_that_is_not_text_is_named(base_url, content, message):
     response = httpx.post(base_url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})

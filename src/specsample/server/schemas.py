@@ -20,10 +20,11 @@ from specsample.text import Message, stop_strings
 
 
 # OpenAI options that change what is generated or returned and that this server does not implement,
-# each with the values that mean "off": a request that turns one on gets a 400 naming it, not an answer
-# made without it. Unknown fields, and known ones that change nothing generated (`user`), are ignored.
+# each with the values that mean "off" (`is_off`): a request that turns one on gets a 400 naming it, not an
+# answer made without it. Unknown fields, and known ones that change nothing generated (`user`), are ignored.
+# `logprobs` 0 of text completions asks for the sampled tokens' log probabilities: on, not off.
 UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False, 0),
+    "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0),
@@ -50,6 +51,11 @@ UNSUPPORTED: dict[str, tuple] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
 }
+
+
+def is_off(value: object, off: tuple) -> bool:
+    """Whether `value` is one of the values `off`, a bool only as a bool (0 is not False, nor True 1)."""
+    return any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in off)
 
 
 class StreamOptions(BaseModel):
@@ -126,7 +132,7 @@ class GenerationRequest(BaseModel):
         """A one-line error for an option of UNSUPPORTED turned on."""
         if isinstance(data, dict):
             for name, off in UNSUPPORTED.items():
-                if name in data and data[name] not in off:
+                if name in data and not is_off(data[name], off):
                     raise OptionError(f"{name} is not supported by this server (got {data[name]!r})", name)
         return data
 
@@ -187,6 +193,8 @@ class ChatMessage(BaseModel):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     if kind != "text":
                         raise ValueError(f"content parts of type {kind!r} are not supported: this server takes text only")
+                    if not isinstance(part.get("text"), str):
+                        raise ValueError(f"a text part needs its text as a string, got {part.get('text')!r}")
             elif not isinstance(content, str):
                 raise ValueError(f"content must be a string or a list of text parts, got {content!r}")
         return data
