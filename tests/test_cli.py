@@ -262,3 +262,12 @@ def test_console_script_on_the_bundled_model():
     result = json.loads(done.stdout)
     assert len(result["token_ids"]) <= 8 and result["text"]
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args", [[], ["bench"]])
+def test_a_command_group_alone_prints_its_help(capsys, args):
+    """`specsample` and `specsample bench` alone: the usage and the commands, exit code 0 (not one error line)."""
+    code, out, err = cli(capsys, *args)
+    usage = out.splitlines()[0] if out else ""
+    assert code == 0 and usage.startswith("Usage: ") and usage.endswith(" ".join([*args, "[OPTIONS] COMMAND [ARGS]..."]))
+    assert "Commands:" in out and not err

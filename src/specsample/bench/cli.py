@@ -11,9 +11,16 @@ import typer
 from specsample.outputs import check_output_dir, check_output_file, write_text
 from specsample.prompts import TUNED_PER_CATEGORY, Prompt, packaged_prompts, read_prompts
 
-app = typer.Typer(
-    help="Benchmarks: cost curve, decoding speed.", no_args_is_help=True, add_completion=False, rich_markup_mode=None
-)
+app = typer.Typer(help="Benchmarks: cost curve, decoding speed.", add_completion=False, rich_markup_mode=None)
+
+
+@app.callback(invoke_without_command=True)
+def bench(ctx: typer.Context) -> None:
+    """Without a command, the help, as `specsample` alone prints its own (typer's no_args_is_help raises a
+    usage error, which the entry point would print as one line)."""
+    if ctx.invoked_subcommand is None:
+        typer.echo(ctx.get_help())
+        raise typer.Exit()
 
 PROMPTS_HELP = "Spec-Bench JSONL file (question_id, category, turns); default: the Spec-Bench prompts in the package."
 SPLIT_HELP = "all, or only the odd or even question_ids (held-out halves: the shipped head trained on the even ones)."
