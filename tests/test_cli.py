@@ -271,3 +271,18 @@ def test_a_command_group_alone_prints_its_help(capsys, args):
     usage = out.splitlines()[0] if out else ""
     assert code == 0 and usage.startswith("Usage: ") and usage.endswith(" ".join([*args, "[OPTIONS] COMMAND [ARGS]..."]))
     assert "Commands:" in out and not err
+
+
+@pytest.mark.parametrize("threads", [1, None])
+def test_threads_hold_for_every_backend(tiny_dir, threads):
+    """`--threads` on the fast backend (it held for llamacpp alone): set before torch loads, every OpenMP
+    team of the process (torch's and the kernels') starts from it, a server's decoding thread too."""
+    given = [] if threads is None else ["--threads", str(threads)]
+    script = (f"from specsample.cli import main; main({['generate', 'w5 w6', '--model', str(tiny_dir), '--no-chat', '--backend', 'fast', '--max-new-tokens', '2', *given]!r}); "
+              "import torch, threading; seen = []; t = threading.Thread(target=lambda: seen.append(torch.get_num_threads())); "
+              "t.start(); t.join(); print(torch.get_num_threads(), seen[0])")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in __import__("os").environ.items() if k != "OMP_NUM_THREADS"})
+    assert done.returncode == 0, done.stderr
+    main_thread, other_thread = done.stdout.split()[-2:]
+    assert main_thread == other_thread == str(threads or main_thread), done.stdout

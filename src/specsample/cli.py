@@ -12,6 +12,8 @@ from typing import Annotated, Optional
 import typer
 from typer.exceptions import Abort, Exit, TyperException
 
+from specsample.openmp import use_threads
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 DRAFTER_HELP = (
@@ -24,7 +26,7 @@ DRAFTER_HELP = (
 K_HELP = "Speculation length K, or 'auto' (cost model) or 'auto:heuristic'. Default: auto with the default drafter, else 4."
 BACKEND_HELP = ("auto (for a GGUF file, the one measured fastest here), gguf (the project's kernels on the file's own "
                 "blocks), fast, transformers or llamacpp (GGUF files on llama.cpp).")
-THREADS_HELP = "CPU threads of the llamacpp backend (default: all cores)."
+THREADS_HELP = "CPU threads of a forward pass, on every backend (default: all cores)."
 
 
 def quiet_transformers() -> None:
@@ -56,6 +58,7 @@ def generate(
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model's own Python code.")] = False,
 ) -> None:
     """Generate a completion with speculative sampling."""
+    use_threads(threads)  # before torch loads
     from specsample.api import SpecSampler
     from specsample.gcfreeze import freeze_loaded
     from specsample.engine import check_max_new_tokens
@@ -135,6 +138,7 @@ def serve(
              if value is not None]
     if given:
         raise ValueError(f"{given[0]} needs --replicas N or --min-replicas and --max-replicas")
+    use_threads(threads)  # before torch loads
     import uvicorn
 
     from specsample.policy import parse_k
@@ -282,6 +286,7 @@ def check(
 ) -> None:
     """Certify statistically that a configuration preserves the target distribution (chi-square tests), or
     with --identity that a seed gives it the text plain decoding gives."""
+    use_threads(threads)  # before torch loads
     from specsample.engine import check_max_new_tokens
     from specsample.policy import parse_k
     from specsample.sampling import SamplingParams, check_seed

@@ -27,6 +27,7 @@ when it returns, taking its team with it, so the decoding thread's team is the o
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+MAX_THREADS = 512  # llama.cpp's GGML_MAX_N_THREADS: past it, ggml writes beyond its thread arrays (a segfault)
 IDLE_BUSY_PER_CORE = 0.5  # fewer busy cores than this per core counts as idle
 SAMPLE_SECONDS = 0.05
 SPIN = {"GOMP_SPINCOUNT": "10000000"}
@@ -66,6 +68,28 @@ def cpu_times() -> tuple[int, int]:
     with open("/proc/stat") as stat:
         fields = [int(v) for v in stat.readline().split()[1:]]
     return sum(fields), fields[3] + fields[4]
+
+
+def check_threads(threads: int | None, name: str = "--threads") -> None:
+    """Refuse a thread count below 1 or above MAX_THREADS (None: all cores) on every backend, before anything slow."""
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"{name} must be from 1 to {MAX_THREADS}, got {threads}")
+
+
+def use_threads(threads: int | None) -> None:
+    """Run the process's parallel regions, torch's and the project's kernels' (one libgomp), on `threads`
+    threads (None: OpenMP's default, every core; llama.cpp's are its target's `n_threads`). Before torch
+    loads libgomp, through OMP_NUM_THREADS, which every thread's teams start from (a server decodes on a
+    thread of its own); once it has, through torch.set_num_threads, which holds for the calling thread."""
+    check_threads(threads)
+    if threads is None:
+        return
+    if "torch" in sys.modules:
+        import torch
+
+        torch.set_num_threads(threads)
+    else:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def in_passing_thread(fn: Callable[..., T], *args, **kwargs) -> T:

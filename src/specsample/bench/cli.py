@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from specsample.openmp import use_threads
 from specsample.outputs import check_output_dir, check_output_file, write_text
 from specsample.prompts import TUNED_PER_CATEGORY, Prompt, packaged_prompts, read_prompts
 
@@ -40,14 +41,9 @@ def read_bench_prompts(path: Optional[Path], split: str, limit: Optional[int] = 
 
 def _setup(threads: int | None) -> None:
     """Quiet transformers; set the number of CPU threads if asked."""
-    import torch
-
     from specsample.cli import quiet_transformers
-    from specsample.models import check_threads
 
-    check_threads(threads)
-    if threads is not None:
-        torch.set_num_threads(threads)
+    use_threads(threads)
     quiet_transformers()
 
 
@@ -286,8 +282,7 @@ def run(
     with_llamacpp = backend == "llamacpp" if llamacpp_baselines is None else llamacpp_baselines
     configs = harness.with_baselines(defaults, configs, baselines, llamacpp=with_llamacpp)
     items = read_bench_prompts(prompts, split, limit, category, skip)
-    if threads is not None:
-        torch.set_num_threads(threads)
+    use_threads(threads)
     quiet_transformers()
     # on llama.cpp without transformers baselines (or engine drafters that need them) only the tokenizer is read
     needs_weights = backend != "llamacpp" or any(c.kind.startswith("hf-") for c in configs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specsample.models.hf import TransformersTarget
+from specsample.openmp import MAX_THREADS, check_threads  # noqa: F401  (where the models' callers find them)
 from specsample.models.loading import LoadedModel, bundled_gguf, load_model
 from specsample.models.target import Target
 
@@ -22,15 +23,6 @@ def check_backend_runs(backend: str, loaded: LoadedModel) -> None:
     check_backend(backend)
     if backend in ("gguf", "llamacpp") and loaded.gguf is None:
         raise ValueError(f"the {backend} backend runs GGUF files, and {loaded.name} is not one")
-
-
-MAX_THREADS = 512  # llama.cpp's GGML_MAX_N_THREADS: past it, ggml writes beyond its thread arrays (a segfault)
-
-
-def check_threads(threads: int | None, name: str = "--threads") -> None:
-    """Refuse a thread count below 1 or above MAX_THREADS (None: all cores) on every backend, before anything slow."""
-    if threads is not None and not 1 <= threads <= MAX_THREADS:
-        raise ValueError(f"{name} must be from 1 to {MAX_THREADS}, got {threads}")
 
 
 def make_target(loaded: LoadedModel, backend: str = "auto", *, threads: int | None = None) -> Target:

@@ -6,9 +6,9 @@ over the file's own GGUF blocks ("gguf"), or on llama.cpp ("llamacpp", when
 llama-cpp-python is installed). Which is faster depends on the
 model, its quantization and the CPU (llama.cpp's kernels against the project's, AVX-512
 against AVX2), so it is measured rather than assumed: the median time of one single-token
-pass over a 64-token cache, plain decoding's cost per token, on each backend as it would run
-(llama.cpp on `--threads`, all cores by default; the project's kernels on OpenMP's threads, all
-cores), one backend after another (`cost_curve.measure`). The faster one is remembered in the
+pass over a 64-token cache, plain decoding's cost per token, on each backend with the same
+threads (`--threads`, all cores by default: `openmp.use_threads`), one backend after another
+(`cost_curve.measure`). The faster one is remembered in the
 cache directory per file, CPU, thread count and whether llama-cpp-python is installed, so only
 the first run on a machine pays for the measurement (a few seconds, plus the float32 conversion
 if it is not cached yet); a remembered choice that cannot be read is measured again. Speculation
