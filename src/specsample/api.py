@@ -28,6 +28,7 @@ from specsample.models import LoadedModel, Target, load_target
 from specsample.models.choice import resolve
 from specsample.models.loading import conversion_dir
 from specsample.models.target import SlottedTarget, require
+from specsample.openmp import use_threads
 from specsample.policy import KPolicy, SeesCostCurve, SeesDraftCost, parse_batch_k, parse_k
 from specsample.sampling import SamplingParams, check_seed, request_source
 from specsample.stats import Stats
@@ -227,9 +228,11 @@ class SpecSampler:
         the default configuration for the target's backend on this machine, `specsample.defaults`).
         `backend` "auto" runs a GGUF file where it measures faster on this machine (`models.choice`).
         `wrap`, if given, wraps the target before the drafter is made, so both see the wrapper (a check's
-        `PrefixCache`). A drafter of no known name is refused before anything loads."""
+        `PrefixCache`). `threads`: CPU threads of a pass on every backend (`openmp.use_threads`: with torch
+        loaded, those of the calling thread's passes). A drafter of no known name is refused before anything loads."""
         if drafter is not None:
             check_spec(drafter)
+        use_threads(threads)
         backend, reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
         loaded, target = load_target(model, backend, trust_remote_code=trust_remote_code, threads=threads)
         target = target if wrap is None else wrap(target)
