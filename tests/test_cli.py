@@ -101,7 +101,7 @@ BAD = [
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--drafter", "no-such-drafter"], "unknown drafter"),
     (["--drafter", "suffix+no-such-drafter"], "unknown drafter 'no-such-drafter'"),
-    (["--drafter", "quantized+suffix", "--max-new-tokens", "8"], "must be a lookup drafter (ngram or suffix: a draft that is a function of the context), got 'quantized'"),
+    (["--drafter", "quantized+suffix", "--max-new-tokens", "8"], "must be a lookup drafter (ngram, suffix, recycle, ...: a draft that is a function of the context), got 'quantized'"),
     (["--max-new-tokens", "lots"], "max-new-tokens"),
     (["--seed", "-1"], "seed must be an integer from 0 to 2**64 - 1"),
     (["--seed", str(2**64)], "seed must be an integer from 0 to 2**64 - 1"),

@@ -21,7 +21,7 @@ DRAFTER_HELP = (
     "(with another tokenizer than the target's too: text:PATH or intersection:PATH pick how its drafts are verified), "
     "or A+B: A's draft where it finds one, else B's (suffix+quantized). Default: the best measured "
     "configuration for the backend on this machine (suffix+quantized with --k auto on the fast backend "
-    "with AVX-512; plain decoding on AVX2-only kernels; suffix elsewhere)."
+    "with AVX-512 or AVX2 kernels; plain decoding on portable kernels; suffix with --k auto elsewhere)."
 )
 K_HELP = "Speculation length K, or 'auto' (cost model) or 'auto:heuristic'. Default: auto with the default drafter, else 4."
 BACKEND_HELP = ("auto (for a GGUF file, the one measured fastest here), gguf (the project's kernels on the file's own "

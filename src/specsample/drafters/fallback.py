@@ -31,8 +31,8 @@ def check_lookup(drafter: Drafter, name: str) -> None:
     """Refuse a first drafter of A+B that is not a lookup drafter (`Drafter.is_lookup`)."""
     if not drafter.is_lookup:
         raise ValueError(
-            f"the first drafter of A+B must be a lookup drafter (ngram or suffix: a draft that is a "
-            f"function of the context), got {name!r}"
+            f"the first drafter of A+B must be a lookup drafter (ngram, suffix, recycle, ...: a draft that is "
+            f"a function of the context), got {name!r}"
         )
 
 
