@@ -292,6 +292,17 @@ def test_bad_request_is_400_and_the_server_keeps_serving(base_url, client, path,
     assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
 
 
+@pytest.mark.parametrize(("body", "message"), [
+    (b'{"prompt": "w5 \xff"}', "the body is not UTF-8 text: byte 0xff at 15"),
+    (b'{"prompt": "w5", "max_tokens": 1' + b"0" * 5000 + b"}", "the body cannot be read as JSON: Exceeds the limit"),
+    (b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", "the body's JSON is nested too deeply"),
+])
+def test_a_body_that_cannot_be_read_is_named(base_url, body, message):
+    """Bodies FastAPI cannot parse (its own message: "There was an error parsing the body"): what is wrong."""
+    response = httpx.post(base_url + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith(message), response.text
+
+
 @pytest.mark.parametrize(("content", "message"), [
     ([{"type": "text", "text": "w5"}, {"type": "image_url", "image_url": {"url": "data:,"}}],
      "messages.0: content parts of type 'image_url' are not supported: this server takes text only"),

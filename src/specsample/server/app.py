@@ -302,13 +302,27 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        message = str(exc.detail)
         if exc.status_code == 400:  # a body that cannot be parsed at all
             metrics.requests.labels(request.url.path, "invalid").inc()
-        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+            message = unparsed_body(exc.__cause__) or message
+        return JSONResponse(error_body(message), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body(f"internal error: {exc}", type="server_error"), status_code=500)
+
+
+def unparsed_body(cause: BaseException | None) -> str | None:
+    """What kept FastAPI from reading a body (its HTTPException says only "There was an error parsing the
+    body"), from the exception it raised that from; None for another cause."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the body is not UTF-8 text: byte {cause.object[cause.start]:#04x} at {cause.start}"
+    if isinstance(cause, RecursionError):
+        return "the body's JSON is nested too deeply"
+    if isinstance(cause, ValueError):  # Python's limit on an integer's digits, among others
+        return f"the body cannot be read as JSON: {cause}"
+    return None
 
 
 def describe(error: dict, content_type: str | None = None) -> tuple[str, str | None]:
