@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specsample.sampling import SamplingParams
+from specsample.sampling import SamplingParams, check_seed
 from specsample.text import Message, stop_strings
 
 
@@ -146,7 +146,9 @@ class GenerationRequest(BaseModel):
     def check_options(self) -> "GenerationRequest":
         try:
             SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
-        except ValueError as error:  # its messages start with the option's name
+            if self.seed is not None:
+                check_seed(self.seed)
+        except ValueError as error:  # their messages start with the option's name
             raise OptionError(str(error), str(error).split()[0]) from None
         for name in ("max_tokens", "max_completion_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
