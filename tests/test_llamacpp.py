@@ -370,3 +370,77 @@ def test_drafts_with_probabilities_on_llamacpp_keep_the_target_distribution(loss
     observed = test_lossless.sampled_counts(model, drafter, params, seed=1234)
     p = test_lossless.chi_square_p(observed, test_lossless.exact_distribution(model, params))
     assert p > test_lossless.ALPHA, f"{kind}: p = {p:.2e}"
+
+
+def write_mamba(path: Path, embd: int = 32, layers: int = 2, inner: int = 64, state: int = 8, conv: int = 4,
+                rank: int = 4, seed: int = 0) -> Path:
+    """A random Mamba (a recurrent state-space model, no attention) as an F32 GGUF file with the byte-level
+    vocabulary of `write_gguf`, in the tensor shapes llama.cpp's loader asks for (src/models/mamba.cpp)."""
+    rng = np.random.default_rng(seed)
+
+    def weights(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.3).astype(np.float32)
+
+    tokens, merges = byte_level_vocab(VOCAB)
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_context_length(256)
+    writer.add_embedding_length(embd)
+    writer.add_block_count(layers)
+    writer.add_ssm_conv_kernel(conv)
+    writer.add_ssm_inner_size(inner)
+    writer.add_ssm_state_size(state)
+    writer.add_ssm_time_step_rank(rank)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_vocab_size(VOCAB)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 1) + [gguf.TokenType.CONTROL])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(len(tokens) - 1)
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_tensor("token_embd.weight", weights(VOCAB, embd))
+    writer.add_tensor("output_norm.weight", np.ones(embd, np.float32))
+    for i in range(layers):  # numpy shapes: llama.cpp's, reversed
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(embd, np.float32))
+        writer.add_tensor(f"blk.{i}.ssm_in.weight", weights(2 * inner, embd))
+        writer.add_tensor(f"blk.{i}.ssm_conv1d.weight", weights(inner, conv))
+        writer.add_tensor(f"blk.{i}.ssm_conv1d.bias", weights(inner))
+        writer.add_tensor(f"blk.{i}.ssm_x.weight", weights(rank + 2 * state, inner))
+        writer.add_tensor(f"blk.{i}.ssm_dt.weight", weights(inner, rank))
+        writer.add_tensor(f"blk.{i}.ssm_dt.bias", weights(inner))
+        writer.add_tensor(f"blk.{i}.ssm_a", -np.exp(weights(inner, state)))
+        writer.add_tensor(f"blk.{i}.ssm_d", np.ones(inner, np.float32))
+        writer.add_tensor(f"blk.{i}.ssm_out.weight", weights(embd, inner))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_recurrent_model_decodes_plainly_and_refuses_drafters(tmp_path, monkeypatch):
+    """A Mamba file: llama.cpp keeps its state, not positions, so a rejected draft token could not be taken
+    back. Its default is plain decoding (each token llama.cpp's argmax after the text so far, with the
+    backend chosen for it: the transformers backend refuses a recurrent state), a drafter is refused in
+    one line, and its cost can still be measured (the cache filled again where it cannot roll back)."""
+    from specsample.api import SpecSampler
+    from specsample.cost_curve import measure_synthetic
+    from specsample.models.target import NotOnThisBackend
+
+    monkeypatch.setenv("SPECSAMPLE_CACHE", str(tmp_path / "cache"))
+    path = write_mamba(tmp_path / "mamba.gguf")
+    sampler = SpecSampler.load(str(path))
+    assert sampler.backend == "llamacpp" and sampler.configuration.drafter == "none"
+    assert "cannot be rolled back" in sampler.configuration.reason
+    out = sampler.generate("abc", chat=False, temperature=0, max_new_tokens=8)
+    target, ids = sampler.target, sampler.encode("abc", chat=False)
+    expected: list[int] = []
+    for _ in range(8):  # each token from a cache filled anew with the text before it
+        context = torch.tensor(ids + expected)
+        expected.append(int(logits_after(target, context, len(context) - 1)[-1].argmax()))
+    assert out.token_ids == expected
+    with pytest.raises(NotOnThisBackend, match="llama.cpp keeps only a state for this recurrent model: use --drafter none"):
+        SpecSampler.load(str(path), "suffix", backend="llamacpp")
+    (curve,) = measure_synthetic({"mamba": target}, 16, ns=(1, 4), repeats=2)
+    assert all(ms > 0 for ms in curve.ms)

@@ -44,7 +44,7 @@ from time import perf_counter
 import torch
 from torch import Tensor
 
-from specsample.models.target import Target
+from specsample.models.target import Target, rolls_back
 
 PRIOR_NS = (1, 2, 3, 4, 5, 7, 9, 13, 17)  # n measured for the prior: every K up to CostModelK's k_max = 16
 PRIOR_CONTEXT = 64  # cached tokens under the prior's passes
@@ -70,14 +70,24 @@ class CostCurve:
         return {**asdict(self), "ratios": self.ratios}
 
 
-def time_score(target: Target, tokens: Tensor, context_length: int) -> float:
-    """Seconds to score `tokens` after the context; the cache is rolled back to the context."""
-    target.rollback(context_length)
+def time_score(target: Target, tokens: Tensor, context: Tensor) -> float:
+    """Seconds to score `tokens` after `context` [L]; the cache holds the context again afterwards."""
+    if target.length != context.shape[0]:
+        back_to(target, context)
     start = perf_counter()
     target.score(tokens)
     elapsed = perf_counter() - start
-    target.rollback(context_length)
+    back_to(target, context)
     return elapsed
+
+
+def back_to(target: Target, context: Tensor) -> None:
+    """The target's cache as after `context` [L] (it holds a prefix of what it held): rolled back, or
+    filled again where it cannot roll back (`target.rolls_back`: a recurrent model on llama.cpp)."""
+    if rolls_back(target):
+        target.rollback(context.shape[0])
+    else:
+        target.prefill(context)
 
 
 def measure(
@@ -101,8 +111,8 @@ def measure(
         times: dict[int, list[float]] = {n: [] for n in ns}
         for rep in range(warmup + repeats):
             for n in ns if rep % 2 == 0 else ns[::-1]:  # up, then down: each n follows one near it
-                time_score(target, continuation[:n], context_length)  # the pass before, of the same size
-                elapsed = time_score(target, continuation[:n], context_length)
+                time_score(target, continuation[:n], context)  # the pass before, of the same size
+                elapsed = time_score(target, continuation[:n], context)
                 if rep >= warmup:
                     times[n].append(elapsed)
         curves.append(CostCurve(name, context_length, list(ns), [1000 * statistics.median(times[n]) for n in ns]))

@@ -18,6 +18,8 @@ target's backend on this machine (BENCHMARKS.md), under the cost-model K policy.
   copy of float32 weights read from a GGUF file (the file's own blocks) 0.14.
 - Any other backend (no quantized copy, or the fast backend on torch ops): the lookup drafter
   `suffix` with `--k auto`, which needs nothing from the backend and costs next to nothing.
+- A target whose cache cannot roll back (`target.rolls_back`: a recurrent or hybrid model, Mamba,
+  RWKV, Jamba, on llama.cpp): plain decoding, as speculation has no way to take back a rejected token.
 
 The choice reads declared capabilities of the target (models/target.py),
 never its type.
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specsample.models.target import CopyCost, QuantizedCopies, Target
+from specsample.models.target import CopyCost, QuantizedCopies, Target, rolls_back
 
 # A quantized copy cheaper than this share of a target pass may draft by default: the fast
 # backend's int8 copy costs 3.6 ms against a 12.5 ms pass (0.29, BENCHMARKS.md), and that is
@@ -47,6 +49,9 @@ class Configuration:
 
 def default_configuration(target: Target) -> Configuration:
     """The drafter and K policy for `target` when the user gives none."""
+    if not rolls_back(target):
+        return Configuration("none", "0", "default: plain decoding; this recurrent model's state cannot be rolled back "
+                                          "past rejected draft tokens")
     isa = target.instruction_set if isinstance(target, QuantizedCopies) else None
     if isa is None:
         return Configuration(

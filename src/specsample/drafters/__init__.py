@@ -30,7 +30,7 @@ from specsample.drafters.recycle import RecycleChainDrafter, RecycleDrafter
 from specsample.drafters.suffix import SuffixDrafter, SuffixTreeDrafter
 from specsample.models import LoadedModel, Target, load_target
 from specsample.models.loading import with_weights
-from specsample.models.target import RecordsFeatures, RunsLayerSubsets, ScoresTrees, require
+from specsample.models.target import NotOnThisBackend, RecordsFeatures, RunsLayerSubsets, ScoresTrees, require, rolls_back
 from specsample.vocabulary import same_vocabulary
 
 TREE_WIDTH = 3  # quantized-tree, draft-tree: the chain's token and up to 2 alternatives at a low-confidence position
@@ -132,8 +132,13 @@ def make_drafter(
     """A drafter from a registered name, `NAME:PATH`, `A+B`, or the path of a draft model directory or GGUF
     file, which runs on llama.cpp too when `backend` (the target's) is `llamacpp`, with the target's
     `threads` (None: the backend's default). A draft model's cost per token, relative to a target pass,
-    is measured once here (`drafters.cost`), so that the K policy knows it before any draft."""
-    return parse_spec(spec)(model, target, MakeOptions(backend, trust_remote_code, threads))
+    is measured once here (`drafters.cost`), so that the K policy knows it before any draft. Any drafter
+    but none needs a target whose cache rolls back (`target.rolls_back`)."""
+    recipe = parse_spec(spec)
+    if spec != "none" and not rolls_back(target):
+        raise NotOnThisBackend(f"the {spec} drafter needs a target whose cache rolls back past rejected draft "
+                               f"tokens; llama.cpp keeps only a state for this recurrent model: use --drafter none")
+    return recipe(model, target, MakeOptions(backend, trust_remote_code, threads))
 
 
 def check_spec(spec: str) -> None:

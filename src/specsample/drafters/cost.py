@@ -27,12 +27,14 @@ def relative_pass_cost(draft: Target, target: Target, rounds: int = ROUNDS, cont
     ratio, each pass after `context` cached positions. Both caches are left empty."""
     models = (draft, target)
     context = min(context, draft.max_length - 1, target.max_length - 1)
-    for model in models:
-        model.prefill(torch.arange(context) % model.vocab_size)
+    contexts = [torch.arange(context) % model.vocab_size for model in models]
+    for model, cached in zip(models, contexts):
+        model.prefill(cached)
     ratios = []
     for round_ in range(rounds + 1):
         token = torch.tensor([context])  # [1]
-        draft_seconds, target_seconds = (time_score(model, token % model.vocab_size, context) for model in models)
+        draft_seconds, target_seconds = (time_score(model, token % model.vocab_size, cached)
+                                         for model, cached in zip(models, contexts))
         if round_:  # the first pair warms the caches and the backends' buffers up
             ratios.append(draft_seconds / target_seconds)
     for model in models:

@@ -163,12 +163,11 @@ def project_targets(path: str | Path | None, gguf: Path, trust_remote_code: bool
         loaded = load_model(path, trust_remote_code=trust_remote_code)
     except (ValueError, RuntimeError):  # the converter's refusal, or its weights not fitting its config
         loaded = load_model(path, tokenizer_only=True)
-    else:
-        targets["auto"] = make_target(loaded, "auto")
-    try:
-        targets["gguf"] = make_target(loaded, "gguf")
-    except UnsupportedModel:
-        pass
+    for name in ("auto", "gguf") if loaded.model is not None else ("gguf",):
+        try:
+            targets[name] = make_target(loaded, name)
+        except UnsupportedModel:
+            pass
     return targets
 
 

@@ -17,9 +17,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
-from specsample.models.target import FeatureStore, normalized
+from specsample.models.target import FeatureStore, UnsupportedModel, normalized
 from specsample.tree import depths, visibility
 
 
@@ -51,6 +51,9 @@ class TransformersTarget:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_length = max_length or int(getattr(model.config, "max_position_embeddings", 4096))
         self.cache = rollback_cache(model.config)
+        if any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in self.cache.layers):
+            raise UnsupportedModel(f"model type {model.config.model_type!r} keeps a recurrent state (linear attention, "
+                                   "an SSM), which this backend does not roll back: run its GGUF file on llamacpp")
         self.windows = attention_windows(model.config)
         self.cache_argument = cache_argument(model)
         config = model.config

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from specsample.models import kernels
 from specsample.models.ops import rms_norm, rope_tables, rotate
-from specsample.models.target import FEATURE_EPS, FeatureStore, Target, normalized
+from specsample.models.target import FEATURE_EPS, FeatureStore, Target, UnsupportedModel, normalized
 from specsample.tree import depths, visibility
 
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral", "gemma3_text"}
@@ -52,10 +52,6 @@ DEFAULT_MAX_LENGTH = 8192
 PREFILL_CHUNK = 512  # bounds the attention mask and activations of long prompts
 INT8_COPY_COST = 0.29  # int8 copy / float32 target single-token pass: 3.6 vs 12.5 ms (BENCHMARKS.md)
 COMMITTED_POSITIONS = 1024  # cache slots a quantized copy and batched slots commit at once (`commit_cache`)
-
-
-class UnsupportedModel(ValueError):
-    """The model is outside what this backend reproduces exactly; use another backend."""
 
 
 @dataclass

@@ -397,6 +397,9 @@ class LlamaCppTarget:
             raise ValueError(f"llama.cpp cannot load {path}: {cause()}")
         self.ctx = None
         self.batch = None
+        # a recurrent or hybrid model's memory (Mamba, RWKV, Jamba) keeps a state, not positions: it cannot
+        # take back rejected draft tokens (`target.rolls_back`)
+        self.rolls_back = not (lib.llama_model_is_recurrent(self.model) or lib.llama_model_is_hybrid(self.model))
         self.vocab_size = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model)))
         self.max_length = int(max_length or min(lib.llama_model_n_ctx_train(self.model) or DEFAULT_MAX_LENGTH, DEFAULT_MAX_LENGTH))
 

@@ -198,9 +198,20 @@ ABILITIES: dict[type, str] = {
 }
 
 
+class UnsupportedModel(ValueError):
+    """The model is outside what this backend reproduces exactly; use another backend."""
+
+
 class NotOnThisBackend(ValueError):
     """What a drafter needs, the target's backend cannot do (a capability, a cheaper copy): one line on the
     command line; `bench run` skips such a configuration and says why instead of stopping the run."""
+
+
+def rolls_back(target: Target) -> bool:
+    """Whether `target`'s cache rolls back to any shorter length (`Target.rollback`), as speculation needs
+    after a rejected draft token: every backend's does, except llama.cpp's for a recurrent or hybrid model,
+    whose memory keeps a state, not positions (its target says so: `rolls_back` False)."""
+    return getattr(target, "rolls_back", True)
 
 
 def require(target: Target, capability: type[Capability], user: str) -> Capability:

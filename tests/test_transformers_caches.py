@@ -1,8 +1,8 @@
-"""Sliding-window models on the transformers backend: past the window, plain decoding is transformers'
-`generate`, speculative decoding rolls back (transformers' own sliding cache layers cannot be cropped
-once full) with the same greedy tokens, and a tree's nodes get their paths' logits (each query sees
-the keys within its window of its own position, 1e-5 absolute: float32 rounding of another summation
-order)."""
+"""The transformers backend's caches. Sliding-window models: past the window, plain decoding is
+transformers' `generate`, speculative decoding rolls back (transformers' own sliding cache layers cannot
+be cropped once full) with the same greedy tokens, and a tree's nodes get their paths' logits (each
+query sees the keys within its window of its own position, 1e-5 absolute: float32 rounding of another
+summation order). Models with a recurrent state (an SSM, linear attention) are refused in one line."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from specsample.drafters import NoDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.engine import decode
 from specsample.models import TransformersTarget
+from specsample.models.target import UnsupportedModel
 from specsample.policy import FixedK
 from specsample.sampling import CoupledSource, SamplingParams
 from specsample.stats import Stats
@@ -66,3 +67,13 @@ def test_tree_logits_past_the_window_equal_each_path_scored_as_a_chain(name):
         target.prefill(context)
         chain = target.score(tokens[path])[-1]
         torch.testing.assert_close(tree[node], chain, rtol=0, atol=1e-5)
+
+
+def test_a_model_with_a_recurrent_state_is_refused():
+    """Mamba's cache layers keep a state, not positions: the backend cannot roll them back (its plain
+    decoding did not even match `generate`), so it refuses the model and names where it runs."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    model = MambaForCausalLM(MambaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, state_size=8)).eval()
+    with pytest.raises(UnsupportedModel, match="model type 'mamba' keeps a recurrent state .* run its GGUF file on llamacpp"):
+        TransformersTarget(model)
