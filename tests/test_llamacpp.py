@@ -60,6 +60,20 @@ GEMMA3_NAMES = {
 }
 
 
+def add_f32_vocabulary(writer: gguf.GGUFWriter, vocab_size: int) -> None:
+    """An F32 file's type and a byte-level vocabulary of `vocab_size` tokens (`byte_level_vocab`), its last
+    token both the beginning and the end of a text."""
+    tokens, merges = byte_level_vocab(vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_vocab_size(vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 1) + [gguf.TokenType.CONTROL])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(len(tokens) - 1)
+    writer.add_eos_token_id(len(tokens) - 1)
+
+
 def write_gguf(model, path: Path) -> Path:
     """`model`'s float32 weights and a byte-level vocabulary as an F32 GGUF file of its architecture,
     llama, qwen3 or gemma3, as llama.cpp's converter writes it: a Llama's Q and K rows permuted, the
@@ -69,7 +83,6 @@ def write_gguf(model, path: Path) -> Path:
     arch = {"gemma3_text": "gemma3"}.get(config.model_type, config.model_type)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    tokens, merges = byte_level_vocab(config.vocab_size)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -84,14 +97,7 @@ def write_gguf(model, path: Path) -> Path:
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 1) + [gguf.TokenType.CONTROL])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(len(tokens) - 1)
-    writer.add_eos_token_id(len(tokens) - 1)
+    add_f32_vocabulary(writer, config.vocab_size)
     names = {
         "embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output", "input_layernorm": "attn_norm",
         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -381,7 +387,6 @@ def write_mamba(path: Path, embd: int = 32, layers: int = 2, inner: int = 64, st
     def weights(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.3).astype(np.float32)
 
-    tokens, merges = byte_level_vocab(VOCAB)
     writer = gguf.GGUFWriter(str(path), "mamba")
     writer.add_context_length(256)
     writer.add_embedding_length(embd)
@@ -391,14 +396,7 @@ def write_mamba(path: Path, embd: int = 32, layers: int = 2, inner: int = 64, st
     writer.add_ssm_state_size(state)
     writer.add_ssm_time_step_rank(rank)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_vocab_size(VOCAB)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 1) + [gguf.TokenType.CONTROL])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(len(tokens) - 1)
-    writer.add_eos_token_id(len(tokens) - 1)
+    add_f32_vocabulary(writer, VOCAB)
     writer.add_tensor("token_embd.weight", weights(VOCAB, embd))
     writer.add_tensor("output_norm.weight", np.ones(embd, np.float32))
     for i in range(layers):  # numpy shapes: llama.cpp's, reversed
