@@ -404,7 +404,7 @@ def test_null_options_take_their_defaults(base_url):
             "seed": None, "stop": None}
     response = httpx.post(base_url + "/v1/completions", json=body)
     assert response.status_code == 200, response.text
-    assert response.json()["choices"][0]["text"]
+    assert response.json()["usage"]["completion_tokens"] >= 1  # the text may be empty: sampled, the first token can end it
 
 
 @pytest.mark.parametrize("body, message", [
