@@ -82,8 +82,8 @@ def time_score(target: Target, tokens: Tensor, context: Tensor) -> float:
 
 
 def back_to(target: Target, context: Tensor) -> None:
-    """The target's cache as after `context` [L] (it holds a prefix of what it held): rolled back, or
-    filled again where it cannot roll back (`target.rolls_back`: a recurrent model on llama.cpp)."""
+    """The target's cache as after `context` [L], which what it holds starts with: rolled back, or filled
+    again where it cannot roll back (`target.rolls_back`: a recurrent model on llama.cpp)."""
     if rolls_back(target):
         target.rollback(context.shape[0])
     else:
