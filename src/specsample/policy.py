@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -12,6 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specsample.sampling import integer
 from specsample.stats import Step
 from specsample.tree import depths, reached
 
@@ -837,11 +837,10 @@ def parse_k(spec: str | int) -> KPolicy:
     model, also `auto:cost`) or `auto:heuristic` (transformers' schedule)."""
     if isinstance(spec, str) and spec.strip().lower() in AUTO_POLICIES:
         return AUTO_POLICIES[spec.strip().lower()]()
-    if not isinstance(spec, bool):  # an integer, or a string of one: not 2.5, which int() would make 2
-        try:
-            return FixedK(int(spec) if isinstance(spec, str) else operator.index(spec))
-        except (TypeError, ValueError):
-            pass
+    try:  # an integer, or a string of one: not 2.5, which int() would make 2, nor True
+        return FixedK(int(spec) if isinstance(spec, str) else integer(spec, "k"))
+    except ValueError:
+        pass
     forms = ", ".join(AUTO_POLICIES)
     raise ValueError(f"k must be an integer >= 0 or one of {forms}, got {spec!r}")
 
