@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from specsample.models.hf import TransformersTarget
-from specsample.openmp import MAX_THREADS, check_threads  # noqa: F401  (where the models' callers find them)
 from specsample.models.loading import LoadedModel, bundled_gguf, load_model
 from specsample.models.target import Target
+from specsample.openmp import MAX_THREADS, check_threads  # noqa: F401  (where the models' callers find them)
 
 BACKENDS = ("auto", "fast", "gguf", "transformers", "llamacpp")
 
