@@ -119,8 +119,9 @@ def test_a_prompt_that_is_not_utf8_gives_one_line_and_exit_2(capsys, tiny_dir):
     assert code == 2 and err.strip() == "specsample: error: the prompt is not valid UTF-8 text: '\\udcff' at character 3"
 
 
-def test_a_token_the_model_has_no_row_for_gives_one_line_and_exit_2(capsys, tiny_dir, tmp_path):
-    """A tokenizer with tokens the model does not have (w70 of an 80-word tokenizer over a 64-row model)."""
+def test_a_token_the_model_has_no_row_for_is_refused_in_one_line(capsys, tiny_dir, tmp_path):
+    """A tokenizer with tokens the model does not have (w70 of an 80-word tokenizer over a 64-row model): in a
+    prompt, exit code 2; in a prediction, a ValueError before the request joins a batch (it failed the batch)."""
     from conftest import tiny_tokenizer
 
     shutil.copytree(tiny_dir, tmp_path / "model")
@@ -128,6 +129,11 @@ def test_a_token_the_model_has_no_row_for_gives_one_line_and_exit_2(capsys, tiny
     code, out, err = cli(capsys, "generate", "w2 w70", "--model", str(tmp_path / "model"), "--no-chat")
     assert code == 2 and err.strip() == ("specsample: error: the prompt encodes to token id 70, past the model's "
                                          "vocabulary of 64: the tokenizer has tokens the model does not")
+    from specsample.api import SpecSampler
+
+    sampler = SpecSampler.load(str(tmp_path / "model"), "none")
+    with pytest.raises(ValueError, match="the prediction encodes to token id 70, past the model's vocabulary of 64"):
+        sampler.generate_batch(["w2 w3"], chat=False, max_new_tokens=2, prediction="w2 w70")  # not a batch's failure
 
 
 @pytest.mark.parametrize("args, message", BAD)

@@ -10,6 +10,7 @@ import random
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -177,18 +178,21 @@ def longest_dir(long_dir, tmp_path_factory) -> Path:  # noqa: F811
     return directory
 
 
-def test_a_waiting_request_whose_client_leaves_frees_its_place(longest_dir):
-    """Two slots, three places: two long streams run, a third request waits; its client gives up before
-    it starts, and its place is free again while the two still run."""
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_a_waiting_request_whose_client_leaves_frees_its_place(longest_dir, max_batch):
+    """One place more than slots (one at a time, or a batch of two): that many long streams run, another
+    request waits; its client gives up before it starts, and its place is free again while the streams
+    still run (the one-at-a-time worker once kept it until the streams ended, refusing others with 503)."""
     sampler = SpecSampler.load(str(longest_dir), "none", backend="fast")
-    with serving(create_app(sampler, max_queue=3, max_batch=2, k=0)) as url:
+    with serving(create_app(sampler, max_queue=max_batch + 1, max_batch=max_batch, k=0)) as url:
         long_request = {"prompt": PROMPT, "max_tokens": 8000, "temperature": 0, "stream": True}
-        with httpx.Client(base_url=url, timeout=120) as first, httpx.Client(base_url=url, timeout=120) as second:
-            with first.stream("POST", "/v1/completions", json=long_request), \
-                    second.stream("POST", "/v1/completions", json=long_request):
-                wait_for(lambda: metrics(url)[("specsample_queue_depth", ())] == 2)
-                with pytest.raises(httpx.ReadTimeout):
-                    httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=0.3)
-                wait_for(lambda: outcome_count(url, "cancelled") == 1)
-                assert metrics(url)[("specsample_queue_depth", ())] == 2  # the two streams still run
+        with ExitStack() as streams:
+            for _ in range(max_batch):
+                client = streams.enter_context(httpx.Client(base_url=url, timeout=120))
+                streams.enter_context(client.stream("POST", "/v1/completions", json=long_request))
+            wait_for(lambda: metrics(url)[("specsample_queue_depth", ())] == max_batch)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=0.3)
+            wait_for(lambda: outcome_count(url, "cancelled") == 1)
+            assert metrics(url)[("specsample_queue_depth", ())] == max_batch  # the streams still run
         wait_for(lambda: metrics(url)[("specsample_queue_depth", ())] == 0)

@@ -281,12 +281,15 @@ class SpecSampler:
         return self._cost_ratios
 
     def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
-        """The prompt's token ids; a ValueError if the tokenizer gave one the model has no row for (a token
-        added to the tokenizer and not to the model), which a backend would otherwise read as padding."""
-        ids = encode_prompt(self.model.tokenizer, prompt, chat)
+        """The prompt's token ids (`in_vocabulary`)."""
+        return self.in_vocabulary(encode_prompt(self.model.tokenizer, prompt, chat), "the prompt")
+
+    def in_vocabulary(self, ids: list[int], what: str) -> list[int]:
+        """`ids`, or a ValueError naming `what` if one of them has no row in the model (a token added to the
+        tokenizer and not to the model), which a backend would read as padding or fail on mid-batch."""
         beyond = [i for i in ids if not 0 <= i < self.target.vocab_size]
         if beyond:
-            raise ValueError(f"the prompt encodes to token id {beyond[0]}, past the model's vocabulary of "
+            raise ValueError(f"{what} encodes to token id {beyond[0]}, past the model's vocabulary of "
                              f"{self.target.vocab_size}: the tokenizer has tokens the model does not")
         return ids
 
@@ -301,7 +304,7 @@ class SpecSampler:
         if not isinstance(prediction, str):
             raise ValueError(f"a prediction must be a string, got {type(prediction).__name__}")
         check_text(prediction, "the prediction")
-        ids = self.encode_text(prediction)
+        ids = self.in_vocabulary(self.encode_text(prediction), "the prediction")
         if len(ids) > self.target.max_length:
             raise ValueError(f"the prediction is {len(ids)} tokens, longer than any answer can be "
                              f"(the context window holds {self.target.max_length})")

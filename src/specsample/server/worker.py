@@ -6,7 +6,7 @@ waiting); more are refused at once instead of being left to time out. The
 worker hands each chunk to its request's asyncio queue through
 `call_soon_threadsafe` and checks the request's cancel flag between engine
 steps, so a client that goes away stops its generation within one step and
-frees its place.
+frees its place; a request that has not started yet is dropped from the queue at once.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Protocol
@@ -64,13 +64,18 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=perf_counter)
+    run: Future | None = None  # the worker thread's run of it, where it has one (`EngineWorker`)
 
     def emit(self, event: Chunk | Completion | Exception) -> None:
         """Called on the worker thread."""
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
     def cancel(self) -> None:
+        """Stop the job: a waiting one never runs (its place is free at once), a running one stops
+        between two engine steps."""
         self.cancelled.set()
+        if self.run is not None:
+            self.run.cancel()  # only while it waits: a running future cannot be cancelled
 
     async def next_event(self) -> Chunk | Completion:
         """The next chunk, or the completion that ends the generation; raises what the engine raised."""
@@ -106,8 +111,8 @@ class EngineWorker:
         job = Job(prompt, chat, options, endpoint, loop)
         self.jobs.add(job)
         self.metrics.queue_depth.set(len(self.jobs))
-        done = loop.run_in_executor(self.executor, self._run, job)
-        done.add_done_callback(lambda _: self._release(job))
+        job.run = self.executor.submit(self._run, job)
+        asyncio.wrap_future(job.run, loop=loop).add_done_callback(lambda _: self._release(job))
         return job
 
     def close(self) -> None:
@@ -117,6 +122,9 @@ class EngineWorker:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def _release(self, job: Job) -> None:
+        """On the event loop, once the job has run, or was cancelled while it waited (then counted here)."""
+        if job.run is not None and job.run.cancelled():
+            self.metrics.requests.labels(job.endpoint, "cancelled").inc()
         self.jobs.discard(job)
         self.metrics.queue_depth.set(len(self.jobs))
 
