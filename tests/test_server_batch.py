@@ -196,3 +196,27 @@ def test_a_waiting_request_whose_client_leaves_frees_its_place(longest_dir, max_
             wait_for(lambda: outcome_count(url, "cancelled") == 1)
             assert metrics(url)[("specsample_queue_depth", ())] == max_batch  # the streams still run
         wait_for(lambda: metrics(url)[("specsample_queue_depth", ())] == 0)
+
+
+def test_a_failure_outside_a_step_fails_its_requests_and_the_batch_goes_on(sampler, monkeypatch):
+    """A failure past one request's own (here turning a step's tokens into text) once ended the batch
+    thread, and every later request waited for ever. Now the running requests get the error, their streams
+    end with [DONE], and the next request is answered."""
+    from specsample.api import TextOutput
+
+    feed, calls = TextOutput.feed, []
+
+    def failing_once(self, new):  # at the second step: the stream has started
+        calls.append(new)
+        if len(calls) == 2:
+            raise RuntimeError("a failure past one request's own")
+        return feed(self, new)
+
+    monkeypatch.setattr(TextOutput, "feed", failing_once)
+    with serving(create_app(sampler, max_batch=2, k=0)) as url:
+        body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert "a failure past one request's own" in lines[-2] and lines[-1] == "data: [DONE]"
+        answer = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4

@@ -250,9 +250,10 @@ async def events(job: Events, event: Chunk | Completion, reply: TextReply, usage
         for chunk in reply.last_chunks(event, usage_chunk):
             yield sse(chunk)
         yield "data: [DONE]\n\n"
-    except Exception as error:  # the response has started: report in the stream, as OpenAI does
+    except Exception as error:  # the response has started: report in the stream, as OpenAI does, and end it
         log.exception("stream failed")
         yield sse(error_body(str(error), type="server_error"))
+        yield "data: [DONE]\n\n"
     finally:
         job.cancel()
 

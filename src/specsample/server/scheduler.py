@@ -96,10 +96,16 @@ class BatchWorker:
                     self.wake.wait()
                 if self.closed:
                     return
-            self._drop_cancelled()
-            self._admit()
-            if self.running:
-                self._step()
+            try:
+                self._drop_cancelled()
+                self._admit()
+                if self.running:
+                    self._step()
+            except Exception as error:  # past one request's own failure: the running ones fail, the loop goes on
+                log.exception("the batch loop failed")
+                for running in list(self.running.values()):
+                    running.job.emit(error)
+                    self._leave(running, "error")
 
     def _admit(self) -> None:
         """Start waiting requests in free slots, oldest first."""
