@@ -6,20 +6,25 @@ seeds). The draft model is `TableModel`, the draft table of those tests behind t
 makes of a model (prefill, score, rollback), so the drafter's own code draws the chain and the
 alternatives at its low-confidence positions, whose shape then varies with the drawn chain. A
 drafter that reports the full distribution for an alternative (drawn without replacement from the
-renormalized rest) must be rejected. Then the same drafter through the engine with neural models.
+renormalized rest) must be rejected. Then the same drafter through the engine with neural models,
+with alternatives at every position, so that most steps verify a tree, and with a broken tree
+verifier, which must be rejected.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from specsample.drafters import draft_model
 from specsample.drafters.draft_model import DraftModelDrafter
 from specsample.sampling import GeneratorSource, SamplingParams
+from specsample.tree import chain_parents
+from specsample.verify import ChainVerifier
 from specsample.verify.check import chi_square_p
 from specsample.verify.tree import TreeVerifier
-from test_tree_lossless import ALPHA, N_SAMPLES, PARAMS, PROMPT, Tables, complete, target_logits
+from test_tree_lossless import ALPHA, N_SAMPLES, PARAMS, PROMPT, Tables, complete, no_residual_update, target_logits
 
 ENGINE_SAMPLES = 20_000  # sequences through the engine (a model step costs more than a table lookup)
 CHAIN = 2  # draft-model passes: chain tokens (a tree of depth 2, its bonus token the third)
@@ -98,29 +103,48 @@ def test_alternatives_reported_with_the_full_distribution_are_rejected(monkeypat
     assert p < ALPHA, f"full rows passed: p = {p:.2e}"
 
 
-def test_engine_over_a_draft_model_tree_matches_target_distribution(monkeypatch):
-    """Through the engine with neural models (tests/test_lossless.py's machinery: the tiny target, a noisy
-    copy as the draft model with alternative leaves wherever its peak is below 0.5, K = 2, 3 new tokens):
-    the engine's tree path (tree attention, the verifier, the cache moves and the draft model's rollback)
-    keeps the target's distribution. ENGINE_SAMPLES, fewer than test_lossless draws, as tests/test_head.py."""
+def engine_tree_counts(monkeypatch, verifier: ChainVerifier) -> tuple[np.ndarray, int, int]:
+    """Counts through the engine (tests/test_lossless.py's machinery: the tiny target, a noisy copy as the
+    draft model with alternatives at every position, `threshold` 1, K = 2, 3 new tokens), and how many
+    of the steps verified a tree, of how many."""
     import test_lossless
 
     monkeypatch.setattr(test_lossless, "N_SAMPLES", ENGINE_SAMPLES)
     target_model = test_lossless.tiny_llama(test_lossless.VOCAB, seed=0, init_scale=test_lossless.INIT_SCALE)
     draft_model_ = test_lossless.noisy_copy(target_model, scale=0.1, seed=1)
-    drafter = DraftModelDrafter(test_lossless.as_target(draft_model_), width=3, threshold=0.5)
-    shapes = set()
+    drafter = DraftModelDrafter(test_lossless.as_target(draft_model_), width=3, threshold=1.0)
+    drafts = []
     propose = drafter.propose
 
     def counted(k, random):
-        draft = propose(k, random)
-        shapes.add(tuple(draft.parent_array().tolist()))
-        return draft
+        drafts.append(propose(k, random))
+        return drafts[-1]
 
     drafter.propose = counted
-    params = PARAMS["t1"]
-    observed = test_lossless.sampled_counts(target_model, drafter, params, seed=777)
-    assert len(shapes) >= 3  # trees of several shapes: where the draft model is unsure depends on the draws
-    p = chi_square_p(observed, test_lossless.exact_distribution(target_model, params))
+    observed = test_lossless.sampled_counts(target_model, drafter, PARAMS["t1"], seed=777, verifier=verifier)
+    trees = sum(not torch.equal(d.parent_array(), chain_parents(len(d))) for d in drafts)
+    return observed, trees, len(drafts)
+
+
+def test_engine_over_a_draft_model_tree_matches_target_distribution(monkeypatch):
+    """Through the engine with neural models, trees at nearly every step: the engine's tree path (tree
+    attention, the verifier, the cache moves and the draft model's rollback) keeps the target's
+    distribution. ENGINE_SAMPLES, fewer than test_lossless draws, as tests/test_head.py."""
+    import test_lossless
+
+    observed, trees, steps = engine_tree_counts(monkeypatch, ChainVerifier())
+    assert trees >= 0.5 * steps, (trees, steps)  # a test of trees, not of chains with a tree now and then
+    p = chi_square_p(observed, test_lossless.exact_distribution(
+        test_lossless.tiny_llama(test_lossless.VOCAB, seed=0, init_scale=test_lossless.INIT_SCALE), PARAMS["t1"]))
     assert p > ALPHA, f"p = {p:.2e}"
 
+
+def test_engine_over_a_draft_model_tree_rejects_a_broken_tree_verifier(monkeypatch):
+    """The same run with siblings accepted without the residual updated (tests/test_tree_lossless.py's
+    `no_residual_update`) for tree steps only: rejected, so the test above sees the tree path."""
+    import test_lossless
+
+    observed, _, _ = engine_tree_counts(monkeypatch, ChainVerifier(tree=TreeVerifier(sample=no_residual_update)))
+    p = chi_square_p(observed, test_lossless.exact_distribution(
+        test_lossless.tiny_llama(test_lossless.VOCAB, seed=0, init_scale=test_lossless.INIT_SCALE), PARAMS["t1"]))
+    assert p < ALPHA, f"no_residual_update passed through the engine: p = {p:.2e}"
