@@ -3,8 +3,10 @@
 For a tiny target and draft (vocabulary 16), the exact target distribution
 over every sequence of SEQ_LEN new tokens is enumerated from the target's own
 forward passes; N_SAMPLES sequences drawn through the engine are compared with
-it by a chi-square test at significance level ALPHA. The real sampler must
-pass (p > ALPHA) and a sampler broken on purpose must be rejected (p < ALPHA).
+it by chi-square tests at significance level ALPHA, of the joint distribution and
+of each prefix's marginal (Bonferroni). The real sampler must pass (p > ALPHA) and
+samplers broken on purpose must be rejected (p < ALPHA), one of them only by a
+4% bias of its acceptance test.
 Seeds are fixed, so the outcome is deterministic.
 """
 
@@ -27,7 +29,8 @@ from specsample.policy import FixedK
 from specsample.sampling import GeneratorSource, RandomSource, SamplingParams, probs_from_logits, sample
 from specsample.stats import Stats
 from specsample.verify import ChainVerifier, Verdict, leading_true
-from specsample.verify.check import accept_all, chi_square_p
+from specsample.verify.chain import rejection_sample
+from specsample.verify.check import accept_all, sequence_chi_square_p
 
 from conftest import tiny_llama
 
@@ -44,6 +47,13 @@ PARAMS = {
     "t0.7-top_p0.9": SamplingParams(temperature=0.7, top_p=0.9),
     "top_k3": SamplingParams(temperature=1.0, top_k=3),
 }
+
+
+def chi_square_p(observed: np.ndarray, probs: np.ndarray) -> float:
+    """The test of counts of the VOCAB**SEQ_LEN sequences: the joint distribution and each prefix's marginal
+    (`verify.check.sequence_chi_square_p`, Bonferroni over the SEQ_LEN tests), so that a flaw at one position
+    is not lost among the joint test's thousand bins."""
+    return sequence_chi_square_p(observed, probs, VOCAB)
 
 
 def noisy_copy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
@@ -152,7 +162,13 @@ def reject_without_residual(draft_tokens, draft_probs, target_probs, generator) 
     return Verdict(accepted, sample(target_probs[accepted], generator))
 
 
-@pytest.mark.parametrize("broken", [accept_all, reject_without_residual])
+def biased_acceptance(draft_tokens, draft_probs, target_probs, generator) -> Verdict:
+    """A broken sampler only slightly wrong: its draft probabilities divided by 1.04, so a draft token is
+    accepted when u q < 1.04 p and the residual is max(0, p - q / 1.04) (the joint test alone passed it)."""
+    return rejection_sample(draft_tokens, None if draft_probs is None else draft_probs / 1.04, target_probs, generator)
+
+
+@pytest.mark.parametrize("broken", [accept_all, reject_without_residual, biased_acceptance])
 def test_broken_sampler_is_rejected(models, broken):
     target_model, draft_model = models
     params = PARAMS["t1"]

@@ -20,10 +20,10 @@ from specsample.models.llama import LlamaTarget
 from specsample.policy import FixedK
 from specsample.sampling import GeneratorSource
 from specsample.verify import ChainVerifier
-from specsample.verify.check import accept_all, chi_square_p
+from specsample.verify.check import accept_all
 
 from conftest import needs_kernels
-from test_lossless import ALPHA, K, N_SAMPLES, PARAMS, PROMPT, SEQ_LEN, VOCAB, exact_distribution, make_drafter, models  # noqa: F401
+from test_lossless import ALPHA, K, N_SAMPLES, PARAMS, PROMPT, SEQ_LEN, VOCAB, chi_square_p, exact_distribution, make_drafter, models  # noqa: F401
 
 pytestmark = needs_kernels
 SLOTS = 8

@@ -134,7 +134,7 @@ def test_engine_over_a_draft_model_tree_matches_target_distribution(monkeypatch)
 
     observed, trees, steps = engine_tree_counts(monkeypatch, ChainVerifier())
     assert trees >= 0.5 * steps, (trees, steps)  # a test of trees, not of chains with a tree now and then
-    p = chi_square_p(observed, test_lossless.exact_distribution(
+    p = test_lossless.chi_square_p(observed, test_lossless.exact_distribution(
         test_lossless.tiny_llama(test_lossless.VOCAB, seed=0, init_scale=test_lossless.INIT_SCALE), PARAMS["t1"]))
     assert p > ALPHA, f"p = {p:.2e}"
 
@@ -145,6 +145,6 @@ def test_engine_over_a_draft_model_tree_rejects_a_broken_tree_verifier(monkeypat
     import test_lossless
 
     observed, _, _ = engine_tree_counts(monkeypatch, ChainVerifier(tree=TreeVerifier(sample=no_residual_update)))
-    p = chi_square_p(observed, test_lossless.exact_distribution(
+    p = test_lossless.chi_square_p(observed, test_lossless.exact_distribution(
         test_lossless.tiny_llama(test_lossless.VOCAB, seed=0, init_scale=test_lossless.INIT_SCALE), PARAMS["t1"]))
     assert p < ALPHA, f"no_residual_update passed through the engine: p = {p:.2e}"
