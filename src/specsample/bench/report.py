@@ -66,11 +66,13 @@ def speedup_interval(records: Sequence[dict], config: str, reference: str = REFE
     percentile bootstrap (fixed seed) over the questions, on the turns both answered, a question's
     turns and both configurations' answers to them kept together; None with fewer than two questions."""
     answers = {(r["question_id"], r["turn"], r["config"]): r for r in records}
-    turns = [(q, t) for q, t, c in answers if c == config and (q, t, reference) in answers]
-    questions = list(dict.fromkeys(q for q, _ in turns))
-    if len(questions) < 2:
+    turns: dict[object, list[int]] = {}  # question_id -> its turns both answered
+    for q, t, c in answers:
+        if c == config and (q, t, reference) in answers:
+            turns.setdefault(q, []).append(t)
+    if len(turns) < 2:
         return None
-    columns = [np.array([sum(answers[(q, t, c)][key] for q2, t in turns if q2 == q) for q in questions], dtype=float)
+    columns = [np.array([sum(answers[(q, t, c)][key] for t in ts) for q, ts in turns.items()], dtype=float)
                for c in (config, reference) for key in ("generated_tokens", "wall_seconds")]
 
     def speedup(tokens, seconds, ref_tokens, ref_seconds, axis=-1):
