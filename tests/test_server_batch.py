@@ -5,6 +5,7 @@ batching; /metrics counts requests and rows per step."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import shutil
@@ -120,26 +121,36 @@ def small_server(long_dir) -> Iterator[str]:  # noqa: F811
         yield url, sampler
 
 
+def sse_text(lines: Iterator[str]) -> str:
+    """The text of a completions stream read to its end."""
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    return "".join(choice["text"] for chunk in chunks for choice in chunk["choices"])
+
+
 def test_disconnect_frees_the_slot_and_the_others_go_on(small_server):
+    """Both slots hold a stream of thousands of tokens, each seen started, so a third request meets a full
+    queue whatever the timing; the first client leaves, and the second stream ends as it would alone."""
     url, sampler = small_server
     auth = {"Authorization": "Bearer secret"}
-    long_request = {"prompt": PROMPT, "max_tokens": 3000, "temperature": 0}
-    other = {"prompt": "w7 w3 w12", "max_tokens": 200, "temperature": 0}
-    expected = sampler.generate(other["prompt"], max_new_tokens=200, temperature=0, chat=False, k=2).text
+    long_request = {"prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "stream": True}
+    other = {"prompt": "w7 w3 w12", "max_tokens": 3000, "temperature": 0, "stream": True}
+    expected = sampler.generate(other["prompt"], max_new_tokens=3000, temperature=0, chat=False, k=2)
+    assert len(expected.token_ids) > 1000  # it outlasts the few steps below by far
     cancelled, generated = outcome_count(url, "cancelled"), generated_tokens(url)
-    with httpx.Client(base_url=url, headers=auth, timeout=120) as http, ThreadPoolExecutor(1) as pool:
-        with http.stream("POST", "/v1/completions", json={**long_request, "stream": True}) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()  # held: dropping the iterator would close the connection
-            assert json.loads(next(line for line in lines if line.startswith("data: "))[6:])["choices"][0]["text"]
-            running = pool.submit(http.post, "/v1/completions", json=other)  # shares the batch
-            wait_for(lambda: metrics(url)[("specsample_queue_depth", ())] == 2)
-            busy = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
-            assert busy.status_code == 503 and busy.json()["error"]["code"] == "queue_full"
-        wait_for(lambda: outcome_count(url, "cancelled") == cancelled + 1)
-        assert running.result(timeout=120).json()["choices"][0]["text"] == expected
+    with httpx.Client(base_url=url, headers=auth, timeout=120) as http:
+        with http.stream("POST", "/v1/completions", json=other) as running:
+            running_lines = running.iter_lines()
+            with http.stream("POST", "/v1/completions", json=long_request) as response:
+                assert response.status_code == 200 and running.status_code == 200
+                lines = response.iter_lines()  # held: dropping the iterator would close the connection
+                assert json.loads(next(line for line in lines if line.startswith("data: "))[6:])["choices"][0]["text"]
+                first = next(line for line in running_lines if line.startswith("data: "))
+                busy = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+                assert busy.status_code == 503 and busy.json()["error"]["code"] == "queue_full"
+            wait_for(lambda: outcome_count(url, "cancelled") == cancelled + 1)
+            assert sse_text(itertools.chain([first], running_lines)) == expected.text
         wait_for(lambda: metrics(url)[("specsample_queue_depth", ())] == 0)
-        assert generated_tokens(url) == generated + 200  # the cancelled one never finished
+        assert generated_tokens(url) == generated + len(expected.token_ids)  # the cancelled one never finished
         served = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
         assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 3
     assert httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT}).status_code == 401
