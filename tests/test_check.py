@@ -6,6 +6,8 @@ significance level ALPHA = 1e-3 (Bonferroni over the tests of a certificate).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import pytest
@@ -20,8 +22,25 @@ CONTEXTS = ("w5 w9 w7", "w12 w30 w2 w8")
 
 
 @pytest.fixture(scope="module")
-def sampler(tiny_dir, tiny_draft_dir):
-    return load_sampler(str(tiny_dir), str(tiny_draft_dir))
+def similar_draft_dir(tiny_dir, tmp_path_factory) -> Path:
+    """A draft model that resembles the target (its weights plus 10% Gaussian noise), so that drafts are
+    accepted often and the certificate sees accepted, recovered and bonus tokens alike."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_dir)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * 0.1 * weight.std())
+    directory = tmp_path_factory.mktemp("tiny-similar-draft")
+    model.save_pretrained(directory, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def sampler(tiny_dir, similar_draft_dir):
+    return load_sampler(str(tiny_dir), str(similar_draft_dir))
 
 
 def test_chi_square_p_edge_cases():
@@ -53,7 +72,7 @@ def test_a_thinly_spread_distribution_is_still_tested():
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=5)], ids=["t1", "t0.8-top_k5"])
 def test_certificate_passes_the_sampler_and_rejects_always_accept(sampler, params):
     good = certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=300, seed=1)
-    assert good.stats.drafted_tokens > 0 and len(good.tests) >= 3
+    assert good.stats.acceptance_rate > 0.4 and len(good.tests) >= 3
     assert not good.rejected, [(t.position, t.p_value) for t in good.tests]
     bad = certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=300, seed=1, verifier=BROKEN)
     assert bad.rejected, [(t.position, t.p_value) for t in bad.tests]
