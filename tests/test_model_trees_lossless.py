@@ -19,7 +19,10 @@ import torch
 
 from specsample.drafters import draft_model
 from specsample.drafters.draft_model import DraftModelDrafter
+from specsample.engine import decode
+from specsample.policy import FixedK
 from specsample.sampling import GeneratorSource, SamplingParams
+from specsample.stats import Stats
 from specsample.tree import chain_parents
 from specsample.verify import ChainVerifier
 from specsample.verify.check import chi_square_p
@@ -148,3 +151,81 @@ def test_engine_over_a_draft_model_tree_rejects_a_broken_tree_verifier(monkeypat
     p = test_lossless.chi_square_p(observed, test_lossless.exact_distribution(
         test_lossless.tiny_llama(test_lossless.VOCAB, seed=0, init_scale=test_lossless.INIT_SCALE), PARAMS["t1"]))
     assert p < ALPHA, f"no_residual_update passed through the engine: p = {p:.2e}"
+
+
+class Bigram:
+    """A model whose next-token logits [VOCAB] depend on the last token only, after `table` [token ->
+    logits]; its cache is the list of tokens it was given, rolled back by length. Serves as target
+    (chains and trees) and as draft model."""
+
+    max_length = 64
+
+    def __init__(self, table: dict[int, torch.Tensor]) -> None:
+        self.table, self.tokens = table, []
+        self.vocab_size = len(next(iter(table.values())))
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def prefill(self, token_ids: torch.Tensor) -> None:
+        self.tokens = token_ids.tolist()
+
+    def score(self, token_ids: torch.Tensor) -> torch.Tensor:
+        self.tokens += token_ids.tolist()
+        return torch.stack([self.table[t] for t in token_ids.tolist()])  # [n, VOCAB]
+
+    def score_tree(self, token_ids: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        return self.score(token_ids)  # a bigram's row depends on its own token, not on the tree
+
+    def keep_path(self, start: int, nodes: list[int]) -> None:
+        tree = self.tokens[start:]
+        self.tokens = self.tokens[:start] + [tree[n] for n in nodes]
+
+    def rollback(self, length: int) -> None:
+        del self.tokens[length:]
+
+
+def bigram(rows: dict[int, list[float]]) -> Bigram:
+    return Bigram({token: torch.tensor(row).clamp_min(1e-30).log() for token, row in rows.items()})
+
+
+# Tokens A, B, C and the prompt's P. After P the draft is sure enough (0.85) to give no alternatives;
+# after A sure again (a chain), after B unsure (alternatives: a tree).
+FIRST_TOKEN = [0.95, 0.03, 0.02, 0.0]
+BIGRAM_TARGET = {3: FIRST_TOKEN, 0: [0.02, 0.02, 0.94, 0.02], 1: [0, 0, 0, 1], 2: [0.25] * 4}
+BIGRAM_DRAFT = {3: [0.85, 0.15, 0, 0], 0: [0.02, 0.02, 0.94, 0.02], 1: [0.3, 0.3, 0.2, 0.2], 2: [0.25] * 4}
+
+
+class ConfidentPrefix(FixedK):
+    """K fixed, verifying the draft's prefix of confidence at least 0.9: a cut on confidences known
+    before each token is drawn (`Draft.confidence`), exact for any chain."""
+
+    def keep(self, confidence: torch.Tensor) -> int:
+        low = (confidence < 0.9).nonzero()
+        return int(low[0]) if len(low) else len(confidence)
+
+
+def first_token_p() -> float:
+    """The chi-square p-value of the first tokens of ENGINE_SAMPLES generations through the engine with a
+    tree-drafting DraftModelDrafter (width 3) over the bigrams, under `ConfidentPrefix`, at temperature 1."""
+    drafter = DraftModelDrafter(bigram(BIGRAM_DRAFT), width=3)
+    source = GeneratorSource(torch.Generator().manual_seed(0))
+    counts = np.zeros(len(FIRST_TOKEN))
+    for _ in range(ENGINE_SAMPLES):
+        steps = decode(bigram(BIGRAM_TARGET), drafter, ConfidentPrefix(2), torch.tensor([3, 3]), PARAMS["t1"],
+                       max_new_tokens=3, eos_token_ids=frozenset(), random=source, stats=Stats())
+        counts[next(steps)[0]] += 1
+        steps.close()
+    return chi_square_p(counts, np.array(FIRST_TOKEN))
+
+
+def test_a_sampled_tree_draft_is_never_cut_on_its_confidence():
+    assert first_token_p() > ALPHA
+
+
+def test_a_sampled_draft_cut_where_it_has_no_alternatives_is_rejected(monkeypatch):
+    """Broken as the drafter was: a chain (which the K policy may cut) where no position got alternatives,
+    so whether token 0 is verified depends on the peak after it, a function of token 0 itself."""
+    monkeypatch.setattr(DraftModelDrafter, "chain_form", lambda self, no_alternatives: no_alternatives)
+    assert first_token_p() < ALPHA

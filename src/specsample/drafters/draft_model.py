@@ -124,7 +124,7 @@ class DraftModelDrafter:
             feed = chain[-1:]
         self.draft, self.draft_confidence = chain, confidence
         as_long = torch.tensor(tokens, dtype=torch.long)
-        if len(tokens) == len(chain):  # no alternatives: a chain, cut by the K policy on its confidence
+        if self.chain_form(len(tokens) == len(chain)):  # a chain, cut by the K policy on its confidence
             return Draft(as_long, torch.stack(probs), torch.tensor(confidence), setup_seconds=setup)
         draft_probs = None if self.params.greedy else torch.stack(probs)  # [n, vocab]; at t = 0 point masses
         return Draft(as_long, draft_probs, parents=torch.tensor(parents), setup_seconds=setup)
@@ -138,6 +138,15 @@ class DraftModelDrafter:
         self.context += tokens
         self.draft = []
         self.model.rollback(min(self.model.length, valid))
+
+    def chain_form(self, no_alternatives: bool) -> bool:
+        """Whether a draft goes out as a chain with its confidence, which the K policy may cut, rather than
+        as a tree, verified whole. Sampled drafts of width > 1 are always trees: whether a position gets
+        alternatives depends on the peak after the token drawn before it, so a chain only where none got
+        any would make whether a token is verified depend on that token's own value (`Draft`), and bias
+        the output (the first token's 0.95 drawn 0.906 under a cut on confidence, a review's bigram
+        models). At temperature 0 the output is the target's whatever is verified."""
+        return no_alternatives and (self.width == 1 or self.params.greedy)
 
     def wants_siblings(self, peak: float) -> bool:
         """Whether a chain position whose draft peak is `peak` gets alternatives: where the chain's token
