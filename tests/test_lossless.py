@@ -49,16 +49,16 @@ PARAMS = {
 }
 
 
-def chi_square_p(observed: np.ndarray, probs: np.ndarray) -> float:
-    """The test of counts of the VOCAB**SEQ_LEN sequences: the joint distribution and each prefix's marginal
+def chi_square_p(observed: np.ndarray, probs: np.ndarray, vocab: int = VOCAB) -> float:
+    """The test of counts of the vocab**length sequences: the joint distribution and each prefix's marginal
     (`verify.check.sequence_chi_square_p`, Bonferroni over the SEQ_LEN tests), so that a flaw at one position
     is not lost among the joint test's thousand bins."""
-    return sequence_chi_square_p(observed, probs, VOCAB)
+    return sequence_chi_square_p(observed, probs, vocab)
 
 
 def noisy_copy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
     """A draft model that resembles the target: its weights plus Gaussian noise."""
-    draft = tiny_llama(VOCAB, seed=seed, init_scale=INIT_SCALE)
+    draft = tiny_llama(model.config.vocab_size, seed=seed, init_scale=INIT_SCALE)
     draft.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -94,9 +94,9 @@ def models():
     return target, noisy_copy(target, scale=0.1, seed=1)  # acceptance about 0.6
 
 
-def exact_distribution(model, params: SamplingParams) -> np.ndarray:
-    """P(x_1..x_SEQ_LEN | PROMPT) under the transformed target, over all VOCAB**SEQ_LEN sequences."""
-    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=SEQ_LEN)))  # [V^L, L]
+def exact_distribution(model, params: SamplingParams, length: int = SEQ_LEN) -> np.ndarray:
+    """P(x_1..x_length | PROMPT) under the transformed target, over all vocab**length sequences."""
+    seqs = torch.tensor(list(itertools.product(range(model.config.vocab_size), repeat=length)))  # [V^L, L]
     inputs = torch.cat([PROMPT.expand(len(seqs), -1), seqs], 1)  # [V^L, prompt + L]
     with torch.inference_mode():
         logits = model(inputs).logits[:, len(PROMPT) - 1 : -1]  # [V^L, L, vocab]
@@ -117,20 +117,23 @@ def sampled_counts(
     seed: int,
     verifier: ChainVerifier = ChainVerifier(),
     sources: Callable[[int], Iterator[RandomSource]] = one_generator,
+    length: int = SEQ_LEN,
+    k: int = K,
 ) -> np.ndarray:
-    """Counts [VOCAB**SEQ_LEN] of N_SAMPLES sequences through the engine, sample i with the i-th of `sources(seed)`."""
-    target = as_target(target_model)
+    """Counts [vocab**length] of N_SAMPLES sequences of `length` tokens through the engine drafting `k` at a
+    time, sample i with the i-th of `sources(seed)`."""
+    target, vocab = as_target(target_model), target_model.config.vocab_size
     counts = Counter()
     for _, random in zip(range(N_SAMPLES), sources(seed)):
         tokens = [
             t for step in engine.decode(
-                target, drafter, FixedK(K), PROMPT, params, max_new_tokens=SEQ_LEN,
+                target, drafter, FixedK(k), PROMPT, params, max_new_tokens=length,
                 eos_token_ids=frozenset(), random=random, stats=Stats(), verifier=verifier,
             ) for t in step
         ]
         counts[tuple(tokens)] += 1
-    index = {s: i for i, s in enumerate(itertools.product(range(VOCAB), repeat=SEQ_LEN))}
-    out = np.zeros(VOCAB**SEQ_LEN)
+    index = {s: i for i, s in enumerate(itertools.product(range(vocab), repeat=length))}
+    out = np.zeros(vocab**length)
     for seq, c in counts.items():
         out[index[seq]] = c
     return out
@@ -176,3 +179,43 @@ def test_broken_sampler_is_rejected(models, broken):
     observed = sampled_counts(target_model, drafter, params, seed=1234, verifier=ChainVerifier(sample=broken))
     p = chi_square_p(observed, exact_distribution(target_model, params))
     assert p < ALPHA, f"{broken.__name__} passed: p = {p:.2e}"
+
+
+DEEP_VOCAB, DEEP_LENGTH, DEEP_K = 8, 5, 4  # 32,768 sequences of 5 tokens; the first step drafts 4
+
+
+@pytest.fixture(scope="module")
+def deep_models():
+    target = tiny_llama(DEEP_VOCAB, seed=0, init_scale=INIT_SCALE)
+    return target, noisy_copy(target, scale=0.1, seed=1)
+
+
+def deep_p(models, kind: str, verifier: ChainVerifier = ChainVerifier()) -> float:
+    """The chi-square p-value of N_SAMPLES sequences of DEEP_LENGTH tokens drafted DEEP_K at a time at
+    temperature 1: verification at every draft index, the bonus after four accepted tokens included."""
+    target_model, draft_model = models
+    params = PARAMS["t1"]
+    observed = sampled_counts(target_model, make_drafter(kind, draft_model), params, seed=99, verifier=verifier,
+                              length=DEEP_LENGTH, k=DEEP_K)
+    return chi_square_p(observed, exact_distribution(target_model, params, DEEP_LENGTH), DEEP_VOCAB)
+
+
+@pytest.mark.parametrize("kind", ["draft-model", "point-mass"])
+def test_long_chains_match_target_distribution(deep_models, kind):
+    p = deep_p(deep_models, kind)
+    assert p > ALPHA, f"{kind}: p = {p:.2e}"
+
+
+def biased_from_third(draft_tokens, draft_probs, target_probs, generator) -> Verdict:
+    """A broken sampler right at the first two draft indices and wrong only from the third on (its draft
+    probabilities there divided by 1.2), which no test of K = 2 can see."""
+    if draft_probs is not None:
+        scale = torch.ones(draft_tokens.shape[0])
+        scale[2:] = 1 / 1.2
+        draft_probs = draft_probs * scale[:, None]
+    return rejection_sample(draft_tokens, draft_probs, target_probs, generator)
+
+
+def test_long_chains_reject_a_sampler_broken_from_the_third_draft_token(deep_models):
+    p = deep_p(deep_models, "draft-model", ChainVerifier(sample=biased_from_third))
+    assert p < ALPHA, f"biased_from_third passed: p = {p:.2e}"

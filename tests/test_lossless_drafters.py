@@ -21,6 +21,7 @@ from specsample.models.loading import LoadedModel
 from specsample.policy import FixedK, HeuristicK
 from specsample.sampling import GeneratorSource, SamplingParams
 from specsample.stats import Stats
+from specsample.verify import ChainVerifier
 
 from conftest import drafting_cost_model, tiny_llama
 
@@ -40,17 +41,22 @@ def repeating_prompt(model) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("drafter", "policy", "params"),
-    [("ngram", "heuristic", "t1"), ("suffix", "cost-model", "t0.7-top_p0.9")],
+    ("drafter", "policy", "params", "broken"),
+    [("ngram", "heuristic", "t1", False), ("suffix", "cost-model", "t0.7-top_p0.9", False),
+     ("ngram", "heuristic", "t1", True), ("suffix", "cost-model", "t0.7-top_p0.9", True)],
 )
-def test_drafter_keeps_the_target_distribution(models, monkeypatch, drafter, policy, params):
+def test_drafter_keeps_the_target_distribution(models, monkeypatch, drafter, policy, params, broken):
+    """Chi-square at ALPHA: passes with the real verifier; rejected when a rejected draft token is
+    recovered from the target's row instead of the residual (the drafted token can come back)."""
     target_model, _ = models
     monkeypatch.setattr(lossless, "PROMPT", repeating_prompt(target_model))
     monkeypatch.setattr(lossless, "FixedK", POLICIES[policy])
     check_it_drafts(target_model, DRAFTERS[drafter](), POLICIES[policy](lossless.K), lossless.PARAMS[params])
-    observed = lossless.sampled_counts(target_model, DRAFTERS[drafter](), lossless.PARAMS[params], seed=4321)
+    verifier = ChainVerifier(sample=lossless.reject_without_residual) if broken else ChainVerifier()
+    observed = lossless.sampled_counts(target_model, DRAFTERS[drafter](), lossless.PARAMS[params], seed=4321,
+                                       verifier=verifier)
     p = lossless.chi_square_p(observed, lossless.exact_distribution(target_model, lossless.PARAMS[params]))
-    assert p > lossless.ALPHA, f"{drafter} {policy} {params}: p = {p:.2e}"
+    assert (p < lossless.ALPHA) if broken else (p > lossless.ALPHA), f"{drafter} {policy} {params} broken={broken}: p = {p:.2e}"
 
 
 def check_it_drafts(target_model, drafter, policy, params) -> None:
