@@ -414,7 +414,7 @@ class TensorIndex:
     def raw(self, name: str) -> tuple[np.ndarray, GGMLQuantizationType]:
         """A tensor's bytes, uint8 [rows, bytes per row] (memory-mapped), and its type."""
         if name not in self.tensors:
-            raise KeyError(f"no tensor {name!r} in {self.path}")
+            raise ValueError(f"{self.path}: no tensor {name!r} (a truncated file, or a model this backend does not read)")
         dims, kind, offset = self.tensors[name]
         block_size, type_bytes = gguf_quant_sizes(kind)
         rows = int(np.prod(dims[1:], dtype=np.int64))
@@ -559,6 +559,7 @@ class FileShape:
 
 def file_shape(index: TensorIndex) -> FileShape:
     """The decoder's shape from the file's metadata; UnsupportedModel for what `file_target` cannot build."""
+    from specsample.models import kernels
     from specsample.models.llama import UnsupportedModel
 
     meta = index.metadata
@@ -570,6 +571,10 @@ def file_shape(index: TensorIndex) -> FileShape:
         raise UnsupportedModel(f"rope scaling {scaling!r} is not built from the file")
     hidden, heads = meta[f"{arch}.embedding_length"], meta[f"{arch}.attention.head_count"]
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
+    if head_dim > kernels.MAX_HEAD_DIM:
+        raise UnsupportedModel(f"a head of {head_dim} dimensions is more than the kernels' {kernels.MAX_HEAD_DIM}")
+    if meta.get(f"{arch}.attention.value_length", head_dim) != head_dim:
+        raise UnsupportedModel("value heads of another size than key heads are not supported")
     if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise UnsupportedModel("a partial rotary embedding is not supported")
     if any(name.endswith(("ffn_up.bias", "ffn_down.bias")) for name in index.tensors):
@@ -580,6 +585,43 @@ def file_shape(index: TensorIndex) -> FileShape:
         arch, meta[f"{arch}.block_count"], heads, meta.get(f"{arch}.attention.head_count_kv", heads), head_dim,
         meta[f"{arch}.attention.layer_norm_rms_epsilon"], meta.get(f"{arch}.context_length", DEFAULT_MAX_LENGTH),
     )
+
+
+def expected_tensors(index: TensorIndex, shape: FileShape) -> dict[str, tuple[int, int]]:
+    """The matrices `file_target` reads and the dims [in, out] (GGUF's order) the metadata implies; the
+    feed-forward width is the first layer's, the vocabulary the embedding's."""
+    hidden = int(index.metadata[f"{shape.arch}.embedding_length"])
+    if "token_embd.weight" not in index.tensors or "blk.0.ffn_gate.weight" not in index.tensors:
+        index.raw("token_embd.weight" if "token_embd.weight" not in index.tensors else "blk.0.ffn_gate.weight")
+    vocab, ffn = index.tensors["token_embd.weight"][0][1], index.tensors["blk.0.ffn_gate.weight"][0][1]
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_layer = {"attn_q": (hidden, q), "attn_k": (hidden, kv), "attn_v": (hidden, kv), "attn_output": (q, hidden),
+                 "ffn_gate": (hidden, ffn), "ffn_up": (hidden, ffn), "ffn_down": (ffn, hidden)}
+    out = {"token_embd.weight": (hidden, vocab), "output_norm.weight": (hidden, 1)}
+    if "output.weight" in index.tensors:
+        out["output.weight"] = (hidden, vocab)
+    for i in range(shape.layers):
+        out |= {f"blk.{i}.{name}.weight": dims for name, dims in per_layer.items()}
+        out |= {f"blk.{i}.{name}.weight": (hidden, 1) for name in ("attn_norm", "ffn_norm")}
+    return out
+
+
+def check_tensors(index: TensorIndex, shape: FileShape) -> None:
+    """ValueError naming the first tensor that is missing, of other dims than the metadata implies, or of a
+    type neither the block kernels nor the `gguf` package read: so a file whose metadata and tensors
+    disagree is refused in one line, where the kernels would read past a matrix."""
+    from specsample.models.llama import UnsupportedModel
+
+    for name, want in expected_tensors(index, shape).items():
+        raw, kind = index.raw(name)
+        dims = tuple(int(d) for d in index.tensors[name][0]) + (1,) * (2 - len(index.tensors[name][0]))
+        if dims[:2] != want:
+            raise ValueError(f"{index.path}: tensor {name!r} is {list(dims[:2])}, the metadata says {list(want)}")
+        if not supported(kind):
+            try:
+                dequantize(raw[:1], kind)
+            except NotImplementedError:
+                raise UnsupportedModel(f"tensor {name!r} is of GGML type {kind.name}, which this backend cannot read") from None
 
 
 def base_frequencies(base: float, head_dim: int) -> Tensor:
@@ -652,6 +694,7 @@ def file_target(path: str | Path, max_length: int | None = None):
         raise UnsupportedModel("GGUF blocks need the C++ kernels")
     index = TensorIndex(path)
     shape = file_shape(index)
+    check_tensors(index, shape)
     max_length = max_length or min(shape.context, DEFAULT_MAX_LENGTH)
     heads = [shape.heads, shape.kv_heads, None] if shape.arch in PERMUTED_QK else None
     layers = [file_layer(index, f"blk.{i}.", heads) for i in range(shape.layers)]

@@ -81,14 +81,20 @@ def _cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
+CPU_ID_FIELDS = ("model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU variant", "CPU part")
+
+
 def _cpu_id() -> str:
-    """What -march=native depends on: the CPU model and its flags."""
+    """What -march=native depends on: the CPU model and its features (x86's model name and flags, arm64's
+    implementer, part and Features; the machine's architecture where neither is there), so that no two CPUs
+    share a build."""
+    fallback = platform.machine() + " " + platform.processor()
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor() or platform.machine()
-    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
+        return fallback
+    lines = [line for line in text.splitlines() if line.startswith(CPU_ID_FIELDS)]
+    return "\n".join(sorted(set(lines))) or fallback
 
 
 def _source(name: str = "kernels.cpp") -> str:
