@@ -356,3 +356,43 @@ def test_a_drafter_the_backend_cannot_serve_is_skipped_with_its_reason(prompts_f
     with pytest.raises(NotOnThisBackend):
         harness.run(loaded, target, [c for c in configs if c.name == "q"], read_prompts(prompts_file, spec_bench=True),
                     warmup=0, progress=False, backend="transformers")
+
+
+def test_bench_run_times_the_backends_at_its_thread_count(capsys, tmp_path, monkeypatch, tiny_dir):
+    """`--backend auto` measures the candidates at `--threads`, the count the choice is remembered under."""
+    import torch
+
+    from specsample.models import choice
+
+    before = torch.get_num_threads()
+    threads, seen = (1 if before > 1 else 2), []
+
+    def resolve(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        raise ValueError("measured")
+
+    monkeypatch.setattr(choice, "resolve", resolve)
+    try:
+        code, _, err = cli(capsys, "bench", "run", "--model", str(tiny_dir), "--threads", str(threads),
+                           "--out", str(tmp_path / "out"))
+    finally:
+        torch.set_num_threads(before)
+    assert code == 2 and "measured" in err and seen == [threads]
+
+
+def test_the_transformers_baseline_times_the_prompt_encoding_as_the_engine_does(monkeypatch, tiny_dir):
+    import time
+
+    from specsample.bench import baselines
+    from specsample.models import load_model
+    from specsample.sampling import SamplingParams
+
+    encode = baselines.encode_prompt
+
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(baselines, "encode_prompt", slow)
+    runner = baselines.TransformersRunner(load_model(str(tiny_dir)), SamplingParams(temperature=0), max_new_tokens=1)
+    assert runner.run([{"role": "user", "content": "w5 w9"}]).wall_seconds >= 0.3

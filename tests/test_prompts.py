@@ -95,8 +95,14 @@ def test_bad_files_are_clear_errors(tmp_path, spec_bench_file):
     plain.write_bytes(b"caf\xe9\n")
     with pytest.raises(ValueError, match=f"prompts file {plain} is not UTF-8 text"):
         read_prompts(plain)
-    with pytest.raises(ValueError, match="no prompts of split odd in categories math in"):
-        read_prompts(spec_bench_file, split="odd", categories=["math"])
+    with pytest.raises(ValueError, match=r"no category 'math' in .* \(its categories: qa, rag\)"):
+        read_prompts(spec_bench_file, split="odd", categories=["math"])  # a misspelled category is not dropped
+    with pytest.raises(ValueError, match="no prompts of split odd past the first 2 of each category in category 'rag'"):
+        read_prompts(spec_bench_file, split="odd", skip=2, categories=["qa", "rag"])  # nor one left empty
+    listed = tmp_path / "listed.jsonl"
+    listed.write_text('{"question_id": [1], "category": "qa", "turns": ["a"]}\n')
+    with pytest.raises(ValueError, match=r"listed.jsonl:1: .*question_id must be an integer or a string, got \[1\]"):
+        read_prompts(listed, spec_bench=True)
     twice = tmp_path / "twice.jsonl"
     twice.write_text('{"question_id": 7, "category": "qa", "turns": ["a"]}\n' * 2)
     assert len(read_prompts(twice)) == 2  # training takes both
@@ -125,6 +131,13 @@ def test_bench_run_and_decode_read_the_split(capsys, tmp_path, spec_bench_file, 
     assert code == 0, err
     results = json.loads((out / "results.json").read_text())
     assert {r["question_id"] for r in results["records"]} == {1, 3, 5} and results["meta"]["split"] == "odd"
+    assert results["meta"]["categories_left_out"] == []
+    out = tmp_path / "skipped"
+    code, _, err = cli(capsys, "bench", "run", "--model", str(tiny_dir), "--prompts", str(spec_bench_file), "--skip", "2",
+                       "--no-baselines", "--warmup", "0", "--max-new-tokens", "2", "--out", str(out))
+    assert code == 0, err
+    assert json.loads((out / "results.json").read_text())["meta"]["categories_left_out"] == ["rag"]
+    assert "past the first 2 of each category), so not in the tables: rag" in (out / "notes.md").read_text()
     decoded = tmp_path / "decode.json"
     code, _, err = cli(capsys, "bench", "decode", "--model", str(tiny_dir), "--prompts", str(spec_bench_file),
                        "--split", "even", "--limit", "2", "--max-new-tokens", "2", "--json", str(decoded))

@@ -93,12 +93,25 @@ def read_prompts(
             if limit is None or seen < limit:
                 prompts.append(prompt)
                 per_category[prompt.category] = seen + 1
+    selection = f" of split {split}" if split != "all" else ""
+    selection += f" past the first {skip} of each category" if skip else ""
+    files = ", ".join(map(str, paths))
+    unknown = [c for c in categories if c not in position]
+    if unknown:
+        raise ValueError(f"no category {', '.join(map(repr, unknown))} in {files} (its categories: "
+                         f"{', '.join(sorted(c for c in position if c is not None))})")
+    empty = [c for c in categories if c not in per_category]
+    if empty:
+        raise ValueError(f"no prompts{selection} in category {', '.join(map(repr, empty))} of {files}")
     if not prompts:
-        selection = f" of split {split}" if split != "all" else ""
-        selection += f" past the first {skip} of each category" if skip else ""
-        selection += f" in categories {', '.join(categories)}" if categories else ""
-        raise ValueError(f"no prompts{selection} in {', '.join(map(str, paths))}")
+        raise ValueError(f"no prompts{selection} in {files}")
     return prompts
+
+
+def categories_of(*paths: str | Path) -> list[str]:
+    """The categories of these prompt files, in order of first appearance."""
+    return list(dict.fromkeys(p.category for path in map(Path, paths) for p in parse_file(path, False)
+                              if p.category is not None))
 
 
 def parse_file(path: Path, spec_bench: bool) -> list[Prompt]:
@@ -132,8 +145,10 @@ def parse_row(line: str, where: str, spec_bench: bool) -> Prompt:
         turns = row["turns"] if "turns" in row else [row["prompt"]]
         if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
             raise ValueError("'turns' must be a non-empty list of strings, 'prompt' a string")
-        category = row.get("category")
-        return Prompt(row.get("question_id"), None if category is None else str(category), tuple(turns))
+        category, question_id = row.get("category"), row.get("question_id")
+        if question_id is not None and (not isinstance(question_id, (int, str)) or isinstance(question_id, bool)):
+            raise ValueError(f"question_id must be an integer or a string, got {question_id!r}")
+        return Prompt(question_id, None if category is None else str(category), tuple(turns))
     except ValueError as e:  # json.JSONDecodeError is one
         expected = SPEC_BENCH_FIELDS if spec_bench else f"{SPEC_BENCH_FIELDS}; or prompt"
         raise ValueError(f"{where}: not a prompt ({expected}): {e}") from None

@@ -49,8 +49,8 @@ class TransformersRunner:
         self.options["pad_token_id"] = pad if pad is not None else min(model.eos_token_ids, default=0)
 
     def run(self, messages: Sequence[Message]) -> Output:
+        start = perf_counter()  # the prompt's encoding timed too, as in the engine's and llama.cpp's runs
         prompt_ids = torch.tensor([encode_prompt(self.model.tokenizer, messages)])  # [1, n]
-        start = perf_counter()
         with torch.inference_mode():
             out = self.model.model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), **self.options)
         token_ids = out[0, prompt_ids.shape[1] :].tolist()

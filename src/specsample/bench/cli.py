@@ -10,7 +10,7 @@ import typer
 
 from specsample.openmp import use_threads
 from specsample.outputs import check_output_dir, check_output_file, write_text
-from specsample.prompts import TUNED_PER_CATEGORY, Prompt, packaged_prompts, read_prompts
+from specsample.prompts import TUNED_PER_CATEGORY, Prompt, categories_of, packaged_prompts, read_prompts
 
 app = typer.Typer(help="Benchmarks: cost curve, decoding speed.", add_completion=False, rich_markup_mode=None)
 
@@ -275,6 +275,7 @@ def run(
     if k is not None:
         parse_k(k)  # refused even where no configuration of the run takes it
     out = check_output_dir(out, "--out")
+    use_threads(threads)  # before `resolve`, which times the candidate backends at this thread count
     backend, backend_reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
     overrides = {"k": k, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                  "max_new_tokens": max_new_tokens}
@@ -282,7 +283,7 @@ def run(
     with_llamacpp = backend == "llamacpp" if llamacpp_baselines is None else llamacpp_baselines
     configs = harness.with_baselines(defaults, configs, baselines, llamacpp=with_llamacpp)
     items = read_bench_prompts(prompts, split, limit, category, skip)
-    use_threads(threads)
+    left_out = [] if category else [c for c in categories_of(prompts or packaged_prompts()) if c not in {p.category for p in items}]
     quiet_transformers()
     # on llama.cpp without transformers baselines (or engine drafters that need them) only the tokenizer is read
     needs_weights = backend != "llamacpp" or any(c.kind.startswith("hf-") for c in configs)
@@ -295,7 +296,7 @@ def run(
     meta = {
         "model": loaded.name, "backend": type(target).__name__, "backend_reason": backend_reason, "prompts": str(prompts or packaged_prompts()),
         "split": split, "skip": skip, "limit": limit,
-        "categories": category or [], "warmup": warmup, "reference": harness.REFERENCE,
+        "categories": category or [], "categories_left_out": left_out, "warmup": warmup, "reference": harness.REFERENCE,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
         "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__},
         "threads": threads, "unavailable": unavailable, **run_notes.backend_meta(target),

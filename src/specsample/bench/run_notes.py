@@ -26,6 +26,12 @@ def backend_meta(target) -> dict:
 def markdown(results: dict) -> str:
     """The notes of a run, as markdown."""
     parts = [decode_rates(results)]
+    left_out = results["meta"].get("categories_left_out") or []
+    if left_out:
+        meta = results["meta"]
+        skipped = f", past the first {meta['skip']} of each category" if meta.get("skip") else ""
+        parts.append(f"Categories with no prompts in this selection (split {meta['split']}{skipped}), so not in the "
+                     f"tables: {', '.join(left_out)}")
     unavailable = results["meta"].get("unavailable") or {}
     if unavailable:
         parts.append("Not available in this run\n\n" + "\n".join(f"- {name}: not available: {reason}"
