@@ -280,3 +280,20 @@ def test_the_draft_models_prefill_counts_as_prefill_not_as_drafting(rich, method
     assert greedy(rich, drafter, prompt, stats) == greedy(rich, NoDrafter(), prompt, Stats())
     assert slow.prefills == 1 and stats.drafted_tokens > 0
     assert stats.prefill_seconds >= 0.3 > stats.draft_seconds
+
+
+def test_near_the_draft_models_window_it_drafts_what_fits(rich):
+    """A text a few positions short of the draft model's window: of K = 8 the draft tokens that fit (the
+    text and all but the last draft token) are drafted, not none; past the window, none."""
+    text = rich.drafter("text").text
+    window = lossless.as_target(rich.draft_model).max_length
+    long_text = PROMPT_TEXT * (window // 4)
+
+    def begin(characters: int) -> int:
+        text.begin(rich.target_tokenizer.encode(long_text[:characters]))
+        return len(text.encoding())
+
+    n = next(n for n in range(1, len(long_text)) if begin(n) >= window - 4)  # a character adds at most 4 tokens
+    length = begin(n)
+    assert 1 < text.sync(8) == window - length + 1 < 8
+    assert begin(len(long_text)) > window and text.sync(8) == 0

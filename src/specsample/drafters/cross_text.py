@@ -36,7 +36,8 @@ class TextDrafter:
         self.text.begin(prompt_ids.tolist())
 
     def propose(self, k: int, random: RandomSource) -> Draft:
-        if not self.text.sync(k):
+        k = self.text.sync(k)
+        if not k:
             return Draft.empty()
         start = len(self.text.ids)
         for _ in range(k):

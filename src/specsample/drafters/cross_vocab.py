@@ -53,7 +53,8 @@ class IntersectionDrafter:
         self.text.begin(prompt_ids.tolist())
 
     def propose(self, k: int, random: RandomSource) -> Draft:
-        if not self.text.sync(k):
+        k = self.text.sync(k)
+        if not k:
             return Draft.empty()
         tokens, probs, confidence = [], [], []
         for i in range(k):

@@ -48,15 +48,16 @@ class DraftText:
     def observe(self, tokens: list[int]) -> None:
         self.target_ids += tokens
 
-    def sync(self, k: int) -> bool:
+    def sync(self, k: int) -> int:
         """Encode the text for the draft model and roll its cache back to the tokens it still holds (or
         prefill it, where it holds none of them, timed as `prefill_seconds`: the draft's `setup_seconds`);
-        False when there is nothing to draft from (the text ends inside a character, or k more tokens
-        would not fit the draft model's context)."""
+        how many of k draft tokens fit the draft model's context (the text and all but the last draft
+        token), 0 when there is nothing to draft from (the text ends inside a character, or fills it)."""
         self.prefill_seconds = 0.0
         ids = self.encoding()
-        if not ids or len(ids) + k > self.model.max_length:
-            return False
+        k = min(k, self.model.max_length - len(ids) + 1)
+        if not ids or k < 1:
+            return 0
         kept = min(self.model.length, common_prefix(self.ids, ids), len(ids) - 1)
         if kept:
             self.model.rollback(kept)
@@ -65,7 +66,7 @@ class DraftText:
             self.model.prefill(torch.tensor(ids[:-1], dtype=torch.long))
             self.prefill_seconds = perf_counter() - start
         self.ids = ids
-        return True
+        return k
 
     def encoding(self) -> list[int]:
         """The draft tokenizer's tokens for the text; none while it ends inside a character."""
