@@ -396,3 +396,18 @@ def test_the_transformers_baseline_times_the_prompt_encoding_as_the_engine_does(
     monkeypatch.setattr(baselines, "encode_prompt", slow)
     runner = baselines.TransformersRunner(load_model(str(tiny_dir)), SamplingParams(temperature=0), max_new_tokens=1)
     assert runner.run([{"role": "user", "content": "w5 w9"}]).wall_seconds >= 0.3
+
+
+@needs_kernels
+def test_bench_batch_alternates_which_way_runs_first(monkeypatch, tiny_dir):
+    from specsample.bench import batch as bench_batch
+
+    order = []
+    for name in ("alone", "batched"):
+        real = getattr(bench_batch, name)
+        monkeypatch.setattr(bench_batch, name, lambda *args, real=real, name=name: order.append(name) or real(*args))
+    one, many = (SpecSampler.load(str(tiny_dir), "ngram", backend="fast") for _ in range(2))
+    rows = bench_batch.run(one, many, ["w3 w4"], [[["w5 w6"]], [["w7 w8"]]], ["2"], max_batch=2, max_new_tokens=3)
+    assert order[2:] == ["alone", "batched", "batched", "alone"]  # after the warm-up: round 0, then round 1
+    assert [(r.round, r.mode) for r in rows] == [(0, "alone"), (0, "batch 2"), (1, "alone"), (1, "batch 2")]
+    assert all(r.differing == 0 for r in rows[1::2])

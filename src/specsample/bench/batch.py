@@ -67,7 +67,8 @@ def batched(sampler: SpecSampler, batch, prompts: list[str], max_new_tokens: int
 def run(one: SpecSampler, many: SpecSampler, warmup: list[str], rounds: list[list[list[str]]], ks: list[str],
         max_batch: int, max_new_tokens: int) -> list[Row]:
     """Every K spec alone (on sampler `one`) and batched (on `many`), interleaved, after a warm-up of each on
-    the `warmup` prompts; rounds[r][i] are the prompts of round r and K spec i."""
+    the `warmup` prompts; rounds[r][i] are the prompts of round r and K spec i. The two ways take turns
+    going first, round by round, so that neither always runs on what the other left (caches, clocks)."""
     batches = {k: many.batch(max_batch, k) for k in ks}
     for k in ks:  # warm-up: compiled kernels, committed caches, first policy measurements
         alone(one, warmup, k, 8)
@@ -75,10 +76,13 @@ def run(one: SpecSampler, many: SpecSampler, warmup: list[str], rounds: list[lis
     rows = []
     for round_, sets in enumerate(rounds):
         for k, prompts in zip(ks, sets, strict=True):
+            if round_ % 2:
+                completions, batch_seconds, totals = batched(many, batches[k], prompts, max_new_tokens)
             reference, seconds = alone(one, prompts, k, max_new_tokens)
             rows.append(Row(k, "alone", round_, sum(len(c.token_ids) for c in reference), seconds))
-            completions, seconds, totals = batched(many, batches[k], prompts, max_new_tokens)
-            steps = max(totals.steps, 1)
+            if not round_ % 2:
+                completions, batch_seconds, totals = batched(many, batches[k], prompts, max_new_tokens)
+            seconds, steps = batch_seconds, max(totals.steps, 1)
             rows.append(Row(
                 k, f"batch {max_batch}", round_, sum(len(c.token_ids) for c in completions), seconds,
                 differing=sum(c.token_ids != r.token_ids for c, r in zip(completions, reference)),
