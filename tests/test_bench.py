@@ -240,7 +240,9 @@ def test_an_engine_configuration_measures_the_cost_curve_before_it_is_timed(monk
 
 
 @pytest.mark.parametrize("text, message", [
-    ("[1, 2]", "unknown schema None"), ('{"schema": 1}', "is not a `bench run` results file (missing or malformed 'configs')"),
+    ("[1, 2]", "unknown schema None"), ('{"schema": 1}', "holds no configurations or no records: nothing to report"),
+    ('{"schema": 1, "configs": [], "records": [], "meta": {}}', "holds no configurations or no records"),
+    ('{"schema": 1, "configs": [{"name": "a"}], "records": [{"config": "a"}]}', "(missing or malformed 'meta')"),
     ("{bad", "is not JSON"), ('{"schema": 1, "configs": [{"name": "a"}], "records": [{"config": "a"}], "meta": {}}',
                               "is not a `bench run` results file"),
 ])

@@ -203,6 +203,9 @@ def load(out: Path) -> dict:
     if not isinstance(results, dict) or results.get("schema") != SCHEMA:
         schema = results.get("schema") if isinstance(results, dict) else None
         raise ValueError(f"{path}: unknown schema {schema!r}, expected {SCHEMA}")
+    if not (isinstance(results.get("configs"), list) and results["configs"] and isinstance(results.get("records"), list)
+            and results["records"]):
+        raise ValueError(f"{path} holds no configurations or no records: nothing to report")
     try:
         names = [c["name"] for c in results["configs"]]
         results["summary"] = summarize(results["records"], names, results["meta"].get("reference", REFERENCE))
