@@ -289,15 +289,21 @@ def test_a_uniform_speedup_has_a_point_interval():
 
 
 def test_a_question_s_turns_are_resampled_together():
-    """Two questions of two turns each, the first question's turns 3x faster, the second's as fast:
-    resampling questions can draw only the three mixes of the two (pooled ratios 3, 1.5 and 1), so
-    the interval's ends are two of those; resampling turns would draw mixes in between. One
-    question alone, however many turns, gives no interval."""
-    records = answers("plain", [3.0, 3.0, 2.0, 2.0], turns=2) + answers("fast", [1.0, 1.0, 2.0, 2.0], turns=2)
+    """Four questions of two turns each, two of them 3x faster, two as fast: resampling questions can
+    draw only five mixes (pooled ratios 1, 1.29, 1.67, 2.2 and 3), and the expanded interval of four
+    questions reaches the outer two; resampling turns would draw mixes in between. Three questions,
+    however many turns, give no interval."""
+    records = (answers("plain", [3.0, 3.0, 3.0, 3.0, 2.0, 2.0, 2.0, 2.0], turns=2)
+               + answers("fast", [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0], turns=2))
     low, high = report.speedup_interval(records, "fast")
     assert low == pytest.approx(1.0) and high == pytest.approx(3.0)
-    both = [r for r in records if r["question_id"] == 0]
-    assert report.speedup_interval(both, "fast") is None
+    three = [r for r in records if r["question_id"] != 0]
+    assert report.speedup_interval(three, "fast") is None
+
+
+def test_intervals_of_few_questions_are_expanded():
+    """Hesterberg's expanded percentile level: far wider than 95% for 4 questions, near it for 1,000."""
+    assert report.expanded_level(4) > 0.999 and 0.95 < report.expanded_level(1000) < 0.951
 
 
 def test_speedup_intervals_cover_the_true_ratio():

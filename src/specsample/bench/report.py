@@ -21,12 +21,14 @@ run's noise: the A/A control's intervals show what noise alone gives.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
 import numpy as np
-from scipy.stats import bootstrap
+from scipy.stats import bootstrap, norm
+from scipy.stats import t as student_t
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -40,6 +42,7 @@ OVERALL = "overall"
 SCHEMA = 1
 CONFIDENCE = 0.95
 RESAMPLES = 2000
+MIN_QUESTIONS = 4  # for an interval
 
 
 def summarize(records: Sequence[dict], configs: Sequence[str], reference: str = REFERENCE) -> list[dict]:
@@ -61,16 +64,28 @@ def summarize(records: Sequence[dict], configs: Sequence[str], reference: str = 
     return rows
 
 
+def expanded_level(questions: int, confidence: float = CONFIDENCE) -> float:
+    """The percentile level that gives the bootstrap interval of `questions` about `confidence` coverage:
+    Hesterberg's expanded percentile interval, the tail 2 Phi(-sqrt(n / (n - 1)) t_{n-1}) for n questions.
+    The plain percentile interval runs narrow on few questions (95% intervals of a true 1.25x speedup
+    covered it in 74% of 300 simulated runs of 3 questions, 82% of 5, 89% of 10)."""
+    n = questions
+    tail = 2 * norm.cdf(-math.sqrt(n / (n - 1)) * student_t.ppf(1 - (1 - confidence) / 2, n - 1))
+    return 1 - tail
+
+
 def speedup_interval(records: Sequence[dict], config: str, reference: str = REFERENCE) -> list[float] | None:
     """The CONFIDENCE interval of `config`'s end-to-end speedup over `reference` on these records:
     percentile bootstrap (fixed seed) over the questions, on the turns both answered, a question's
-    turns and both configurations' answers to them kept together; None with fewer than two questions."""
+    turns and both configurations' answers to them kept together, at the `expanded_level`; None with fewer
+    than MIN_QUESTIONS questions (3 questions have 10 distinct resamples, and their widest interval covered
+    a true speedup in 74% of simulated runs)."""
     answers = {(r["question_id"], r["turn"], r["config"]): r for r in records}
     turns: dict[object, list[int]] = {}  # question_id -> its turns both answered
     for q, t, c in answers:
         if c == config and (q, t, reference) in answers:
             turns.setdefault(q, []).append(t)
-    if len(turns) < 2:
+    if len(turns) < MIN_QUESTIONS:
         return None
     columns = [np.array([sum(answers[(q, t, c)][key] for t in ts) for q, ts in turns.items()], dtype=float)
                for c in (config, reference) for key in ("generated_tokens", "wall_seconds")]
@@ -79,7 +94,7 @@ def speedup_interval(records: Sequence[dict], config: str, reference: str = REFE
         return (tokens.sum(axis) / seconds.sum(axis)) / (ref_tokens.sum(axis) / ref_seconds.sum(axis))
 
     result = bootstrap(columns, speedup, paired=True, vectorized=True, n_resamples=RESAMPLES,
-                       confidence_level=CONFIDENCE, method="percentile", rng=np.random.default_rng(0))
+                       confidence_level=expanded_level(len(turns)), method="percentile", rng=np.random.default_rng(0))
     return [float(result.confidence_interval.low), float(result.confidence_interval.high)]
 
 
