@@ -33,14 +33,10 @@ ENGINE_SAMPLES = 20_000  # sequences through the engine (a model step costs more
 CHAIN = 2  # draft-model passes: chain tokens (a tree of depth 2, its bonus token the third)
 
 
-class TableModel:
-    """A draft model made of a table: logits [VOCAB] of the token after a context of tokens after PROMPT
-    (`Tables.key`); keeps the tokens it was given as its cache, rolled back by length."""
+class TokenCache:
+    """A model's cache as the list of tokens it was given, rolled back by length."""
 
-    max_length = 1 << 20  # a table has no context window of its own (`Target.max_length`)
-
-    def __init__(self, logits: torch.Tensor) -> None:
-        self.logits = logits  # [POSITIONS, VOCAB, VOCAB, VOCAB]
+    def __init__(self) -> None:
         self.tokens: list[int] = []
 
     @property
@@ -50,15 +46,26 @@ class TableModel:
     def prefill(self, token_ids: torch.Tensor) -> None:
         self.tokens = token_ids.tolist()
 
+    def rollback(self, length: int) -> None:
+        del self.tokens[length:]
+
+
+class TableModel(TokenCache):
+    """A draft model made of a table: logits [VOCAB] of the token after a context of tokens after PROMPT
+    (`Tables.key`)."""
+
+    max_length = 1 << 20  # a table has no context window of its own (`Target.max_length`)
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits = logits  # [POSITIONS, VOCAB, VOCAB, VOCAB]
+
     def score(self, token_ids: torch.Tensor) -> torch.Tensor:
         rows = []
         for token in token_ids.tolist():
             self.tokens.append(token)
             rows.append(self.logits[Tables.key(tuple(self.tokens[len(PROMPT) :]))])
         return torch.stack(rows)  # [n, VOCAB]
-
-    def rollback(self, length: int) -> None:
-        del self.tokens[length:]
 
 
 def tree_counts(params: SamplingParams, threshold: float, seed: int = 99) -> tuple:
@@ -153,23 +160,16 @@ def test_engine_over_a_draft_model_tree_rejects_a_broken_tree_verifier(monkeypat
     assert p < ALPHA, f"no_residual_update passed through the engine: p = {p:.2e}"
 
 
-class Bigram:
+class Bigram(TokenCache):
     """A model whose next-token logits [VOCAB] depend on the last token only, after `table` [token ->
-    logits]; its cache is the list of tokens it was given, rolled back by length. Serves as target
-    (chains and trees) and as draft model."""
+    logits]. Serves as target (chains and trees) and as draft model."""
 
     max_length = 64
 
     def __init__(self, table: dict[int, torch.Tensor]) -> None:
-        self.table, self.tokens = table, []
+        super().__init__()
+        self.table = table
         self.vocab_size = len(next(iter(table.values())))
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-    def prefill(self, token_ids: torch.Tensor) -> None:
-        self.tokens = token_ids.tolist()
 
     def score(self, token_ids: torch.Tensor) -> torch.Tensor:
         self.tokens += token_ids.tolist()
@@ -181,9 +181,6 @@ class Bigram:
     def keep_path(self, start: int, nodes: list[int]) -> None:
         tree = self.tokens[start:]
         self.tokens = self.tokens[:start] + [tree[n] for n in nodes]
-
-    def rollback(self, length: int) -> None:
-        del self.tokens[length:]
 
 
 def bigram(rows: dict[int, list[float]]) -> Bigram:
