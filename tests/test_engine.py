@@ -297,3 +297,23 @@ def test_a_draft_model_is_prefilled_at_its_first_draft_and_never_if_it_never_dra
     assert slow.prefills == 1
     assert drafting.prefill_seconds >= 0.3 > drafting.draft_seconds
     assert drafting.decode_seconds < 0.3
+
+
+class RecordingK(FixedK):
+    """FixedK that keeps the steps it is shown."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
+        self.steps: list[Step] = []
+
+    def observe(self, step: Step) -> None:
+        self.steps.append(step)
+
+
+def test_a_step_tells_the_policy_the_k_asked_of_the_drafter_within_the_tokens_left(target_model):
+    policy = RecordingK(5)
+    target = make_target_of(target_model)
+    steps = decode(target, DraftModelDrafter(make_target_of(target_model)), policy, PROMPT, GREEDY, max_new_tokens=8,
+                   eos_token_ids=frozenset(), random=GeneratorSource(torch.Generator()), stats=Stats())
+    assert sum(len(new) for new in steps) == 8
+    assert [(s.chosen, s.asked) for s in policy.steps] == [(5, 5), (5, 1)]  # self-drafting: 6 tokens, then 2 left

@@ -501,3 +501,22 @@ def test_a_drafter_whose_later_tokens_are_always_cut_settles_at_k_one():
     K stays at 1 rather than drafting tokens that are cut."""
     ks = run_with_confidences(150, lambda j, rng: 0.9 if j == 0 else 0.1, lambda c: c)
     assert ks[-50:].count(1) >= 45, ks
+
+
+def test_the_cost_model_learns_only_from_the_positions_it_asked_the_drafter_for():
+    """A step whose K the tokens left capped (the engine asks for fewer than the policy chose) counts
+    only the positions asked for; one capped to a plain step counts for nothing but the pass's cost."""
+    policy = CostModelK(k_max=8)
+    policy.f1, policy.largest_k = 1e-3, 4
+    policy.predict()
+    k = policy.choose()
+    assert k > 2
+    counts = lambda: (policy.asking_steps, policy.empty_steps, np.array(policy.drafted_reached), policy.largest_k)  # noqa: E731
+    before = counts()
+    policy.observe(Step(0, 0, 1, 1e-5, 1e-3, chosen=k, asked=0))
+    assert policy.asking_steps == before[0] and policy.empty_steps == before[1]
+    assert np.array_equal(policy.drafted_reached, before[2])
+    policy.observe(Step(2, 2, 3, 1e-4, 1e-3, chosen=k, asked=2))
+    reached = np.array(policy.drafted_reached)
+    assert np.allclose(reached[:2], before[2][:2] * policy.decay + 1)
+    assert np.allclose(reached[2:], before[2][2:] * policy.decay) and policy.largest_k == 4

@@ -85,6 +85,7 @@ class Planned:
     peeked: Tensor | None = None  # at a plain step, the lookup drafter's next token (`engine.peek`)
     cut: int = 0  # draft tokens the policy left unverified (`KPolicy.keep`)
     chosen: int | None = None  # the K the policy chose (`KPolicy.choose`)
+    asked: int | None = None  # the K asked of the drafter, within the tokens left and the slot's rows
 
 
 class Batch:
@@ -233,7 +234,7 @@ class Batch:
         request.rows = len(draft) + 1
         seconds = perf_counter() - start
         scored = scored_rows(request.pending, draft)
-        return Planned(request, draft, scored, numbers, self.slots.length(request.slot), seconds, peeked, cut, chosen)
+        return Planned(request, draft, scored, numbers, self.slots.length(request.slot), seconds, peeked, cut, chosen, k)
 
     def _verify(self, planned: Planned, logits: Tensor, pass_seconds: float) -> list[int]:
         """Verify one request's draft on its logits [k + 1, vocab], roll its slot back and record the step.
@@ -248,7 +249,7 @@ class Batch:
         new = cut_at_eos(emitted, self.eos_token_ids)
         verify_seconds = pass_seconds + perf_counter() - start  # the shared pass, then its own verification
         step = answer_step(draft, verdict, new, planned.draft_seconds + observing, verify_seconds, planned.cut,
-                           planned.chosen)
+                           planned.chosen, planned.asked)
         request.stats.record(step)
         self.policies[request.slot].observe(step)
         tell_peek(self.policies[request.slot], planned.peeked, emitted)

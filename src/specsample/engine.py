@@ -82,7 +82,7 @@ def decode(
             drafter.observe(emitted)
             new = cut_at_eos(emitted, eos_token_ids)
             step = answer_step(draft, verdict, new, t_verify - t_draft + observing - draft.setup_seconds,
-                               t_other - t_verify - observing, cut, chosen)
+                               t_other - t_verify - observing, cut, chosen, k)
             stats.record(step)
             policy.observe(step)
             tell_peek(policy, peeked, emitted)
@@ -224,11 +224,11 @@ def tell_peek(policy: Peeks, peeked: Tensor | None, emitted: list[int]) -> None:
 
 
 def answer_step(draft: Draft, verdict: Verdict, new: list[int], draft_seconds: float, verify_seconds: float,
-                cut: int, chosen: int | None) -> Step:
+                cut: int, chosen: int | None, asked: int | None) -> Step:
     """A step's record as far as the answer goes: accepted draft tokens after an EOS (`new` ends there) are
     not emitted, so neither they nor their nodes on a tree's accepted path count as accepted (`Step.answered`)."""
     step = Step(len(draft), verdict.accepted, len(new), draft_seconds, verify_seconds, draft.parents, verdict.path, cut,
-                chosen)
+                chosen, asked)
     return step.answered(len(new))
 
 

@@ -422,9 +422,12 @@ class CostModelK:
         if self.k == 0:
             self.idle_pending += 1  # forgotten at the next evaluation (`forget_idle`)
             return
+        asked = self.k if step.asked is None else min(self.k, step.asked)
+        if asked == 0:  # a plain step because one token was left: nothing learned of the drafter
+            return
         self.forget_idle()
         self.scale_counts(self.decay)
-        self.largest_k = max(self.largest_k, self.k)
+        self.largest_k = max(self.largest_k, asked)
         # Every verified position accepted and some cut: the first cut one was not verified, so not rejected
         # either. A tree's positions are its depths: its verified subtree fully accepted is its deepest path.
         seen = step.accepted if step.cut and step.accepted == verified_positions(step) else step.accepted + 1
@@ -433,7 +436,7 @@ class CostModelK:
         self.asking_steps = self.decay * self.asking_steps + 1
         self.empty_steps = self.decay * self.empty_steps + (drafted == 0)
         self.empty_seconds = self.decay * self.empty_seconds + (step.draft_seconds if drafted == 0 else 0.0)
-        for i in range(self.k):  # position i + 1, asked for
+        for i in range(asked):  # position i + 1, asked for
             self.drafted_reached[i] += i <= drafted
             self.drafted_ge[i] += i < drafted
             self.verified_reached[i] += i <= step.drafted

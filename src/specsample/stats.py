@@ -32,6 +32,7 @@ class Step:
     path: tuple[int, ...] | None = None  # a tree draft's accepted nodes
     cut: int = 0  # draft tokens drafted (and paid for) but not verified: cut by the K policy (`KPolicy.keep`)
     chosen: int | None = None  # the K the policy chose for this step (`KPolicy.choose`), before any limit
+    asked: int | None = None  # the K asked of the drafter: `chosen` within the tokens left (and a batch slot's rows)
 
     def answered(self, kept: int) -> "Step":
         """The step as far as the answer goes, its first `kept` emitted tokens (an EOS or a stop string ends
