@@ -22,7 +22,7 @@ from specsample.sampling import GeneratorSource, SamplingParams, request_source
 from specsample.stats import Stats
 from specsample.prompts import read_prompts
 from specsample.training import TrainOptions, data_shards, train
-from specsample.training.dataset import Sequence, load_sequences, split
+from specsample.training.dataset import Sequence, load_sequences, prompt_hash, split
 from specsample.training.generate import Writer, generate_shards, seeds_for, teacher_forced_features, write_prompts
 from specsample.training.objective import Objective
 from test_lossless import ALPHA, VOCAB, chi_square_p, exact_distribution, sampled_counts
@@ -365,7 +365,7 @@ def trained_dir(tiny_dir, tmp_path_factory) -> Path:
     prompts = tmp_path_factory.mktemp("prompts") / "prompts.txt"
     prompts.write_text("".join(f"w{i} w{i + 3} w{i + 7}\n" for i in range(2, 30)))
     options = TrainOptions(generate_batch=8, sampled_answers=1, batch_size=4, max_new_tokens=12, vocab_subset=40,
-                           steps=6, seq_len=16, eval_every=3)
+                           steps=6, seq_len=16, eval_every=3, holdout=0.2)  # some of 28 prompts held out
     train(load_model(tiny_dir), [p.turns[0] for p in read_prompts(prompts)], out, options, log=lambda _: None)
     return out
 
@@ -500,13 +500,14 @@ def test_the_batched_writer_writes_what_the_target_writes_alone(tiny_dir, sample
         assert [len(text) for text in fallback] == [len(text) for text in written]
 
 
-def test_sampled_data_is_the_same_in_a_run_and_its_resumption(tiny_dir, tmp_path):
+@pytest.mark.parametrize("backend", ["auto", "transformers"])  # on slots, and without them
+def test_sampled_data_is_the_same_in_a_run_and_its_resumption(tiny_dir, tmp_path, backend):
     """Seeds come from the run's seed and the shard's name: a shard made again after an interruption
     holds what it held, and another --seed samples other answers."""
     loaded = load_model(tiny_dir)
     prompts = [f"w{i} w{i + 5}" for i in range(2, 8)]
     options = TrainOptions(generate_batch=3, sampled_answers=1, max_new_tokens=12)
-    writer = Writer(loaded, partial(make_target, loaded), options.generate_batch)
+    writer = Writer(loaded, partial(make_target, loaded, backend), options.generate_batch)
     shards = generate_shards(loaded, writer, prompts, tmp_path / "a", options)
     assert len(shards) == 4
     before = [load_file(shard)["tokens"] for shard in shards]
@@ -579,6 +580,44 @@ def test_held_out_split_keeps_every_answer_to_a_prompt_on_one_side():
     assert len(train_set) + len(eval_set) == len(sequences)
     assert not prompts[0] & prompts[1]
     assert 1 <= len(prompts[1]) <= 12 and len(eval_set) == 4 * len(prompts[1])
+
+
+def test_a_prompt_is_held_out_by_its_own_hash_alone():
+    """No fallback that holds out the lowest hash of few prompts: grown from one prompt to three, a run
+    would hold out the one it trained on. Data whose every prompt falls in the held-out share is refused."""
+    def data(prompts) -> list[Sequence]:
+        return [Sequence(torch.tensor([p, p + 1, 7]), torch.zeros(3, 4), prompt_length=2) for p in prompts]
+
+    held = [p for p in range(0, 400, 2) if prompt_hash((p, p + 1), 0) < 0.05]
+    kept = [p for p in range(0, 400, 2) if p not in held][:3]
+    assert split(data(kept), holdout=0.05, seed=0)[1] == []  # none below: none held out
+    with pytest.raises(ValueError, match=r"every prompt of the data \(1\) falls in the held-out share"):
+        split(data(held[:1]), holdout=0.05, seed=0)
+    train_set, eval_set = split(data(held[:1] + kept), holdout=0.05, seed=0)
+    assert len(train_set) == 3 and len(eval_set) == 1
+
+
+def test_unroll_beyond_the_window_is_refused():
+    with pytest.raises(ValueError, match=r"unroll \(3\) must be at most seq_len \(2\)"):
+        TrainOptions(seq_len=2, unroll=3)
+
+
+def test_layer_features_of_two_runs_with_the_same_names_stay_apart(trained_dir, tiny_dir, tmp_path):
+    """--extra-data a/run --extra-data b/run: their shards share names; each copy with layer features is
+    its own source's."""
+    import shutil
+
+    from specsample.training.generate import with_layer_features
+
+    for name in "ab":
+        shutil.copytree(trained_dir / "data", tmp_path / name / "run" / "data")
+    first = data_shards(tmp_path / "a" / "run")[:1]
+    (tmp_path / "b" / "run" / "data" / first[0].name).write_bytes(data_shards(trained_dir)[1].read_bytes())
+    shards = first + [tmp_path / "b" / "run" / "data" / first[0].name]
+    (tmp_path / "out").mkdir()
+    copies = with_layer_features(load_model(tiny_dir), shards, (1,), tmp_path / "out")
+    assert len(set(copies)) == 2
+    assert not torch.equal(load_file(copies[0])["tokens"], load_file(copies[1])["tokens"])
 
 
 def test_held_out_split_keeps_its_sides_as_the_data_grows():

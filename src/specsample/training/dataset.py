@@ -65,15 +65,17 @@ def split(sequences: list[Sequence], holdout: float, seed: int) -> tuple[list[Se
     """Train and held-out sequences, split by prompt: every answer to a prompt (the greedy one and the
     sampled ones) falls on the same side, or the held-out figures would reward memorising answers.
     A prompt is held out when its own hash (with `seed`) falls below `holdout`, so its side does not
-    depend on the other prompts: a run resumed on grown data never holds out a prompt it trained on.
-    With more than one prompt and none below, the lowest is held out."""
+    depend on the other prompts: a run resumed on grown data never holds out a prompt it trained on
+    (so none is held out where none falls below, not even from data of few prompts). ValueError where
+    every prompt falls below: nothing would be left to train on."""
     by_prompt: dict[tuple[int, ...], list[Sequence]] = {}
     for s in sequences:
         by_prompt.setdefault(tuple(s.tokens[: s.prompt_length].tolist()), []).append(s)
     place = {prompt: prompt_hash(prompt, seed) for prompt in by_prompt}
     held = {prompt for prompt, at in place.items() if at < holdout}
-    if not held and len(by_prompt) > 1:
-        held = {min(place, key=place.get)}
+    if held and len(held) == len(by_prompt):
+        raise ValueError(f"every prompt of the data ({len(held)}) falls in the held-out share (holdout {holdout}): "
+                         f"give more prompts, or holdout 0 to hold out none")
     return ([s for prompt, g in by_prompt.items() if prompt not in held for s in g],
             [s for prompt, g in by_prompt.items() if prompt in held for s in g])
 

@@ -1,8 +1,8 @@
 """The training data: prompts the target writes itself, its answers, and their features in shards.
 
 The target writes on its batched slots where its backend has them (continuous batching on the C++
-kernels or llama.cpp: several times transformers' `generate` on a CPU), else with `generate`. Sampled
-text has a seed per prompt drawn from the run's seed and the shard's name, so a run and its resumption
+kernels or llama.cpp: several times transformers' `generate` on a CPU), else greedy text with `generate`
+and sampled text by plain decoding, a prompt at a time. Sampled text has a seed per prompt drawn from the run's seed and the shard's name, so a run and its resumption
 write the same data. Shards are written whole or not at all and named by batch and round, so an
 interrupted run resumes with the shards it lacks.
 """
@@ -24,10 +24,12 @@ from tqdm import tqdm
 
 from specsample.batch import Batch, Request, drain
 from specsample.drafters.none import NoDrafter
+from specsample.engine import decode
 from specsample.models import LoadedModel, Target
 from specsample.models.target import SlottedTarget, normalized
 from specsample.policy import FixedK
 from specsample.sampling import SamplingParams, request_source
+from specsample.stats import Stats
 from specsample.text import encode_prompt, user_turn_opening
 from specsample.training.options import TrainOptions
 
@@ -129,7 +131,8 @@ def with_layer_features(model: LoadedModel, shards: list[Path], layers: tuple[in
         if set(layers) <= set(stored_layers(shard)):
             out.append(shard)
             continue
-        copy = data_dir / f"{shard.parent.parent.name}-{shard.name}"
+        origin = hashlib.blake2b(str(shard.resolve()).encode(), digest_size=6).hexdigest()
+        copy = data_dir / f"{origin}-{shard.name}"  # by the source's full path: two runs' shards share names
         if not copy.exists():
             data = load_file(shard)
             sequences = [t.tolist() for t in data["tokens"].split(data["lengths"].tolist())]
@@ -168,11 +171,23 @@ class Writer:
         if self.target is None:
             self.target = self.make()
         if not isinstance(self.target, SlottedTarget):
-            return generate_batch(self.model, prompts, max_new_tokens, sampled=seeds is not None)
+            if seeds is None:
+                return generate_batch(self.model, prompts, max_new_tokens)
+            return [self.sampled(prompt, max_new_tokens, seed) for prompt, seed in zip(prompts, seeds)]
         if self.batch is None:
             self.batch = Batch(self.target.slots(self.width), NoDrafter(), lambda: FixedK(0),
                                eos_token_ids=self.model.eos_token_ids)
         return slotted_write(self.batch, prompts, max_new_tokens, seeds)
+
+
+    def sampled(self, prompt: list[int], max_new_tokens: int, seed: int) -> list[int]:
+        """Plain decoding of `prompt` at temperature 1 with `seed`, one prompt at a time on a target without
+        slots: `SpecSampler.generate`'s text with that seed, as on slots (transformers' `generate` draws from
+        the global generator, so a resumed run would write other text)."""
+        steps = decode(self.target, NoDrafter(), FixedK(0), torch.tensor(prompt), SamplingParams(temperature=1.0),
+                       max_new_tokens=max_new_tokens, eos_token_ids=self.model.eos_token_ids,
+                       random=request_source(seed), stats=Stats())
+        return [token for new in steps for token in new]
 
 
 def slotted_write(batch: Batch, prompts: list[list[int]], max_new_tokens: int, seeds: list[int] | None) -> list[list[int]]:
@@ -192,17 +207,15 @@ def slotted_write(batch: Batch, prompts: list[list[int]], max_new_tokens: int, s
 
 
 @torch.inference_mode()
-def generate_batch(model: LoadedModel, prompts: list[list[int]], max_new_tokens: int, sampled: bool = False) -> list[list[int]]:
-    """Answers to a batch of prompts (left-padded) by transformers' `generate`, greedy or sampled at temperature 1
-    (from torch's global generator, seeded once by `train`), each cut after its first EOS."""
+def generate_batch(model: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy answers to a batch of prompts (left-padded) by transformers' `generate`, each cut after its first EOS."""
     pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
     width = max(map(len, prompts))
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sampled else {"do_sample": False}
     out = model.model.generate(
         input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-        pad_token_id=pad, eos_token_id=sorted(model.eos_token_ids) or None, **sampling,
+        pad_token_id=pad, eos_token_id=sorted(model.eos_token_ids) or None, do_sample=False,
     )
     answers = []
     for row in out[:, width:].tolist():

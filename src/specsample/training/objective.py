@@ -35,6 +35,8 @@ class Objective:
         for j, predicted in enumerate(self.passes(tokens, features, options.unroll)):
             counted = mask.clone()
             counted[:, :j] = False  # pass j + 1's first j positions draft from an anchor before the window
+            if not counted.any():  # windows of short answers: no position this deep (a mean of none is NaN)
+                break
             regression = F.smooth_l1_loss(predicted[counted], truth[counted])
             logp = (predicted @ self.lm_head_rows.t()).log_softmax(-1)
             distill = -(target_logp.exp() * logp).sum(-1)[counted].mean()

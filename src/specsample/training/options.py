@@ -42,6 +42,9 @@ class TrainOptions:
             raise ValueError(f"vocab_subset must be >= 0 (0: the full LM head), got {self.vocab_subset}")
         if len(set(self.feature_layers)) != len(self.feature_layers) or any(i < 1 for i in self.feature_layers):
             raise ValueError(f"feature_layers must be distinct layer numbers >= 1, got {list(self.feature_layers)}")
+        if self.unroll > self.seq_len:
+            raise ValueError(f"unroll ({self.unroll}) must be at most seq_len ({self.seq_len}): a window of seq_len "
+                             f"positions has no position for a draft {self.unroll} tokens ahead")
         if not 0 <= self.holdout < 1:
             raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
         if not 0 < self.lr < math.inf:
