@@ -138,10 +138,31 @@ def test_a_string_is_one_stop_string_not_its_characters():
     assert matcher.feed("NED END") == ("NED ", True)
 
 
-@pytest.mark.parametrize("stop", ["", ["a", ""], [5]])
+@pytest.mark.parametrize("stop", ["", ["a", ""], [5], b"END"])
 def test_an_empty_or_non_string_stop_is_refused(stop):
     with pytest.raises(ValueError, match="stop string must"):
         stop_strings(stop)
+
+
+def test_no_stop_is_none():
+    assert stop_strings(None) == [] and stop_strings(()) == []
+
+
+@pytest.mark.parametrize("prompt, message", [
+    (None, "a prompt must be a string or a list of messages, got NoneType"),
+    (5, "a prompt must be a string or a list of messages, got int"),
+    (b"hi", "a prompt must be a string or a list of messages, got bytes"),
+    ({"role": "user", "content": "hi"}, "a prompt must be a string or a list of messages, got dict"),
+    ([], "the prompt has no messages"),
+    (["hello"], "message 1 must be a dict with 'role' and 'content', got str"),
+    ([{"role": "user"}], "message 1 needs a string 'content', got None"),
+    ([{"role": "user", "content": "a"}, {"content": "b"}], "message 2 needs a string 'role', got None"),
+    ([{"role": "user", "content": 5}], "message 1 needs a string 'content', got 5"),
+])
+def test_a_prompt_that_is_not_text_or_messages_is_refused_naming_what_is_wrong(byte_tokenizer, prompt, message):
+    with pytest.raises(ValueError) as refused:
+        encode_prompt(byte_tokenizer, prompt)
+    assert str(refused.value) == message
 
 
 @pytest.mark.parametrize("messages", [

@@ -30,7 +30,7 @@ from specsample.models.loading import conversion_dir
 from specsample.models.target import SlottedTarget, require
 from specsample.openmp import use_threads
 from specsample.policy import KPolicy, SeesCostCurve, SeesDraftCost, parse_batch_k, parse_k
-from specsample.sampling import SamplingParams, check_seed, request_source
+from specsample.sampling import SamplingParams, check_seed, integer, request_source
 from specsample.stats import Stats
 from specsample.text import IncrementalDecoder, Message, StopMatcher, check_text, encode_prompt, stop_strings
 from specsample.verify import ChainVerifier
@@ -403,8 +403,10 @@ class SpecSampler:
         prompt. Each completion is the one `generate` gives its prompt alone (greedy, or with a seed).
         With `batch` (an empty one from `batch`, which `max_batch` and `k` then do not change) the
         prompts run in it, and its `totals` and policies stay to be read or reused."""
-        if max_batch < 1:
+        if integer(max_batch, "max_batch") < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if "seed" in options:
+            raise ValueError("generate_batch takes seeds=[...], one per prompt, not seed=")
         stop = stop_strings(stop)
         seeds = [None] * len(prompts) if seeds is None else list(seeds)
         if len(seeds) != len(prompts):

@@ -19,17 +19,35 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[Mes
     """Token ids of a prompt; chat prompts go through the model's chat template when it has one. Without
     one, a chat is taken only if it is a single user message, as its text: joining several would silently
     drop their roles. Text that is not Unicode a tokenizer can take (a lone surrogate: invalid UTF-8 bytes
-    on a command line, a bad escape in JSON) is a ValueError naming where it is."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    on a command line, a bad escape in JSON) is a ValueError naming where it is, as is a prompt that is
+    neither a string nor a list of messages with a string role and content."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else check_messages(prompt)
     for number, message in enumerate(messages, 1):
         if isinstance(message.get("content"), str):
             check_text(message["content"], "the prompt" if isinstance(prompt, str) else f"message {number}")
     if chat and tokenizer.chat_template:
         return chat_ids(tokenizer, messages)
     if len(messages) != 1 or messages[0].get("role") != "user":
-        raise ValueError(f"the model has no chat template, so a chat of {len(messages)} messages and their roles "
-                         "cannot be written as its input: send one user message, or the text as a completion prompt")
+        why = "the chat template is off (chat=False)" if tokenizer.chat_template else "the model has no chat template"
+        raise ValueError(f"{why}, so a chat of {len(messages)} messages and their roles cannot be written as its "
+                         "input: send one user message, or the text as a completion prompt")
     return tokenizer.encode(messages[0]["content"], add_special_tokens=True)
+
+
+def check_messages(prompt: object) -> list[Message]:
+    """The messages of a chat prompt, each a dict with a string role and a string content; a ValueError
+    naming the first that is not."""
+    if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Sequence):
+        raise ValueError(f"a prompt must be a string or a list of messages, got {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError("the prompt has no messages")
+    for number, message in enumerate(prompt, 1):
+        if not isinstance(message, dict):
+            raise ValueError(f"message {number} must be a dict with 'role' and 'content', got {type(message).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise ValueError(f"message {number} needs a string {key!r}, got {message.get(key)!r}")
+    return list(prompt)
 
 
 def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> list[int]:
@@ -140,10 +158,12 @@ def prefix_function(s: str) -> list[int]:
     return table
 
 
-def stop_strings(stop: str | Sequence[str]) -> list[str]:
-    """The stop strings of an option that gives one string or several (a string is one stop string, not
-    its characters). An empty one is a ValueError: it would end every answer before its first token."""
-    strings = [stop] if isinstance(stop, str) else list(stop)
+def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+    """The stop strings of an option that gives none, one string or several (a string is one stop string,
+    not its characters). An empty one is a ValueError: it would end every answer before its first token."""
+    if isinstance(stop, bytes):
+        raise ValueError(f"a stop string must be a string, got {stop!r}")
+    strings = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
     for string in strings:
         if not isinstance(string, str):
             raise ValueError(f"a stop string must be a string, got {string!r}")
