@@ -292,3 +292,16 @@ def test_threads_hold_for_every_backend(tiny_dir, threads):
     assert done.returncode == 0, done.stderr
     main_thread, other_thread = done.stdout.split()[-2:]
     assert main_thread == other_thread == str(threads or main_thread), done.stdout
+
+
+def test_train_draft_with_every_prompt_held_out_is_one_line_and_exit_2(capsys, tiny_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w2 w6\n")
+    common = ["train-draft", "--model", str(tiny_dir), "--prompts", str(prompts), "--steps", "1", "--seq-len", "8",
+              "--batch-size", "2", "--generate-batch", "1", "--max-new-tokens", "4", "--vocab-subset", "0"]
+    code, _, err = cli(capsys, *common, "--out", str(tmp_path / "a"), "--holdout", "0.999")
+    last = err.strip().splitlines()[-1]  # after the data's progress bars
+    assert code == 2 and "Traceback" not in err and last.startswith("specsample: error: every prompt of the data (1) falls")
+    assert "--holdout 0" in last
+    code, _, err = cli(capsys, *common, "--out", str(tmp_path / "b"), "--holdout", "1.5")
+    assert code == 2 and "holdout must be in [0, 1), got 1.5" in err

@@ -219,6 +219,7 @@ def train_draft(
     feature_layers: Annotated[str, typer.Option(help="Comma-separated decoder layers (1-based) whose outputs the head reads besides the final state, e.g. 2,15,27 (EAGLE-3); empty: the final state only.")] = "",
     lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 1e-3,
     eval_every: Annotated[int, typer.Option(help="Steps between held-out evaluations and checkpoints.")] = 200,
+    holdout: Annotated[float, typer.Option(help="Share of prompts held out for the held-out figures, each by its own hash (0: none).")] = 0.05,
     seed: Annotated[int, typer.Option(help="Seed of the split, the windows, the sampled text and the initialisation.")] = 0,
     backend: Annotated[str, typer.Option(help="Backend that writes the prompts and answers, batched where it can: auto (float32: the C++ kernels "
                                           "where they run the model, else transformers), fast, transformers, gguf (a GGUF file's own blocks: twice as "
@@ -238,7 +239,7 @@ def train_draft(
     options = TrainOptions(
         generate_batch=generate_batch, sampled_answers=sampled_answers, self_prompts=self_prompts, batch_size=batch_size,
         max_new_tokens=max_new_tokens, data_minutes=data_minutes, vocab_subset=vocab_subset, layers=layers,
-        steps=steps, seq_len=seq_len, lr=lr, unroll=unroll, eval_every=eval_every, seed=seed,
+        steps=steps, seq_len=seq_len, lr=lr, unroll=unroll, eval_every=eval_every, holdout=holdout, seed=seed,
         feature_layers=layer_numbers(feature_layers),
     )
     if not prompts and not self_prompts and not extra_data:

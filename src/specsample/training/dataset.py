@@ -75,7 +75,7 @@ def split(sequences: list[Sequence], holdout: float, seed: int) -> tuple[list[Se
     held = {prompt for prompt, at in place.items() if at < holdout}
     if held and len(held) == len(by_prompt):
         raise ValueError(f"every prompt of the data ({len(held)}) falls in the held-out share (holdout {holdout}): "
-                         f"give more prompts, or holdout 0 to hold out none")
+                         f"give more prompts, or --holdout 0 to hold out none")
     return ([s for prompt, g in by_prompt.items() if prompt not in held for s in g],
             [s for prompt, g in by_prompt.items() if prompt in held for s in g])
 
