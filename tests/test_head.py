@@ -391,7 +391,8 @@ def test_a_run_with_nothing_held_out_reports_no_held_out_figures(tiny_dir, tmp_p
 
 def test_a_head_trains_on_an_earlier_runs_data_alone(trained_dir, tiny_dir, tmp_path):
     options = TrainOptions(batch_size=4, vocab_subset=40, steps=2, seq_len=16, eval_every=2)
-    report = train(load_model(tiny_dir), [], tmp_path, options, log=lambda _: None, extra_shards=data_shards(trained_dir))
+    twice = data_shards(trained_dir) * 2  # the same run given twice (or a run's own OUT): its data once
+    report = train(load_model(tiny_dir), [], tmp_path, options, log=lambda _: None, extra_shards=twice)
     assert report["sequences"] == 56 and (tmp_path / "head.json").is_file()
     assert not list((tmp_path / "data").glob("*.safetensors"))  # nothing generated again
 

@@ -45,7 +45,8 @@ def train(
     shards = generate_shards(model, writer, prompts, out_dir / "data", options)
     if options.feature_layers:
         extra_shards = with_layer_features(model, list(extra_shards), options.feature_layers, out_dir / "data")
-    sequences = load_sequences(shards + list(extra_shards), options.feature_layers)
+    unique = list({shard.resolve(): shard for shard in [*shards, *extra_shards]}.values())  # --extra-data OUT: once
+    sequences = load_sequences(unique, options.feature_layers)
     data_seconds = perf_counter() - start
     train_set, eval_set = split(sequences, options.holdout, options.seed)
     if not eval_set:
