@@ -19,6 +19,7 @@ from specsample.engine import decode
 from specsample.policy import FixedK
 from specsample.sampling import CoupledSource, SamplingParams
 from specsample.stats import Stats
+from specsample.verify import ChainVerifier
 
 from conftest import tiny_llama, tiny_tokenizer
 
@@ -67,10 +68,11 @@ def test_a_prediction_changes_the_speed_not_the_text(temperature):
     assert wrong == alone and stats.drafted_tokens > 0
 
 
-@pytest.mark.parametrize("name", ["t1", "top_k3"])
-def test_a_prediction_keeps_the_target_distribution(models, name):
+@pytest.mark.parametrize("name, broken", [("t1", False), ("top_k3", False), ("t1", True)])
+def test_a_prediction_keeps_the_target_distribution(models, name, broken):
     """The chi-square test of test_lossless (N_SAMPLES sequences, significance ALPHA) with a prediction of
-    the target's three most likely tokens after the prompt, which it drafts at every step."""
+    the target's three most likely tokens after the prompt, which it drafts at every step; a verifier that
+    recovers from the target's row instead of the residual is rejected."""
     target_model, _ = models
     params = lossless.PARAMS[name]
     with torch.inference_mode():
@@ -82,9 +84,10 @@ def test_a_prediction_keeps_the_target_distribution(models, name):
                         max_new_tokens=lossless.SEQ_LEN, eos_token_ids=frozenset(), random=random, stats=stats):
             pass
     assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0  # not vacuous
-    observed = lossless.sampled_counts(target_model, drafter, params, seed=97)
+    verifier = ChainVerifier(sample=lossless.reject_without_residual) if broken else ChainVerifier()
+    observed = lossless.sampled_counts(target_model, drafter, params, seed=97, verifier=verifier)
     p = lossless.chi_square_p(observed, lossless.exact_distribution(target_model, params))
-    assert p > lossless.ALPHA, f"prediction {name}: p = {p:.2e}"
+    assert (p < lossless.ALPHA) if broken else (p > lossless.ALPHA), f"prediction {name} broken={broken}: p = {p:.2e}"
 
 
 def tiny_sampler():

@@ -197,11 +197,12 @@ def no_residual_update(draft_tokens, parents, draft_probs, target_probs, generat
             return Verdict(len(path), sample(residual, generator), tuple(path))
 
 
-@pytest.mark.parametrize("kind", ["point-mass", "sampled"])
-def test_broken_tree_verifier_is_rejected(kind):
-    observed, exact = sampled_counts(kind, "binary", PARAMS["t1"], verifier=TreeVerifier(sample=no_residual_update))
+@pytest.mark.parametrize("kind,shape,name", [("point-mass", "binary", "t1"), ("sampled", "binary", "t1"),
+                                             ("point-mass", "binary", "t0.7-top_p0.9"), ("sampled", "mixed", "t0.7-top_p0.9")])
+def test_broken_tree_verifier_is_rejected(kind, shape, name):
+    observed, exact = sampled_counts(kind, shape, PARAMS[name], verifier=TreeVerifier(sample=no_residual_update))
     p = chi_square_p(observed, exact)
-    assert p < ALPHA, f"no_residual_update passed on {kind}: p = {p:.2e}"
+    assert p < ALPHA, f"no_residual_update passed on {kind} {shape} {name}: p = {p:.2e}"
 
 
 def plain_coupled(tables: Tables, seed: int, params: SamplingParams, length: int) -> list[int]:
