@@ -81,7 +81,7 @@ def test_a_choice_is_remembered_apart_for_an_installed_llama_cpp_and_measured_ag
     """llama.cpp installed after a choice was made among the others, or uninstalled after it won: the file
     is measured again among what is there. A remembered choice that cannot be read is measured again too."""
     choice.backend_for(tiny_gguf, None, lambda: {"llamacpp": 0.01, "auto": 0.03})
-    monkeypatch.setattr(choice, "llamacpp_installed", lambda: False)
+    monkeypatch.setattr(choice, "llamacpp_build", lambda: "")
     assert choice.backend_for(tiny_gguf, None, lambda: {"auto": 0.03}).backend == "auto"
     assert len(list((cache / "backend-choice").glob("*.json"))) == 2
     choice.choice_path(tiny_gguf, None).write_text('{"backend": "auto"}')  # a field missing
@@ -119,3 +119,14 @@ def test_a_file_transformers_cannot_convert_is_measured_on_the_other_backends(fi
     assert backend in ("gguf", "llamacpp") and "float32" not in reason and "GGUF blocks" in reason, reason
     sampler = SpecSampler.load(str(files[1]), "suffix", threads=1)
     assert 1 <= len(sampler.generate("abba cafe", max_new_tokens=8, temperature=0).token_ids) <= 8
+
+
+def test_a_choice_is_remembered_apart_for_another_llama_cpp_build_or_core_count(tiny_gguf, cache, monkeypatch):
+    """llama.cpp rebuilt (another version, other flags, the batch-invariance patch) runs at another speed,
+    and a process on fewer cores (taskset, a smaller VM) too: each measures again."""
+    paths = {choice.choice_path(tiny_gguf, None)}
+    monkeypatch.setattr(choice, "llamacpp_build", lambda: "0.3.99 [('libllama.so', 1, 2)]")
+    paths.add(choice.choice_path(tiny_gguf, None))
+    monkeypatch.setattr(choice, "default_threads", lambda: 7)
+    paths.add(choice.choice_path(tiny_gguf, None))
+    assert len(paths) == 3 and choice.choice_path(tiny_gguf, 7) == choice.choice_path(tiny_gguf, None)

@@ -249,3 +249,43 @@ def test_the_k_policy_drafts_less_on_llamacpps_steep_cost_curve(acceptance, llam
     on_llamacpp, on_fast = chosen_k(LLAMACPP_CURVE, acceptance), chosen_k(FAST_CURVE, acceptance)
     assert max(on_llamacpp, key=on_llamacpp.get) <= llamacpp_most, on_llamacpp
     assert max(on_fast, key=on_fast.get) >= fast_least, on_fast
+
+
+def test_llama_cpp_baselines_sample_from_the_engine_s_distribution():
+    """Top-p cuts the tempered distribution, as `sampling.probs_from_logits` does: at temperature 0.5 and
+    top-p 0.8 llama.cpp's chain keeps the tokens the engine gives mass, where top-p before the temperature
+    kept a third."""
+    import ctypes
+
+    import torch
+
+    from specsample.models.llamacpp import _bindings, init_backend
+    from specsample.sampling import SamplingParams, probs_from_logits
+
+    init_backend()
+    lib = _bindings()
+    logits = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5]
+    for params in (SamplingParams(temperature=0.5, top_p=0.8), SamplingParams(temperature=2.0, top_k=4, top_p=0.7)):
+        chain = llamacpp_baselines.sampler_chain(lib, params, seed=0)
+        data = (lib.llama_token_data * len(logits))(*[lib.llama_token_data(i, v, 0.0) for i, v in enumerate(logits)])
+        candidates = lib.llama_token_data_array(data, len(logits), -1, False)
+        lib.llama_sampler_apply(chain, ctypes.byref(candidates))
+        lib.llama_sampler_free(chain)
+        kept = sorted(int(candidates.data[i].id) for i in range(candidates.size))
+        assert kept == torch.nonzero(probs_from_logits(torch.tensor(logits), params)).flatten().tolist(), params
+
+
+@pytest.mark.skipif(not TOOLS_BUILT, reason="llama.cpp tools not built (scripts/build_llamacpp_tools.sh)")
+def test_a_one_token_answer_is_not_an_unlimited_one_for_the_tools(ggufs, cache):
+    """The tools read -n 0 as no limit: one new token asks for -n 1 (then cut to one), and sampling names
+    the engine's order of samplers."""
+    from specsample.sampling import SamplingParams
+
+    target, _ = ggufs
+    runner = llamacpp_baselines.LlamaCppToolRunner(load_model(str(target)), llamacpp_baselines.LOOKUP_TOOL, target,
+                                                   threads=1, n_ctx=256, params=SamplingParams(temperature=0.7, top_p=0.9),
+                                                   max_new_tokens=1, k=4)
+    assert runner.args[runner.args.index("-n") + 1] == "1"
+    assert runner.args[runner.args.index("--samplers") + 1] == "temperature;top_k;top_p"
+    output = runner.run([{"role": "user", "content": "face bead"}])
+    assert len(output.token_ids) == 1 and output.generated_tokens <= 2

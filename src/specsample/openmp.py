@@ -76,6 +76,11 @@ def check_threads(threads: int | None, name: str = "--threads") -> None:
         raise ValueError(f"{name} must be from 1 to {MAX_THREADS}, got {threads}")
 
 
+def default_threads() -> int:
+    """All the cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def use_threads(threads: int | None) -> None:
     """Run the process's parallel regions, torch's and the project's kernels' (one libgomp), on `threads`
     threads (None: OpenMP's default, every core; llama.cpp's are its target's `n_threads`). Before torch

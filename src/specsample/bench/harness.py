@@ -317,12 +317,6 @@ def llamacpp_runner(config: Config, setup: Setup) -> Runner:
     return llamacpp.LlamaCppToolRunner(tool=llamacpp.SPECULATIVE_TOOL, k=hf_k(config), draft=draft, **common)
 
 
-def default_threads() -> int:
-    from specsample.models.llamacpp import default_threads as all_cores
-
-    return all_cores()
-
-
 RunnerFactory = Callable[[Config, Setup], Runner]
 
 RUNNERS: dict[str, RunnerFactory] = {

@@ -171,6 +171,21 @@ def extra_buffer_types_work(path: Path, threads: int) -> bool:
     return _extra_bufts_ok[key]
 
 
+def sampler_chain(lib, params: SamplingParams, seed: int):
+    """llama.cpp's sampler for `params` (the binding `lib`): greedy, or the temperature, top-k and top-p in
+    the engine's order (`sampling.probs_from_logits`: top-p cuts the tempered distribution), then a draw."""
+    if params.greedy:
+        return lib.llama_sampler_init_greedy()
+    chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+    lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(params.temperature))
+    if params.top_k:
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(params.top_k))
+    if params.top_p < 1.0:
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(params.top_p, 1))
+    lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed))
+    return chain
+
+
 class LlamaCppPlainRunner:
     """Plain decoding by llama.cpp itself: one `llama_decode` per token and llama.cpp's sampler."""
 
@@ -198,22 +213,9 @@ class LlamaCppPlainRunner:
         self.n_batch = int(lib.llama_n_batch(self.ctx))
         self.memory = lib.llama_get_memory(self.ctx)
         self.vocab = lib.llama_model_get_vocab(self.llama)
-        self.sampler = self._sampler(params, seed)
+        self.sampler = sampler_chain(lib, params, seed)
         self.label = ("llama.cpp plain, " + ("extra buffer types (repacked/AMX weights) on" if self.extra_bufts
                       else "extra buffer types off (they crash a batched pass here)") + variant_label())
-
-    def _sampler(self, params: SamplingParams, seed: int):
-        lib = self.lib
-        if params.greedy:
-            return lib.llama_sampler_init_greedy()
-        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-        if params.top_k:
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(params.top_k))
-        if params.top_p < 1.0:
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(params.top_p, 1))
-        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(params.temperature))
-        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed))
-        return chain
 
     def _decode(self, ids: np.ndarray) -> None:
         for start in range(0, len(ids), self.n_batch):
@@ -386,9 +388,9 @@ class LlamaCppToolRunner:
             raise Unavailable(f"{tool} needs a draft GGUF file")
         sampling = ["--temp", "0"] if params.greedy else [
             "--temp", f"{params.temperature}", "--top-k", str(params.top_k), "--top-p", f"{params.top_p}",
-            "--min-p", "0"]
-        # -n N - 1: both tools stop once they have more than -n tokens
-        self.args = [str(self.executable), "-m", str(path), "-c", str(n_ctx), "-n", str(max(max_new_tokens - 1, 0)),
+            "--min-p", "0", "--samplers", "temperature;top_k;top_p"]  # the engine's order
+        # -n N - 1: both tools stop once they have more than -n tokens (and -n 0 is no limit: 1 at least)
+        self.args = [str(self.executable), "-m", str(path), "-c", str(n_ctx), "-n", str(max(max_new_tokens - 1, 1)),
                      "-t", str(threads), "-tb", str(threads), "--seed", str(seed), "--no-escape",
                      "--spec-draft-n-max", str(k), *sampling]
         if draft is not None:

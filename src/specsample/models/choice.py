@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specsample.cost_curve import measure_synthetic
+from specsample.openmp import default_threads
 from specsample.models.target import Target
 
 CONTEXT = 64  # cached tokens under each timed pass
@@ -48,6 +49,21 @@ def llamacpp_installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+def llamacpp_build() -> str:
+    """Which llama.cpp is installed, without loading it: llama-cpp-python's version and the name, size and
+    time of each of its libraries (a rebuild with other flags or the batch-invariance patch changes them,
+    and with them llama.cpp's speed); empty where it is not installed."""
+    import importlib.metadata
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        return ""
+    libraries = sorted((Path(spec.origin).parent / "lib").glob("*.so*"))
+    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in libraries if p.is_file()]
+    return f"{importlib.metadata.version('llama_cpp_python')} {stats}"
+
+
 PREFERENCE = ("gguf", "auto", "llamacpp")  # ties go to the project's kernels, whose batched passes cost least
 LABELS = {"gguf": "fast backend on the GGUF blocks", "auto": "float32 fast backend", "llamacpp": "llamacpp"}
 
@@ -60,13 +76,14 @@ def choose(seconds: dict[str, float]) -> BackendChoice:
 
 
 def choice_path(gguf: Path, threads: int | None) -> Path:
-    """Where the choice for this file (its name and content, `file_fingerprint`), CPU, thread count, kernel
-    build (`kernels.build_key`) and candidates (llama.cpp installed or not) is kept."""
+    """Where the choice for this file (its name and content, `file_fingerprint`), CPU, thread count (the cores
+    this process may use where none is given), kernel build (`kernels.build_key`) and candidates (which
+    llama.cpp build, if any) is kept."""
     from specsample.models.kernels import machine_digest
     from specsample.models.loading import conversion_dir
 
     directory = conversion_dir(gguf)  # reads the file's sampled bytes: once
-    key = machine_digest(directory.name, threads, CANDIDATES, KERNELS_VERSION, llamacpp_installed())
+    key = machine_digest(directory.name, threads or default_threads(), CANDIDATES, KERNELS_VERSION, llamacpp_build())
     return directory.parent / "backend-choice" / f"{key}.json"
 
 

@@ -57,6 +57,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specsample.openmp import default_threads
+
 DEFAULT_MAX_LENGTH = 8192
 CACHE_TYPES = {"f16": 1, "f32": 0}  # KV cache element types: ggml_type ids
 # Tokens per llama_decode call: prompts are prefilled in chunks of this many. From 64 queries flash
@@ -224,10 +226,6 @@ def system_info() -> str:
     """The loaded CPU backend's features on one line, e.g. "CPU: SSE3 AVX AVX2 FMA AVX512 ... OPENMP"."""
     return "CPU: " + " ".join(name if value == "1" else f"{name}={value}" for name, value in cpu_features().items())
 
-
-def default_threads() -> int:
-    """All the cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def last_error() -> str:
