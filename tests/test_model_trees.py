@@ -20,6 +20,7 @@ from specsample.drafters.head_tree import HeadTreeDrafter
 from specsample.models import make_target
 from specsample.policy import CostModelK
 from specsample.sampling import CoupledSource, GeneratorSource, SamplingParams, make_generator
+from specsample.tree import chain_parents
 
 from conftest import needs_kernels, tiny_llama
 from test_head import tiny_head
@@ -118,9 +119,11 @@ def test_alternatives_go_where_the_chains_token_is_measured_rejected():
     sampled, source = SamplingParams(temperature=1.0), GeneratorSource(make_generator(0))
 
     def draft(params: SamplingParams, taken) -> bool:
-        """Begin a request, draft 4 tokens and show the drafter the text `taken(chain)`: whether it was a tree."""
+        """Begin a request, draft 4 tokens and show the drafter the text `taken(chain)`: whether it had
+        alternatives (a sampled draft is a tree whatever its shape, `DraftModelDrafter.chain_form`)."""
         drafter.begin(PROMPT, params)
-        tree = drafter.propose(4, source).is_tree
+        proposed = drafter.propose(4, source)
+        tree = not torch.equal(proposed.parent_array(), chain_parents(len(proposed)))
         assert max(drafter.draft_confidence) < drafter.threshold
         drafter.observe(taken(drafter.draft))
         return tree

@@ -235,7 +235,7 @@ def test_tree_stats_count_trees_verified_and_the_path_the_answer_holds():
     stats = Stats()
     stats.record(Step(0, 0, 1, 0.0, 0.0, torch.empty(0, dtype=torch.long), ()))
     assert "tree" not in stats.to_dict()
-    step = engine.answer_step(draft, Verdict(3, 7, (0, 2, 4)), [10, 12], 0.0, 0.0, 0, None)  # the EOS at node 2
+    step = engine.answer_step(draft, Verdict(3, 7, (0, 2, 4)), [10, 12], 0.0, 0.0, 0, None, None)  # the EOS at node 2
     assert (step.accepted, step.path) == (2, (0, 2))
     stats.record(step)
     stats.record(Step(5, 3, 4, 0.0, 0.0, parents, (0, 2, 4)))
