@@ -59,8 +59,8 @@ def llamacpp_build() -> str:
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or spec.origin is None:
         return ""
-    libraries = sorted((Path(spec.origin).parent / "lib").glob("*.so*"))
-    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in libraries if p.is_file()]
+    libraries = [(p.name, p.stat()) for p in sorted((Path(spec.origin).parent / "lib").glob("*.so*")) if p.is_file()]
+    stats = [(name, stat.st_size, stat.st_mtime_ns) for name, stat in libraries]
     return f"{importlib.metadata.version('llama_cpp_python')} {stats}"
 
 

@@ -411,11 +411,15 @@ class TensorIndex:
         else:
             raise ValueError(f"{self.path}: unknown GGUF metadata type {kind}")
 
-    def raw(self, name: str) -> tuple[np.ndarray, GGMLQuantizationType]:
-        """A tensor's bytes, uint8 [rows, bytes per row] (memory-mapped), and its type."""
+    def entry(self, name: str) -> tuple:
+        """A tensor's (dims, type, offset); ValueError naming it where the file has none."""
         if name not in self.tensors:
             raise ValueError(f"{self.path}: no tensor {name!r} (a truncated file, or a model this backend does not read)")
-        dims, kind, offset = self.tensors[name]
+        return self.tensors[name]
+
+    def raw(self, name: str) -> tuple[np.ndarray, GGMLQuantizationType]:
+        """A tensor's bytes, uint8 [rows, bytes per row] (memory-mapped), and its type."""
+        dims, kind, offset = self.entry(name)
         block_size, type_bytes = gguf_quant_sizes(kind)
         rows = int(np.prod(dims[1:], dtype=np.int64))
         row_bytes = dims[0] // block_size * type_bytes
@@ -591,9 +595,7 @@ def expected_tensors(index: TensorIndex, shape: FileShape) -> dict[str, tuple[in
     """The matrices `file_target` reads and the dims [in, out] (GGUF's order) the metadata implies; the
     feed-forward width is the first layer's, the vocabulary the embedding's."""
     hidden = int(index.metadata[f"{shape.arch}.embedding_length"])
-    if "token_embd.weight" not in index.tensors or "blk.0.ffn_gate.weight" not in index.tensors:
-        index.raw("token_embd.weight" if "token_embd.weight" not in index.tensors else "blk.0.ffn_gate.weight")
-    vocab, ffn = index.tensors["token_embd.weight"][0][1], index.tensors["blk.0.ffn_gate.weight"][0][1]
+    vocab, ffn = (index.entry(name)[0][1] for name in ("token_embd.weight", "blk.0.ffn_gate.weight"))
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     per_layer = {"attn_q": (hidden, q), "attn_k": (hidden, kv), "attn_v": (hidden, kv), "attn_output": (q, hidden),
                  "ffn_gate": (hidden, ffn), "ffn_up": (hidden, ffn), "ffn_down": (ffn, hidden)}
@@ -613,10 +615,10 @@ def check_tensors(index: TensorIndex, shape: FileShape) -> None:
     from specsample.models.llama import UnsupportedModel
 
     for name, want in expected_tensors(index, shape).items():
+        dims = (*map(int, index.entry(name)[0]), 1)[:2]  # a vector's [n] read as [n, 1]
+        if dims != want:
+            raise ValueError(f"{index.path}: tensor {name!r} is {list(dims)}, the metadata says {list(want)}")
         raw, kind = index.raw(name)
-        dims = tuple(int(d) for d in index.tensors[name][0]) + (1,) * (2 - len(index.tensors[name][0]))
-        if dims[:2] != want:
-            raise ValueError(f"{index.path}: tensor {name!r} is {list(dims[:2])}, the metadata says {list(want)}")
         if not supported(kind):
             try:
                 dequantize(raw[:1], kind)

@@ -227,7 +227,6 @@ def system_info() -> str:
     return "CPU: " + " ".join(name if value == "1" else f"{name}={value}" for name, value in cpu_features().items())
 
 
-
 def last_error() -> str:
     """llama.cpp's latest error message (its latest warning if it logged no error), or ""."""
     errors = [text for level, text in _errors if text and level == LOG_ERROR] or [text for _, text in _errors if text]

@@ -2,9 +2,10 @@
 
 The target writes on its batched slots where its backend has them (continuous batching on the C++
 kernels or llama.cpp: several times transformers' `generate` on a CPU), else greedy text with `generate`
-and sampled text by plain decoding, a prompt at a time. Sampled text has a seed per prompt drawn from the run's seed and the shard's name, so a run and its resumption
-write the same data. Shards are written whole or not at all and named by batch and round, so an
-interrupted run resumes with the shards it lacks.
+and sampled text by plain decoding, a prompt at a time. Sampled text has a seed per prompt drawn from
+the run's seed and the shard's name, so a run and its resumption write the same data. Shards are
+written whole or not at all and named by batch and round, so an interrupted run resumes with the
+shards it lacks.
 """
 
 from __future__ import annotations
@@ -178,7 +179,6 @@ class Writer:
             self.batch = Batch(self.target.slots(self.width), NoDrafter(), lambda: FixedK(0),
                                eos_token_ids=self.model.eos_token_ids)
         return slotted_write(self.batch, prompts, max_new_tokens, seeds)
-
 
     def sampled(self, prompt: list[int], max_new_tokens: int, seed: int) -> list[int]:
         """Plain decoding of `prompt` at temperature 1 with `seed`, one prompt at a time on a target without
