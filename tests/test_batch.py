@@ -471,6 +471,46 @@ def test_measuring_the_cost_curve_interrupts_a_paused_generation_rather_than_cor
         paused.result()
 
 
+def test_a_batch_leaves_a_paused_generation_be_once_the_cost_curve_is_remembered(sampler):
+    """A batch's slots hold caches of their own: a sampler's first batch measures the target's cost curve
+    (which interrupts a paused generation) only where this machine has not remembered it."""
+    from specsample.api import SpecSampler
+
+    sampler.cost_ratios()  # a GGUF file on a named backend: measured once on this machine, then remembered
+    fresh = SpecSampler.load(drafter="suffix", backend="gguf")
+    options = dict(max_new_tokens=12, temperature=0, k=3)
+    alone = fresh.generate("Count from one to twenty.", **options)
+    paused = fresh.stream("Count from one to twenty.", **options)
+    next(paused)
+    fresh.generate_batch(["Say hi.", "Name a color."], max_new_tokens=4, temperature=0, k=3)
+    assert paused.result().token_ids == alone.token_ids
+
+
+def test_a_batch_steps_under_the_sampler_s_lock_as_a_generation_does():
+    """A batch's forks share the sampler's drafter state (the suffix tree) with its generations, so a batch
+    drafts under the sampler's lock: a generation in another thread never drafts at the same time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import tiny_tokenizer
+    from specsample.api import SpecSampler
+    from specsample.models.loading import LoadedModel
+
+    free_while_drafting: list[bool] = []
+
+    class Probe(SuffixDrafter):
+        def propose(self, k, random):
+            with ThreadPoolExecutor(1) as pool:  # another thread tries the lock
+                free_while_drafting.append(pool.submit(sampler.lock.acquire, False).result())
+            return super().propose(k, random)
+
+    model = tiny_llama(64, seed=3, init_scale=0.5)
+    loaded = LoadedModel(model, tiny_tokenizer(64), "tiny", frozenset({1}), 0.0)
+    sampler = SpecSampler(loaded, LlamaTarget.from_hf(model), Probe())
+    sampler.generate_batch(["w5 w9 w12 w5 w9", "w3 w4 w3 w4"], max_batch=2, temperature=0, k=3, chat=False,
+                           max_new_tokens=6)
+    assert free_while_drafting and not any(free_while_drafting)
+
+
 def test_a_batch_s_finished_requests_are_filed_under_the_suffix_history_and_evicted():
     """Each `generate_batch` makes a batch of forks sharing the sampler's suffix tree: its requests are filed
     under the shared history as they end (not at a next request their fork never gets), so the history's

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specsample.batch import Batch, Request, drain
-from specsample.cost_curve import machine_ratios
+from specsample.cost_curve import machine_ratios, remembered_ratios
 from specsample.defaults import Configuration, default_configuration, given
 from specsample.drafters import Drafter, check_spec, make_drafter
 from specsample.drafters.base import draft_cost
@@ -210,7 +210,7 @@ class SpecSampler:
         self.policies: dict[str, KPolicy] = {}
         self.threads = threads
         self._cost_ratios: dict[int, float] | None = None
-        self.lock = threading.Lock()  # held for each step of a `Generation`
+        self.lock = threading.RLock()  # held for each step of a `Generation` and of a `batch`
         self.running: Generation | None = None  # the generation whose step ran last
 
     @classmethod
@@ -270,14 +270,17 @@ class SpecSampler:
         """The target's f(n)/f(1) on this machine (`cost_curve.machine_ratios`), measured at the first
         request under the cost model: remembered for a GGUF file on a named backend, else measured once
         per sampler. Measuring fills the target's cache, so it takes the sampler's lock as a step does, and a
-        paused generation then raises `Interrupted` rather than go on from the measurement's cache."""
+        paused generation then raises `Interrupted` rather than go on from the measurement's cache; ratios
+        remembered on this machine leave a paused generation be."""
         if self._cost_ratios is None:
             gguf, backend = self.model.gguf, self.named_backend
             key = None if gguf is None or backend is None else "|".join(
                 [conversion_dir(gguf).name, backend, type(self.target).__name__, str(self.threads), str(torch.get_num_threads())])
-            with self.lock:
-                self._cost_ratios = machine_ratios(self.target, key)
-                self.running = None
+            self._cost_ratios = remembered_ratios(key)
+            if self._cost_ratios is None:
+                with self.lock:
+                    self._cost_ratios = machine_ratios(self.target, key)
+                    self.running = None
         return self._cost_ratios
 
     def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
@@ -355,7 +358,7 @@ class SpecSampler:
         slots = require(self.target, SlottedTarget, "batched decoding").slots(max_batch)
         spec = self.configuration.k if k is None else k
         return Batch(slots, self.drafter, lambda: self.informed(parse_batch_k(spec)), eos_token_ids=self.model.eos_token_ids,
-                     verifier=self.verifier, cost_prior=self.cost_ratios(), prefill_chunk=prefill_chunk)
+                     verifier=self.verifier, cost_prior=self.cost_ratios(), prefill_chunk=prefill_chunk, lock=self.lock)
 
     def informed(self, policy: KPolicy) -> KPolicy:
         """`policy`, told what this sampler knows before its first step: the target's cost curve on this

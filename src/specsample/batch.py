@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -101,10 +102,12 @@ class Batch:
         verifier: ChainVerifier = ChainVerifier(),
         cost_prior: Mapping[int, float] | None = None,
         prefill_chunk: int | None = None,
+        lock: AbstractContextManager = nullcontext(),
     ) -> None:
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.slots, self.eos_token_ids, self.verifier = slots, eos_token_ids, verifier
+        self.lock = lock  # held by add, remove and step: the drafter's forks share its state (a reentrant lock)
         self.prefill_chunk = prefill_chunk  # positions a prompt prefills at a time (None: all at once)
         self.forks = [forked(drafter) for _ in range(slots.count)]  # per slot
         self.drafters = list(self.forks)  # per slot: its request's drafter, the fork after any prediction
@@ -134,16 +137,17 @@ class Batch:
         check_lengths(self.slots, request.prompt_ids.shape[0], request.max_new_tokens)
         if not self.free:
             raise ValueError(f"all {self.slots.count} slots are taken")
-        start = perf_counter()
-        request.slot = self.free.pop()
-        request.stats.prompt_tokens = request.prompt_ids.shape[0]
-        self.prefilling.append(request)
-        try:
-            request.prefilled = self.slots.prefill(request.slot, request.prompt_ids[:-1], self.prefill_chunk)
-            self._prefilled(request, start)
-        except BaseException:  # the slot stays free
-            self.remove(request)
-            raise
+        with self.lock:
+            start = perf_counter()
+            request.slot = self.free.pop()
+            request.stats.prompt_tokens = request.prompt_ids.shape[0]
+            self.prefilling.append(request)
+            try:
+                request.prefilled = self.slots.prefill(request.slot, request.prompt_ids[:-1], self.prefill_chunk)
+                self._prefilled(request, start)
+            except BaseException:  # the slot stays free
+                self.remove(request)
+                raise
 
     def _prefill_some(self) -> None:
         """The next chunk of the oldest prompt still prefilling, one a step even when no request runs, so that
@@ -176,21 +180,26 @@ class Batch:
 
     def remove(self, request: Request) -> None:
         """Take `request` out of the batch (ended, or cancelled between steps) and free its slot."""
-        if request in self.prefilling:
-            self.prefilling.remove(request)
-        elif request in self.running:
-            self.running.remove(request)
-            request.stats.policy = self.policies[request.slot].estimates()
-            end_request(self.drafters[request.slot])
-        else:
-            return
-        self.free.append(request.slot)
-        request.slot = None
+        with self.lock:
+            if request in self.prefilling:
+                self.prefilling.remove(request)
+            elif request in self.running:
+                self.running.remove(request)
+                request.stats.policy = self.policies[request.slot].estimates()
+                end_request(self.drafters[request.slot])
+            else:
+                return
+            self.free.append(request.slot)
+            request.slot = None
 
     def step(self) -> list[tuple[Request, list[int]]]:
         """One verification step of every running request, after the next chunk of a prompt still
         prefilling: each running request's new tokens. Requests that ended (EOS, max_new_tokens) are
         marked `done` and leave the batch."""
+        with self.lock:
+            return self._step()
+
+    def _step(self) -> list[tuple[Request, list[int]]]:
         self._prefill_some()
         if not self.running:
             return []

@@ -131,12 +131,21 @@ def measure_synthetic(
     return curves
 
 
+def remembered_ratios(key: str | None) -> dict[int, float] | None:
+    """The ratios `machine_ratios` remembered under `key` on this machine, if it has measured them."""
+    path = None if key is None else ratios_path(key)
+    if path is None or not path.is_file():
+        return None
+    return {int(n): ratio for n, ratio in json.loads(path.read_text()).items()}
+
+
 def machine_ratios(target: Target, key: str | None) -> dict[int, float]:
     """f(n)/f(1) of `target` on this machine at PRIOR_NS, remembered under `key` (None: measured anew,
-    not remembered). The target's cache is empty afterwards."""
+    not remembered). Measuring leaves the target's cache empty."""
+    remembered = remembered_ratios(key)
+    if remembered is not None:
+        return remembered
     path = None if key is None else ratios_path(key)
-    if path is not None and path.is_file():
-        return {int(n): ratio for n, ratio in json.loads(path.read_text()).items()}
     ns = [n for n in PRIOR_NS if n < target.max_length]  # a cached token and n new ones fit
     context = min(PRIOR_CONTEXT, target.max_length - max(ns))
     (curve,) = measure_synthetic({"target": target}, context, ns, PRIOR_REPEATS)
