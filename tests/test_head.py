@@ -525,6 +525,13 @@ def test_a_target_without_a_chat_template_cannot_write_prompts(tiny_dir, tmp_pat
         write_prompts(loaded, Writer(loaded, partial(make_target, loaded), 2), tmp_path / "p.jsonl", TrainOptions(self_prompts=2))
 
 
+def test_train_refuses_self_prompts_without_a_chat_template_before_making_its_directory(tiny_dir, tmp_path):
+    out = tmp_path / "head"
+    with pytest.raises(ValueError, match="no chat template"):
+        train(load_model(tiny_dir), [], out, TrainOptions(self_prompts=2))
+    assert not out.exists()
+
+
 def test_a_run_resumed_with_other_prompts_or_options_is_refused(tiny_dir, tmp_path):
     """Shards are named by batch: resumed with other prompts, the old shards would be taken for the new."""
     loaded = load_model(tiny_dir)

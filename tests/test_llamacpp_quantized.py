@@ -96,6 +96,18 @@ def test_a_changed_source_gets_a_new_copy(tiny_model, tmp_path, cache, quantizat
     assert len(quantizations) == 2 and quantizations[0] != quantizations[1]
 
 
+def test_another_llama_cpp_gets_a_new_copy(tiny_gguf, cache, quantizations, monkeypatch):
+    """A copy is keyed by llama-cpp-python's version too: an upgraded quantizer writes its own."""
+    import importlib.metadata
+
+    LlamaCppTarget(tiny_gguf, n_threads=1, max_length=32).quantized_copy()
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9" if name == "llama_cpp_python" else real(name))
+    LlamaCppTarget(tiny_gguf, n_threads=1, max_length=32).quantized_copy()
+    assert len(quantizations) == 2
+    assert len([p for p in cache.iterdir() if p.name.endswith("-llamacpp9.9.9.gguf")]) == 1
+
+
 def test_a_file_below_four_bits_has_no_cheaper_copy(tiny_gguf, tmp_path, cache):
     low = LlamaCppTarget(quantize(tiny_gguf, tmp_path / "low.gguf", "Q2_K", threads=1), n_threads=1, max_length=32)
     assert low.file_type == "Q2_K"

@@ -291,11 +291,15 @@ def copy_type(source: str) -> str:
 
 def copy_path(source: Path, type_name: str) -> Path:
     """Where the `type_name` copy of the GGUF file `source` is cached: beside its float32
-    conversion (models/loading.py), named by the source's name and content (`file_fingerprint`)."""
+    conversion (models/loading.py), named by the source's name and content (`file_fingerprint`)
+    and by llama-cpp-python's version, since another quantizer may write another copy."""
+    import importlib.metadata
+
     from specsample.models.loading import conversion_dir
 
     directory = conversion_dir(source)
-    return directory.with_name(f"{directory.name}-{type_name}.gguf")
+    version = importlib.metadata.version("llama_cpp_python")
+    return directory.with_name(f"{directory.name}-{type_name}-llamacpp{version}.gguf")
 
 
 def quantize(source: Path, out: Path, type_name: str, threads: int) -> Path:

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from specsample.drafters.head import DraftHead, HeadConfig, HeadDrafter, save_head
 from specsample.models import LoadedModel, make_target
 from specsample.models.target import recordable
+from specsample.text import user_turn_opening
 from specsample.training.dataset import Batcher, Sequence, distinct_prompts, frequent_tokens, load_sequences, split
 from specsample.training.generate import Writer, generate_shards, with_layer_features, write_prompts
 from specsample.training.objective import EVAL_K, Objective
@@ -36,6 +37,8 @@ def train(
     and answers (`generate.Writer`; None: `model`'s own target, as `make_target` makes it); the
     features always come from `model`'s transformers forward."""
     recordable(options.feature_layers, model.model.config.num_hidden_layers)  # refuses layers before any work
+    if options.self_prompts:
+        user_turn_opening(model.tokenizer)  # refuses a model without a chat template before any work
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(options.seed)
     start = perf_counter()
