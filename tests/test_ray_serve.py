@@ -444,6 +444,35 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(scaled):
     assert healthy(url)
 
 
+def test_the_gateway_admits_every_place_it_promises_and_refuses_the_next(scaled):
+    """`--max-queue 8` and at most 2 replicas: 8 requests a replica and 8 more waiting, 24 at once, arriving
+    together, are all admitted (Ray Serve's own queue bound refused some of them early); the 25th gets 503."""
+    url = scaled[0]
+    rejected = counted(url, "specsample_requests", outcome="rejected")
+    body = {"prompt": COUNTING, "max_tokens": 4000, "temperature": 0}
+
+    async def load() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=120) as client:
+            held = [asyncio.create_task(client.post(f"{url}/v1/completions", json=body)) for _ in range(24)]
+            try:
+                deadline = time.monotonic() + 60
+                while gauge(url, "specsample_queue_depth") < 24:
+                    assert time.monotonic() < deadline and not any(task.done() for task in held), [
+                        task.result().text for task in held if task.done()]
+                    await asyncio.sleep(0.2)
+                return await client.post(f"{url}/v1/completions", json=body)
+            finally:
+                for task in held:
+                    task.cancel()
+                await asyncio.gather(*held, return_exceptions=True)
+
+    extra = asyncio.run(load())
+    assert extra.status_code == 503 and extra.json()["error"]["code"] == "queue_full", extra.text
+    assert counted(url, "specsample_requests", outcome="rejected") == rejected + 1
+    wait_for(lambda: gauge(url, "specsample_queue_depth") == 0, 60, "the cancelled requests still hold places")
+    assert healthy(url)
+
+
 def test_ctrl_c_stops_serve_and_the_cluster(scaled):
     """The last test on `scaled`: Ctrl-C in a terminal (SIGINT to the foreground process group: the server
     and Ray's daemons, not Ray's workers, which have groups of their own) leaves none of the cluster's

@@ -13,7 +13,9 @@ had begun) instead of a connection Ray's proxy cuts; and every request passes th
 
 Routing is Ray Serve's: power of two choices on the replicas' ongoing requests (least loaded of two
 sampled). A replica takes at most `max_queue` requests (`max_ongoing_requests`, running or waiting);
-at most `max_queue` more wait in the gateway's handle (`max_queued_requests`), beyond that a 503.
+at most `max_queue` more wait in the gateway, beyond that a 503 (`RayOptions.capacity`: the gateway counts
+its requests itself; Ray Serve's `max_queued_requests` refused requests below it, since the handle counts a
+request as queued until a replica's report of its load reaches the router).
 Autoscaling between `min_replicas` and `max_replicas` keeps about `target_queue` ongoing requests per
 replica (Ray Serve's `autoscaling_config.target_ongoing_requests`: queue depth), averaged over `look_back`
 seconds, adding replicas after `upscale_delay` seconds above it and removing them after `downscale_delay`
@@ -39,7 +41,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 from ray.exceptions import RayError, RayTaskError
-from ray.serve.exceptions import BackPressureError, RayServeException
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from specsample.api import Chunk, Completion, Prompt
@@ -84,6 +86,12 @@ class RayOptions(BaseModel):
         if self.replicas is None and self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
         return self
+
+    def capacity(self) -> int:
+        """Requests in the application at once, running or waiting: `max_queue` per replica (at most
+        `max_replicas` of them when autoscaling) and `max_queue` more waiting for one."""
+        replicas = self.max_replicas if self.replicas is None else self.replicas
+        return self.max_queue * (replicas + 1)
 
     def scaling(self) -> dict:
         """The Engine deployment's replica count or autoscaling config."""
@@ -173,10 +181,12 @@ class ReplicaJob:
     """A request running on an Engine replica, read as the routes read a local `Job`; it does the gateway's
     accounting (the sum over replicas, since every request passes here)."""
 
-    def __init__(self, stream: DeploymentResponseGenerator, metrics: ServerMetrics, endpoint: str) -> None:
-        self.stream, self.metrics, self.endpoint = stream, metrics, endpoint
+    def __init__(self, stream: DeploymentResponseGenerator, metrics: ServerMetrics, endpoint: str,
+                 jobs: set[ReplicaJob]) -> None:
+        self.stream, self.metrics, self.endpoint, self.jobs = stream, metrics, endpoint, jobs
         self.arrived, self.first, self.outcome = perf_counter(), True, None
         metrics.queue_depth.inc()
+        jobs.add(self)
 
     async def next_event(self) -> Chunk | Completion:
         try:
@@ -185,10 +195,6 @@ class ReplicaJob:
             self._settle(OUTCOMES.get(type(error.cause), "error"))
             raise error.cause if type(error.cause) in OUTCOMES else ReplicaFailed(
                 f"the replica failed: {error.cause}") from None
-        except BackPressureError:
-            self._settle("rejected")
-            raise QueueFull("the server is busy: every replica's queue and the gateway's are full; "
-                            "retry later") from None
         except (StopAsyncIteration, RayError, RayServeException) as error:
             self._settle("error")
             raise ReplicaFailed(f"the replica serving this request failed ({type(error).__name__}); Ray restarts "
@@ -215,17 +221,24 @@ class ReplicaJob:
             self.outcome = outcome
             self.metrics.requests.labels(self.endpoint, outcome).inc()
             self.metrics.queue_depth.dec()
+            self.jobs.discard(self)
 
 
 class ReplicaWorker:
-    """The `Worker` of the gateway: each request goes to an Engine replica picked by Ray Serve's router."""
+    """The `Worker` of the gateway: each request goes to an Engine replica picked by Ray Serve's router, at
+    most `capacity` at once (`RayOptions.capacity`), counted here as they arrive and end."""
 
-    def __init__(self, engine: DeploymentHandle, metrics: ServerMetrics) -> None:
-        self.engine, self.metrics = engine.options(stream=True), metrics
+    def __init__(self, engine: DeploymentHandle, metrics: ServerMetrics, capacity: int) -> None:
+        self.engine, self.metrics, self.capacity = engine.options(stream=True), metrics, capacity
+        self.jobs: set[ReplicaJob] = set()  # not yet settled
 
     def submit(self, prompt: Prompt, chat: bool, options: dict, endpoint: str) -> ReplicaJob:
+        if len(self.jobs) >= self.capacity:
+            self.metrics.requests.labels(endpoint, "rejected").inc()
+            raise QueueFull(f"the server is busy: all {self.capacity} places of its replicas and its queue are "
+                            "taken; retry later")
         request = EngineRequest(prompt, chat, options, endpoint)
-        return ReplicaJob(self.engine.generate.remote(request), self.metrics, endpoint)
+        return ReplicaJob(self.engine.generate.remote(request), self.metrics, endpoint, self.jobs)
 
     def close(self) -> None:
         """Nothing to stop here: the replicas end with the application."""
@@ -236,13 +249,14 @@ class ReplicaWorker:
 class Gateway:
     """The HTTP routes of `app.py` over the Engine replicas."""
 
-    async def __init__(self, engine: DeploymentHandle, api_key: str | None) -> None:
-        self.engine, self.api_key = engine, api_key
+    async def __init__(self, engine: DeploymentHandle, api_key: str | None, capacity: int) -> None:
+        self.engine, self.api_key, self.capacity = engine, api_key, capacity
         self.card = await engine.describe.remote()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         metrics = ServerMetrics()
-        app = serve_worker(ReplicaWorker(self.engine, metrics), metrics, self.card, api_key=self.api_key)
+        worker = ReplicaWorker(self.engine, metrics, self.capacity)
+        app = serve_worker(worker, metrics, self.card, api_key=self.api_key)
         app.add_exception_handler(ReplicaFailed, replica_failed)
         return app
 
@@ -258,9 +272,9 @@ def build_app(args: RayOptions | dict) -> serve.Application:
     options = RayOptions.model_validate(args)
     engine = Engine.options(
         ray_actor_options={"num_cpus": options.threads}, max_ongoing_requests=options.max_queue,
-        max_queued_requests=options.max_queue, **options.scaling(), **options.routing(),
+        max_queued_requests=-1, **options.scaling(), **options.routing(),  # the gateway bounds the queue
     ).bind(options)
-    return Gateway.bind(engine, options.api_key)
+    return Gateway.bind(engine, options.api_key, options.capacity())
 
 
 def run(options: RayOptions, *, host: str, port: int, address: str | None = None) -> None:
