@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 import uvicorn
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 import test_lossless as lossless
 from specsample.cli import main
 from specsample.drafters import NoDrafter
 from specsample.drafters.cross_vocab import cross_vocab_drafter
+from specsample.drafters.draft_text import DraftText
 from specsample.engine import decode
 from specsample.models.loading import LoadedModel
 from specsample.policy import FixedK
@@ -29,7 +30,7 @@ from specsample.stats import Stats
 from specsample.verify import ChainVerifier
 from specsample.verify.check import accept_all
 from specsample.verify.cross_vocab import intersection_probs, retokenized_draft
-from specsample.vocabulary import SharedVocabulary, same_vocabulary, shared_vocabulary
+from specsample.vocabulary import SharedVocabulary, same_vocabulary, shared_vocabulary, special_ids, token_strings
 
 from conftest import tiny_llama
 
@@ -144,6 +145,45 @@ def test_a_string_two_tokens_decode_to_maps_to_the_one_its_tokenizer_encodes_it_
     assert shared.to_draft.tolist() == [-1, -1, -1, -1, 3, 1]
     draft_vocab_probs = torch.tensor([0.0, 0.1, 0.2, 0.3, 0.4, 0.0])
     assert intersection_probs(draft_vocab_probs, shared).tolist() == pytest.approx([0, 0, 0, 0, 0.7, 0.3])
+
+
+def llama_style_bpe(corpus: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Llama 2's kind of SentencePiece BPE (Mistral's, TinyLlama's): "▁" before the text's first word, byte
+    fallback, and a decoder that strips the decoded text's first space."""
+    tok = Tokenizer(models.BPE(byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                                        show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def test_a_word_keeps_its_leading_space_where_the_decoder_strips_a_text_s_first(rich):
+    """Decoded alone, Llama 2's "▁cat" reads "cat" (its decoder strips a text's first space): its string is read
+    after an anchor, " cat", so its mass lands on the byte-level vocabulary's "Ġcat", not on "cat", both ways."""
+    llama, byte_level = llama_style_bpe(RICH, 220), rich.draft_tokenizer
+    for target, draft in ((byte_level, llama), (llama, byte_level)):
+        shared = shared_vocabulary(target, draft, len(target), len(draft))
+        words = 0
+        for draft_id, target_id in zip(shared.draft_ids.tolist(), shared.target_ids.tolist()):
+            names = draft.convert_ids_to_tokens(draft_id), target.convert_ids_to_tokens(target_id)
+            if all(len(name) > 1 and not name.startswith("<0x") for name in names):  # a word piece on both sides
+                starts = [name[0] in "▁Ġ" for name in names]
+                assert starts[0] == starts[1], names
+                words += starts[0]
+        assert words >= 5, words
+
+
+def test_every_special_token_ends_a_text_draft_and_has_no_string(rich):
+    """A token added as special (Gemma 3's <end_of_turn>) is not in transformers' `all_special_ids`: still, a
+    text draft ends at it, and no target token shares its string."""
+    tokenizer = byte_level_bpe(RICH, 330)
+    tokenizer.add_tokens([AddedToken("<end_of_turn>", special=True)])
+    end = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    assert end not in tokenizer.all_special_ids
+    assert end in special_ids(tokenizer) and all(end not in ids for ids in token_strings(tokenizer).values())
+    assert end in DraftText(lossless.as_target(rich.draft_model), rich.target_tokenizer, tokenizer).stops
 
 
 def test_intersection_probs_restricts_and_renormalises(small):

@@ -6,9 +6,11 @@ string at the same id) lets the draft model's tokens and probabilities be verifi
 (`drafters.draft_model`); another one needs them carried over to the target's tokens
 (`drafters.cross_text`, `drafters.cross_vocab`).
 
-A token's *string* is the text it decodes to alone. Tokenizers write a leading space in their
-own way (byte-level BPE's "Ġ", SentencePiece's "▁"), so two vocabularies are compared by these
-strings, not by their token names. Tokens without a string of their own are left out: special
+A token's *string* is the text it adds when decoded after an anchor token ("a"). Tokenizers write a
+leading space in their own way (byte-level BPE's "Ġ", SentencePiece's "▁"), so two vocabularies are
+compared by these strings, not by their token names; and some decoders (Llama 2's, Mistral's,
+TinyLlama's) strip the leading space of a whole text, so a token decoded alone would lose its own
+("▁the" would read "the", the string of the token that has no space). Tokens without a string of their own are left out: special
 tokens, the empty string, and tokens that hold part of a UTF-8 character (byte-level pieces and
 byte-fallback tokens of non-ASCII bytes decode to U+FFFD alone). A byte-fallback token of an ASCII
 byte decodes to the same string as an ordinary token; a string's tokens are then told apart by the
@@ -34,23 +36,56 @@ def same_vocabulary(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerB
     return target.get_vocab() == draft.get_vocab()
 
 
+ANCHOR = "a"  # decoded before each token: a decoder that strips a text's first space strips the anchor's
+
+
 def token_strings(tokenizer: PreTrainedTokenizerBase) -> dict[str, list[int]]:
     """The string of every token that has one, to its ids. Where several tokens share a string (Gemma 3's
     byte-fallback token <0x31> and its ordinary "1" both decode to "1"), the one the tokenizer encodes
     the string to comes first: that is the one a model reads and writes; the others follow by id."""
-    special = set(tokenizer.all_special_ids)
+    special = special_ids(tokenizer)
     ids = [i for i in range(len(tokenizer)) if i not in special]
-    texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    anchor = tokenizer.encode(ANCHOR, add_special_tokens=False)
+    prefix = tokenizer.decode(anchor, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    texts = decoded(tokenizer, [[*anchor, i] for i in ids])
     strings: dict[str, list[int]] = {}
     for i, text in zip(ids, texts):
+        text = text[len(prefix):] if text.startswith(prefix) else ""
         if text and "\ufffd" not in text:
             strings.setdefault(text, []).append(i)
     for text, same in strings.items():
         if len(same) > 1:
-            encoded = tokenizer.encode(text, add_special_tokens=False)
-            if len(encoded) == 1 and encoded[0] in same:
-                same.sort(key=lambda i: (i != encoded[0], i))
+            encoded = encoded_token(tokenizer, text, anchor)
+            if encoded in same:
+                same.sort(key=lambda i: (i != encoded, i))
     return strings
+
+
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The tokenizer's special tokens: its named ones (BOS, EOS, ...) and every token added as special
+    (Gemma 3's <end_of_turn> among its 6,000 others, which `all_special_ids` leaves out)."""
+    added = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return frozenset(tokenizer.all_special_ids) | added
+
+
+def decoded(tokenizer: PreTrainedTokenizerBase, sequences: list[list[int]]) -> list[str]:
+    """Each of `sequences` decoded, special tokens and spaces as they are; through a fast tokenizer's own
+    `decode_batch` where it has one (transformers' `batch_decode` spends 2 s of Gemma 3's 262,144 on
+    converting each list)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.decode_batch(sequences, skip_special_tokens=False)
+    return tokenizer.batch_decode(sequences, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def encoded_token(tokenizer: PreTrainedTokenizerBase, text: str, anchor: list[int]) -> int | None:
+    """The one token `tokenizer` encodes `text` to, alone or after the anchor (where a leading space of
+    the text's own would be read as a word's start: Llama 2's " the" alone is "▁", "▁the"); None if neither
+    is one token."""
+    alone = tokenizer.encode(text, add_special_tokens=False)
+    after = tokenizer.encode(ANCHOR + text, add_special_tokens=False)
+    after = after[len(anchor):] if after[: len(anchor)] == anchor else []
+    return next((ids[0] for ids in (alone, after) if len(ids) == 1), None)
 
 
 @dataclass(frozen=True)

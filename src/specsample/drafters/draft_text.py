@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specsample.models.target import Target
 from specsample.tokens import common_prefix
+from specsample.vocabulary import special_ids
 
 
 class DraftText:
@@ -34,7 +35,7 @@ class DraftText:
         self.draft_cost = draft_cost
         self.target_tokenizer, self.draft_tokenizer = target_tokenizer, draft_tokenizer
         self.width = min(model.vocab_size, len(draft_tokenizer))  # draft ids with a token behind them
-        self.stops = frozenset(draft_tokenizer.all_special_ids)  # a draft ends at one
+        self.stops = special_ids(draft_tokenizer)  # a draft ends at one
         self.target_ids: list[int] = []  # the target's text as its tokens
         self.ids: list[int] = []  # the draft model's tokens: the text's encoding, then the tokens drafted
         self.prefill_seconds = 0.0  # of the last `sync`: its prefill of the draft model's cache, if it made one
