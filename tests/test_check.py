@@ -98,6 +98,15 @@ def test_check_rejects_bad_arguments(capsys, tiny_dir):
     assert code == 2 and "samples" in err
     code, _, err = cli(capsys, "check", "--model", str(tiny_dir), "--min-p", "1.5", "--drafter", "none")
     assert code == 2 and "min_p must be in [0, 1]" in err
+    code, _, err = cli(capsys, "check", "--model", str(tiny_dir), "--drafter", "none", "--context", "")
+    assert code == 2 and "a --context is empty" in err
+    code, _, err = cli(capsys, "check", "--model", "", "--drafter", "none")
+    assert code == 2 and "the model path is empty" in err
+    code, _, err = cli(capsys, "check", "--model", str(tiny_dir), "--drafter", "none", "--broken")
+    assert code == 2 and "--broken needs a drafter" in err and err.count("\n") == 1
+    code, _, err = cli(capsys, "check", "--model", str(tiny_dir), "--drafter", "ngram", "--broken", "--samples", "20",
+                       "--context", "w5 w6")  # nothing to look up in a context of two words
+    assert code == 2 and "the drafter proposed no tokens" in err and err.count("\n") == 1
 
 
 def test_check_takes_min_p_as_generate_does(capsys, tiny_dir, tiny_draft_dir):

@@ -410,6 +410,7 @@ def test_null_options_take_their_defaults(base_url):
 @pytest.mark.parametrize("body, message", [
     ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
     ({"max_completion_tokens": 0}, "max_completion_tokens must be >= 1, got 0"),
+    ({"max_tokens": 2, "max_completion_tokens": 5}, "max_tokens (2) and max_completion_tokens (5) differ: give one of them"),
     ({"max_tokens": 1000}, "the prompt (3 tokens) and up to 1000 new tokens exceed the context window of 128 tokens"),
     ({"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream: true"),
     ({"ignore_eos": True}, "ignore_eos is not supported by this server (got True)"),

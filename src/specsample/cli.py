@@ -302,6 +302,10 @@ def check(
     if identity:
         check_seed(seed + seeds - 1, "the last seed, --seed + --seeds - 1,")
     check_max_new_tokens(max_new_tokens)
+    if any(not text for text in context or ()):
+        raise ValueError("a --context is empty: give the text the checked tokens follow")
+    if broken and drafter == "none":
+        raise ValueError("--broken needs a drafter: with none, the broken sampler never runs")
     quiet_transformers()
     sampler = certificate.load_sampler(model, drafter, backend=backend, trust_remote_code=trust_remote_code,
                                        threads=threads)
@@ -316,6 +320,9 @@ def check(
         result = certificate.certify(sampler, policy, params, contexts=contexts, samples=samples, seed=seed,
                                      progress=True, verifier=verifier)
         report = certificate.render(result, broken)
+    if broken and not result.stats.drafted_tokens:
+        raise ValueError("--broken needs a configuration that drafts: the drafter proposed no tokens here, so the "
+                         "broken sampler never ran")
     print(f"backend {sampler.backend} ({sampler.backend_reason}); drafter {sampler.configuration.drafter} "
           f"({sampler.configuration.reason}), K {k or sampler.configuration.k}")
     print(report)

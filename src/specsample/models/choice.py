@@ -117,7 +117,9 @@ def resolve(path: str | Path | None, backend: str, *, threads: int | None = None
     measured fastest of llamacpp (if installed), the file's blocks ("gguf") and the float32 path ("auto").
     A backend of no such name is a ValueError, before anything slow."""
     from specsample.models import check_backend, check_threads
+    from specsample.models.loading import check_model_path
 
+    check_model_path(path)
     check_backend(backend)
     check_threads(threads)
     if backend != "auto":

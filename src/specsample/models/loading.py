@@ -61,6 +61,13 @@ def cache_root() -> Path:
     return Path(root)
 
 
+def check_model_path(path: str | Path | None) -> None:
+    """A ValueError for an empty model path, which Path would read as the current directory."""
+    if path is not None and not str(path).strip():
+        raise ValueError("the model path is empty (an empty path is not taken as the current directory; "
+                         "leave --model out for the bundled model)")
+
+
 def load_model(
     path: str | Path | None = None,
     *,
@@ -74,6 +81,7 @@ def load_model(
     (`model` is None, `gguf` the file), for a backend that runs the file itself.
     """
     start = perf_counter()
+    check_model_path(path)
     source, name = (bundled_gguf(), BUNDLED_NAME) if path is None else (Path(path).expanduser(), str(path))
     if not source.exists():
         raise FileNotFoundError(f"model path does not exist: {path}")

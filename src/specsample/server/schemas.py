@@ -153,6 +153,9 @@ class GenerationRequest(BaseModel):
         for name in ("max_tokens", "max_completion_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise OptionError(f"{name} must be >= 1, got {getattr(self, name)}", name)
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise OptionError(f"max_tokens ({self.max_tokens}) and max_completion_tokens ({self.max_completion_tokens}) "
+                              "differ: give one of them", "max_completion_tokens")
         if self.stream_options is not None and not self.stream:
             raise OptionError("stream_options is only allowed with stream: true", "stream_options")
         if self.n != 1:
