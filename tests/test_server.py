@@ -564,3 +564,18 @@ def test_api_key_under_a_route_prefix(sampler):
         assert client.get("/prefix/v1/models").status_code == 401
         assert client.get("/prefix/v1/models", headers={"Authorization": "Bearer secret"}).status_code == 200
         assert client.get("/prefix/health").status_code == 200
+
+
+def test_the_openapi_document_says_what_the_routes_answer(base_url):
+    """Errors are 400, 401, 404 and 503 with the OpenAI error body (never FastAPI's 422), and /metrics is
+    Prometheus text: what schemathesis checks the server against."""
+    document = httpx.get(base_url + "/openapi.json").json()
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        responses = document["paths"][route]["post"]["responses"]
+        assert set(responses) == {"200", "400", "401", "503"}, responses
+        assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert set(document["paths"]["/v1/models/{model_id}"]["get"]["responses"]) == {"200", "401", "404"}
+    assert "422" not in json.dumps(document) and "HTTPValidationError" not in json.dumps(document)
+    assert list(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    bad = httpx.post(base_url + "/v1/completions", json={"prompt": "w5", "top_p": 2})
+    assert bad.status_code == 400 and set(bad.json()["error"]) == set(document["components"]["schemas"]["ErrorDetail"]["properties"])

@@ -22,11 +22,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import asdict
+from functools import partial
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -38,7 +39,7 @@ from specsample.openmp import in_passing_thread
 from specsample.policy import KPolicy
 from specsample.server.metrics import ServerMetrics
 from specsample.server.scheduler import BatchWorker
-from specsample.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, error_body
+from specsample.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, error_body, error_responses
 from specsample.server.worker import EngineWorker, Events, InvalidRequest, QueueFull, Worker
 
 log = logging.getLogger("specsample.server")
@@ -87,21 +88,23 @@ def serve_worker(worker: Worker, metrics: ServerMetrics, card: dict, *, api_key:
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=check_api_key(api_key))
     add_error_handlers(app, metrics)
+    app.openapi = partial(openapi_without_422, app)
     name = card["id"]
+    generating = error_responses(400, 401, 503)
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models() -> dict:
         return {"object": "list", "data": [card]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=error_responses(401, 404))
     async def model(model_id: str) -> JSONResponse:
         if model_id != name:
             body = error_body(f"the model {model_id!r} does not exist: this server holds {name!r}", param="model",
@@ -109,18 +112,30 @@ def serve_worker(worker: Worker, metrics: ServerMetrics, card: dict, *, api_key:
             return JSONResponse(body, status_code=404)
         return JSONResponse(card)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generating)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         messages = [m.as_message() for m in body.messages]
         job = worker.submit(messages, True, body.generation_options(), request.url.path)
         return await respond(request, body, job, ChatReply(name))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=generating)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         job = worker.submit(body.text, False, body.generation_options(), request.url.path)
         return await respond(request, body, job, TextReply(name))
 
     return app
+
+
+def openapi_without_422(app: FastAPI) -> dict:
+    """FastAPI's OpenAPI document without the 422 it declares for every route with a body: this server
+    answers a body that does not validate with a 400 and the OpenAI error body (`add_error_handlers`)."""
+    if app.openapi_schema is None:
+        schema = FastAPI.openapi(app)  # made once and kept in app.openapi_schema
+        for operation in (op for path in schema["paths"].values() for op in path.values()):
+            operation["responses"].pop("422", None)
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(unused, None)
+    return app.openapi_schema
 
 
 def serving_sampler(model: str | None, drafter: str | None, *, backend: str, trust_remote_code: bool,

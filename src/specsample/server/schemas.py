@@ -240,6 +240,26 @@ class CompletionRequest(GenerationRequest):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str  # invalid_request_error, authentication_error, server_error
+    param: str | None = None  # the request's field at fault
+    code: str | None = None  # queue_full, replica_failed, model_not_found, ...
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (`error_body`), as the OpenAI API's."""
+
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int, dict]:
+    """OpenAPI's description of a route's error answers (FastAPI's `responses=`)."""
+    meaning = {400: "a bad request: the field at fault in `param`", 401: "a missing or wrong API key",
+               404: "no such model", 503: "busy (`queue_full`) or a replica failed; retry after Retry-After"}
+    return {status: {"model": ErrorResponse, "description": meaning[status]} for status in statuses}
+
+
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     """An error as the OpenAI API returns it."""
