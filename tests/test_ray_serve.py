@@ -492,7 +492,8 @@ def test_replicas_without_ray_is_one_line(capsys, monkeypatch):
 @pytest.mark.parametrize("args, message", [
     (["--replicas", "0"], "--replicas: Input should be greater than or equal to 1"),
     (["--min-replicas", "3", "--max-replicas", "2"], "min_replicas (3) must be <= max_replicas (2)"),
-    (["--replicas", "2", "--max-replicas", "3"], "not both"),
+    (["--replicas", "2", "--max-replicas", "3"], "replicas (a fixed count) and max_replicas (autoscaling) were both given"),
+    (["--replicas", "2", "--target-queue", "3"], "replicas (a fixed count) and target_queue (autoscaling) were both given"),
     (["--replicas", "2", "--k", "bogus"], "k must be an integer"),
     (["--replicas", "2", "--threads", "0"], "--threads:"),
 ])

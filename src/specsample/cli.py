@@ -118,7 +118,7 @@ def serve(
     replicas: Annotated[Optional[int], typer.Option(help="Run N engine replicas on a Ray cluster behind this endpoint (Ray Serve: pip install 'specsample[ray]').")] = None,
     min_replicas: Annotated[Optional[int], typer.Option(help="Autoscale the replicas on queue depth, from this many ...")] = None,
     max_replicas: Annotated[Optional[int], typer.Option(help="... to this many (Ray Serve's autoscaling_config).")] = None,
-    target_queue: Annotated[float, typer.Option(help="With autoscaling: requests per replica (running or waiting) to aim at.")] = 2.0,
+    target_queue: Annotated[Optional[float], typer.Option(help="With autoscaling: requests per replica (running or waiting) to aim at (default 2).")] = None,
     upscale_delay: Annotated[Optional[float], typer.Option(help="With autoscaling: seconds above the target before a replica is added (Ray Serve's upscale_delay_s, default 30).")] = None,
     downscale_delay: Annotated[Optional[float], typer.Option(help="With autoscaling: seconds below the target before a replica is removed (downscale_delay_s, default 600).")] = None,
     look_back: Annotated[Optional[float], typer.Option(help="With autoscaling: seconds over which the queue depth is averaged (look_back_period_s, default 30).")] = None,
@@ -133,7 +133,8 @@ def serve(
         check_api_key(api_key)
     if replicas is not None or min_replicas is not None or max_replicas is not None:
         return serve_replicas(locals())
-    given = [name for name, value in (("--upscale-delay", upscale_delay), ("--downscale-delay", downscale_delay),
+    given = [name for name, value in (("--target-queue", target_queue), ("--upscale-delay", upscale_delay),
+                                      ("--downscale-delay", downscale_delay),
                                       ("--look-back", look_back), ("--prefix-affinity", prefix_affinity or None))
              if value is not None]
     if given:
@@ -179,16 +180,13 @@ def serve_replicas(args: dict) -> None:
 
     from pydantic import ValidationError
 
-    autoscaling = ("min_replicas", "max_replicas", "upscale_delay", "downscale_delay", "look_back")
-    if args["replicas"] is not None and any(args[key] is not None for key in autoscaling):
-        raise ValueError("give --replicas N, or --min-replicas and --max-replicas (autoscaling), not both")
     if find_spec("ray") is None or find_spec("ray.serve") is None:
         raise ValueError("--replicas needs Ray Serve, which is not installed: pip install 'specsample[ray]'")
     from specsample.server.app import describe
-    from specsample.server.ray_app import RayOptions, run
+    from specsample.server.ray_app import AUTOSCALING, RayOptions, run
 
     given = {key: args[key] for key in ("model", "drafter", "k", "backend", "threads", "trust_remote_code", "replicas",
-                                        "max_queue", "max_batch", "api_key", "target_queue", "prefix_affinity", *autoscaling)}
+                                        "max_queue", "max_batch", "api_key", "prefix_affinity", *AUTOSCALING)}
     try:
         options = RayOptions(**{key: value for key, value in given.items() if value is not None})
     except ValidationError as error:

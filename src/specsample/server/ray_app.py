@@ -52,6 +52,9 @@ from specsample.server.schemas import error_body
 from specsample.server.worker import InvalidRequest, QueueFull
 
 
+AUTOSCALING = ("min_replicas", "max_replicas", "target_queue", "upscale_delay", "downscale_delay", "look_back")
+
+
 class RayOptions(BaseModel):
     """The application's arguments (`serve run ...:build_app key=value`, or `specsample serve --replicas`)."""
 
@@ -83,6 +86,10 @@ class RayOptions(BaseModel):
             parse_k(self.k)  # a bad K fails here, not in every replica
         if self.api_key is not None:
             check_api_key(self.api_key)
+        autoscaling = [name for name in AUTOSCALING if name in self.model_fields_set]
+        if self.replicas is not None and autoscaling:
+            raise ValueError(f"replicas (a fixed count) and {autoscaling[0]} (autoscaling) were both given: "
+                             "give replicas, or min_replicas and max_replicas, not both")
         if self.replicas is None and self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
         return self
