@@ -23,7 +23,7 @@ from specsample.tree import reached
 
 @dataclass(frozen=True)
 class Step:
-    drafted: int  # draft tokens proposed this step
+    drafted: int  # draft tokens verified this step (proposed, less those `cut`)
     accepted: int  # of them accepted and emitted (none past an EOS)
     emitted: int  # tokens emitted (accepted + 1, less any cut at EOS or a limit)
     draft_seconds: float
@@ -46,7 +46,8 @@ class Stats:
     """What decoding a request did and took. Tokens are counted as far as the answer goes: where a stop
     string ends the text inside a step's tokens, the step's later tokens are taken out of generated_tokens
     and accepted_tokens (`answer_ends`), as the engine leaves out tokens after an EOS, so generated_tokens
-    is the completion's token count; drafted_tokens and the seconds are all the work done."""
+    is the completion's token count; drafted_tokens (the draft tokens verified: a K policy's cut ones are
+    `Step.cut`, not among them) and the seconds are all the work done."""
 
     drafter: str = ""  # the `--drafter` value of the configuration that ran
     prompt_tokens: int = 0

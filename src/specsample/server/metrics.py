@@ -28,7 +28,7 @@ class ServerMetrics:
             "(completed, cancelled, invalid, rejected, error).", ["endpoint", "outcome"], registry=registry)
         self.prompt_tokens = Counter("specsample_prompt_tokens", "Prompt tokens.", registry=registry)
         self.generated_tokens = Counter("specsample_generated_tokens", "Generated tokens.", registry=registry)
-        self.drafted_tokens = Counter("specsample_drafted_tokens", "Draft tokens proposed.", registry=registry)
+        self.drafted_tokens = Counter("specsample_drafted_tokens", "Draft tokens verified (those a K policy cut unverified left out).", registry=registry)
         self.accepted_tokens = Counter("specsample_accepted_tokens", "Draft tokens accepted.", registry=registry)
         self.steps = Counter("specsample_verification_steps", "Verification steps.", registry=registry)
         self.prefill_seconds = Counter("specsample_prefill_seconds", "Seconds spent prefilling prompts.", registry=registry)
