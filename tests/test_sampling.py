@@ -238,3 +238,23 @@ def test_sample_finds_tokens_across_blocks_of_its_two_level_sum():
     observed = counts[tokens].double().numpy()
     expected = weights[tokens].double().numpy() / float(weights.sum()) * observed.sum()
     assert chisquare(observed, expected).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9), SamplingParams(1.0, top_k=3),
+                                    SamplingParams(1.0, min_p=0.5), SamplingParams(1e39)])
+def test_a_row_holding_inf_gets_its_limit_and_nan_is_refused(params):
+    """A float16 overflow makes a logit +inf: the row's limit is an even split over its +inf entries (softmax
+    alone gave NaN everywhere, and `sample` an arbitrary token); other rows keep their own."""
+    inf = math.inf
+    probs = probs_from_logits(torch.tensor([[0.0, inf, 1.0, inf], [0.0, -inf, 1.0, 2.0]]), params)
+    assert probs[0].tolist() == [0.0, 0.5, 0.0, 0.5]
+    assert not probs[1].isnan().any() and probs[1, 1] == 0 and probs[1].sum().item() == pytest.approx(1.0)
+    for bad in ([math.nan, 0.0, 1.0], [-inf, -inf, -inf]):
+        with pytest.raises(ValueError, match="no distribution to sample from"):
+            probs_from_logits(torch.tensor(bad), params)
+
+
+def test_a_temperature_beyond_float32_is_near_uniform_over_the_finite_logits():
+    """T = 1e39 is a float32 inf: -inf / inf was NaN and the -inf token could be drawn."""
+    probs = probs_from_logits(torch.tensor([0.0, -math.inf, 1.0, 50.0]), SamplingParams(1e39))
+    assert probs.tolist() == pytest.approx([1 / 3, 0.0, 1 / 3, 1 / 3])

@@ -94,18 +94,40 @@ def argmax(scores: Tensor) -> Tensor:
 
 
 SMALL_TEMPERATURE = 1e-20  # below, logits are shifted to a largest of 0 and divided in float64
+LARGE_TEMPERATURE = 1e30  # above, too (float32 holds no T beyond 3.4e38, and -inf / inf is NaN)
 
 
 def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
-    """Transform logits [..., vocab] into float32 probabilities [..., vocab]."""
+    """Transform logits [..., vocab] into float32 probabilities [..., vocab]. A row holding +inf (a float16
+    overflow) gets its limit, an even split over its +inf entries (`finite_limit`)."""
     if params.greedy:
         probs = torch.zeros_like(logits, dtype=torch.float32)
         return probs.scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
-    logits = logits.float()
-    if params.temperature < SMALL_TEMPERATURE:
+    probs = transformed(logits.float(), params)
+    if bool(probs[..., 0].isnan().any()):  # softmax made a row all NaN: its logits hold +inf, NaN or only -inf
+        probs = transformed(finite_limit(logits.float()), params)
+    return probs
+
+
+def finite_limit(logits: Tensor) -> Tensor:
+    """`logits` [..., vocab] with each row holding +inf replaced by 0 at its +inf entries and -inf elsewhere;
+    a ValueError for a NaN logit or a row all -inf, which have no distribution."""
+    if bool(logits.isnan().any()):
+        raise ValueError("the model's logits hold NaN: there is no distribution to sample from")
+    if not bool((logits > float("-inf")).any(-1).all()):
+        raise ValueError("the model's logits are all -inf at a position: there is no distribution to sample from")
+    infinite = logits.isposinf()
+    limit = torch.full_like(logits, float("-inf")).masked_fill_(infinite, 0.0)
+    return torch.where(infinite.any(-1, keepdim=True), limit, logits)
+
+
+def transformed(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Temperature, top-k, softmax, top-p and min-p of float32 logits [..., vocab] (`probs_from_logits`)."""
+    if not SMALL_TEMPERATURE <= params.temperature <= LARGE_TEMPERATURE:
         # logits / T would overflow to inf, and softmax give NaN; below about 1.4e-45 T itself is 0 in
         # float32. Shifted to a largest of 0 and divided in float64 (where T > 0 is never 0), the largest
         # stay 0 and the rest fall to -inf: the limit, a point mass on the argmax or an even split over a tie.
+        # Above LARGE_TEMPERATURE, the finite ones fall to 0 and -inf stays -inf: near the uniform.
         logits = ((logits - logits.amax(-1, keepdim=True)).double() / params.temperature).float()
     else:
         logits = logits / params.temperature
