@@ -41,7 +41,7 @@ def rejection_sample(
     """Modified rejection sampling over one chain of draft tokens, reading target_probs only up to the
     first rejection (`sampling.Rows`: the rows after it are never computed)."""
     k = draft_tokens.shape[0]
-    uniform = torch.rand(k, generator=generator)  # [k]
+    uniform = torch.rand(k, generator=generator, dtype=torch.float64)  # [k]; float64, as the tree verifier's
     for i, token in enumerate(draft_tokens.tolist()):
         draft_p = 1.0 if draft_probs is None else draft_probs[i, token]
         if not bool(uniform[i] * draft_p < target_probs[i][token]):
