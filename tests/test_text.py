@@ -76,6 +76,21 @@ def test_a_literal_replacement_character_streams_as_it_is(byte_tokenizer):
     assert "".join(chunks) == text[:-1]  # the last one is held: it might have been an incomplete character
 
 
+def test_a_run_of_replacement_characters_streams_with_a_window_that_moves(byte_tokenizer):
+    """Each U+FFFD of a run (three byte tokens here) might have begun an incomplete character, but only the
+    last three tokens can hold one: what precedes them is released and the window moves past it, so the
+    run streams in linear time rather than holding everything back until its end."""
+    from specsample.text import INCOMPLETE_TOKENS
+
+    tokenizer = byte_tokenizer
+    ids = tokenizer.encode("\ufffd" * 40)
+    assert len(ids) == 120
+    decoder = IncrementalDecoder(tokenizer)
+    released = "".join(decoder.push(i) for i in ids)
+    assert released == "\ufffd" * 39 and released + decoder.flush() == "\ufffd" * 40
+    assert decoder.prefix_offset >= len(ids) - 2 * INCOMPLETE_TOKENS - 1  # the window holds the last tokens only
+
+
 def test_a_stop_string_ends_the_answer_at_the_token_that_completes_it_when_that_token_starts_a_character():
     """A byte-level token " \xe6" (a space and the first byte of 日) completes the stop string "END ":
     the answer ends with that token, not two tokens later when 日 is whole."""
@@ -175,6 +190,15 @@ def test_a_chat_a_model_without_template_cannot_write_is_refused(byte_tokenizer,
     with pytest.raises(ValueError, match="the model has no chat template"):
         encode_prompt(byte_tokenizer, messages)
     assert encode_prompt(byte_tokenizer, [{"role": "user", "content": "hello"}]) == byte_tokenizer.encode("hello")
+
+
+def test_special_token_text_in_a_message_without_a_template_is_plain_text(byte_tokenizer):
+    """Without a template a user message is its text, and text spelling a special token (<eos>) stays text, as
+    through a template; a completion prompt (a string) is read as the tokenizer reads it."""
+    eos = byte_tokenizer.eos_token_id
+    ids = encode_prompt(byte_tokenizer, [{"role": "user", "content": "hello<eos> world"}])
+    assert eos not in ids and byte_tokenizer.decode(ids) == "hello<eos> world"
+    assert eos in encode_prompt(byte_tokenizer, "hello<eos> world", chat=False)
 
 
 def test_plain_prompt_without_chat_template(byte_tokenizer):

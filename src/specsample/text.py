@@ -31,7 +31,9 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[Mes
         why = "the chat template is off (chat=False)" if tokenizer.chat_template else "the model has no chat template"
         raise ValueError(f"{why}, so a chat of {len(messages)} messages and their roles cannot be written as its "
                          "input: send one user message, or the text as a completion prompt")
-    return tokenizer.encode(messages[0]["content"], add_special_tokens=True)
+    # a message's text that spells a special token stays text, as through a template (`chat_ids`); a
+    # completion prompt is read as the tokenizer reads it
+    return tokenizer.encode(messages[0]["content"], add_special_tokens=True, split_special_tokens=not isinstance(prompt, str))
 
 
 def check_messages(prompt: object) -> list[Message]:
@@ -103,13 +105,19 @@ def user_turn_opening(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
 
 
+INCOMPLETE_TOKENS = 3  # an incomplete UTF-8 character has at most 3 of its bytes, each token at least one
+
+
 class IncrementalDecoder:
     """Turns tokens, pushed one at a time, into text deltas that never split a character.
 
     A character whose bytes span several tokens decodes as U+FFFD until its last byte arrives, so a
     trailing run of U+FFFD is held back; the text before it is released at once (a token that ends
     a stop string and starts a character, " \xe6" of " 日", shows the stop string with that token).
-    A literal U+FFFD at the end is held back too, until the next character."""
+    A literal U+FFFD at the end is held back too, until the next character or INCOMPLETE_TOKENS more
+    tokens: an incomplete character's bytes lie in the last INCOMPLETE_TOKENS tokens, so the text of
+    the tokens before them is final, and the window moves past them (a run of U+FFFD tokens, real ones or
+    stray bytes, had kept the window growing: 8,000 of them took 12 s to stream)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
@@ -126,8 +134,14 @@ class IncrementalDecoder:
             return ""
         final = len(text.rstrip("\ufffd"))
         if final < len(text):  # a character may be incomplete: release what precedes it
-            delta = text[len(prefix) + self.sent : final]
+            settled = len(self.ids) - INCOMPLETE_TOKENS
+            older = self._decode(self.prefix_offset, settled) if settled > self.read_offset else ""
+            release = max(final, len(older) if text.startswith(older) else 0)
+            delta = text[len(prefix) + self.sent : release]
             self.sent += len(delta)
+            if len(older) > len(prefix) and text.startswith(older):  # the text of the tokens before `settled` is final
+                self.prefix_offset, self.read_offset = self.read_offset, settled
+                self.sent = len(prefix) + self.sent - len(older)
             return delta
         delta = text[len(prefix) + self.sent :]
         self.prefix_offset, self.read_offset, self.sent = self.read_offset, len(self.ids), 0
