@@ -250,6 +250,18 @@ def test_bundled_model_batched_pass_of_16_tokens_is_batch_invariant(bundled_targ
     assert_batch_invariant(alone, batched)
 
 
+def test_a_pass_of_64_rows_or_more_is_batch_invariant(bundled_target):
+    """From 64 rows llama.cpp's flash attention and K-quant products tile the pass with other kernels (max
+    |logit difference| 0.96 here): every context runs ubatches of at most N_BATCH = 63 rows, so a
+    verification pass of K + 1 = 70 still gives each position's logits alone (greedy output at any K)."""
+    prefix, ids = random_ids(20, seed=8, vocab=49152), random_ids(70, seed=6, vocab=49152)
+    bundled_target.prefill(prefix)
+    batched = bundled_target.score(ids).clone()  # [70, vocab]
+    bundled_target.rollback(20)
+    alone = torch.cat([bundled_target.score(ids[i : i + 1]).clone() for i in range(len(ids))])
+    assert torch.equal(batched, alone)
+
+
 @pytest.mark.parametrize("context", [509, 600])  # 509: the passes' cache views are padded to 512 or 768 cells
 def test_two_threads_over_a_long_cache_are_batch_invariant(context):
     """The promise where upstream's flash attention breaks it: two threads, over 512 cached

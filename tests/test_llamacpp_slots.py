@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsample.models.llamacpp import SLOT_ROWS, LlamaCppSlots, LlamaCppTarget
+from specsample.models.llamacpp import SLOT_ROWS, LlamaCppSlots, LlamaCppTarget, quantize
 from specsample.models.loading import bundled_gguf
 from specsample.models.target import Slots, SlottedTarget
 
@@ -43,6 +43,23 @@ def test_rows_of_slots_that_are_not_consecutive_nor_equal_are_invariant(target):
         slots.prefill(slot, context)
         segments.append((slot, new))
         expected.append(alone_scores(target, context, new))
+    for logits, want in zip(slots.score(segments), expected):
+        assert torch.equal(logits, want)
+
+
+def test_eight_slots_of_eight_rows_are_each_the_target_s_alone(tmp_path):
+    """64 rows in one pass (eight requests verifying K = 7), which llama.cpp would run as one ubatch of its
+    tiled K-quant products on a Q4_K_M copy of the bundled model (max |logit difference| 0.8 to 1.5, 3 of 8
+    argmaxes changed): the context's ubatches stay below 64 rows."""
+    path = quantize(bundled_gguf(), tmp_path / "Q4_K_M.gguf", "Q4_K_M", threads=1)
+    target = LlamaCppTarget(path, n_threads=1, max_length=64)
+    slots = target.slots(8)
+    segments, expected = [], []
+    for slot in range(8):
+        context, new = tokens(20 + slot, 49152, slot), tokens(8, 49152, 10 + slot)
+        slots.prefill(slot, context)
+        segments.append((slot, new))
+        expected.append(alone_scores(target, context, new).clone())
     for logits, want in zip(slots.score(segments), expected):
         assert torch.equal(logits, want)
 

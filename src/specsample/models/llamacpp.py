@@ -22,7 +22,8 @@ types (repacking) only for files whose repacked layouts are batch invariant, nev
 machine (whose buffer type dies with an illegal instruction in batched passes here:
 `repack_is_batch_invariant`), and turns flash attention on only where the build has that patch
 (`batch_invariant_build`; another build also gets its tiled products turned off). Then a
-position's logits are bitwise the same scored alone or in a batch of any size below 64
+position's logits are bitwise the same scored alone or in a batch of any size below 64, and every
+context runs its passes in ubatches of at most N_BATCH = 63 rows, so whatever K and however many slots
 (tests/test_llamacpp.py checks it; docs/llamacpp-backend.md has the figures and what it costs).
 
 Slots (`LlamaCppTarget.slots`, for batched decoding) are llama.cpp's sequence ids in a context of
@@ -61,16 +62,19 @@ from specsample.openmp import default_threads
 
 DEFAULT_MAX_LENGTH = 8192
 CACHE_TYPES = {"f16": 1, "f32": 0}  # KV cache element types: ggml_type ids
-# Tokens per llama_decode call: prompts are prefilled in chunks of this many. From 64 queries flash
-# attention tiles a chunk (prefill 1.2-1.7x as fast as in 32-token chunks over 700 to 4,000 positions,
-# 2 threads); without flash attention a chunk's attention scores are [cached positions, chunk, heads]
-# float32, twice (scores, softmax). Longer chunks prefill faster still (256: 2x) and take more memory:
-# peak resident memory over the runtime for a 4,000-token prompt on the bundled model with flash
-# attention, 302 MiB at 32, 303 at 64, 306 at 128, 318 at 512, where issue 22's budget of 1.3 x the
-# file + the KV cache is 302 (docs/llamacpp-backend.md "Memory"; tests/test_llamacpp_memory.py holds
-# a short prompt to it). A verification pass (K + 1 <= 17 positions) fits one chunk, below the
-# tiling, so it is batch invariant.
-N_BATCH = 64
+# Tokens per llama_decode call, and per ubatch of every context: prompts are prefilled in chunks of
+# this many. From 64 rows llama.cpp's flash attention and its K-quant products tile a ubatch with other
+# kernels, and a row's logits then depend on the pass (a 64-row pass against its rows one at a time:
+# max |difference| 0.96 on the bundled Q4_1 file, 1.2 on its Q4_K_M copy, argmax changed; 63 rows: 0),
+# so greedy verification with K >= 63, or a batch of slots of 64 rows in all, left plain decoding's
+# tokens. Below 64 every pass is batch invariant, whatever K and the batch. The price is prefill: 64-row
+# tiles prefilled 1.2-1.7x as fast as 32-token chunks over 700 to 4,000 positions (2 threads). Without
+# flash attention a chunk's attention scores are [cached positions, chunk, heads] float32, twice
+# (scores, softmax). Peak resident memory over the runtime for a 4,000-token prompt on the bundled model
+# with flash attention: 302 MiB at 32, 303 at 64, 306 at 128, 318 at 512, where issue 22's budget of
+# 1.3 x the file + the KV cache is 302 (docs/llamacpp-backend.md "Memory"; tests/test_llamacpp_memory.py
+# holds a short prompt to it).
+N_BATCH = 63
 # Most new tokens a slot scores in one pass (`LlamaCppSlots.score`; a verification pass of K + 1 <= 17).
 SLOT_ROWS = 32
 
@@ -412,11 +416,12 @@ class LlamaCppTarget:
     def context(self, positions: int, sequences: int, batch: int) -> ctypes.c_void_p:
         """A llama.cpp context over this target's model with its settings (threads, KV cache type,
         batch invariance): `positions` KV cache cells in all, `sequences` sequence ids, each in a
-        stream of its own where more than one, at most `batch` tokens a `llama_decode`."""
+        stream of its own where more than one, at most `batch` tokens a `llama_decode`, run in ubatches of
+        at most N_BATCH."""
         lib = self.lib
         params = lib.llama_context_default_params()
         params.n_ctx = positions
-        params.n_batch = params.n_ubatch = batch
+        params.n_batch, params.n_ubatch = batch, min(batch, N_BATCH)  # a ubatch below 64 rows: batch invariant
         params.n_seq_max = sequences
         params.kv_unified = False  # a stream per sequence: a row attends over its own sequence alone
         params.n_threads = params.n_threads_batch = self.n_threads
