@@ -460,7 +460,9 @@ def test_the_gateway_admits_every_place_it_promises_and_refuses_the_next(scaled)
                     assert time.monotonic() < deadline and not any(task.done() for task in held), [
                         task.result().text for task in held if task.done()]
                     await asyncio.sleep(0.2)
-                return await client.post(f"{url}/v1/completions", json=body)
+                extra = await client.post(f"{url}/v1/completions", json=body)
+                assert not [task.result().text for task in held if task.done()]  # none refused by a replica
+                return extra
             finally:
                 for task in held:
                     task.cancel()

@@ -159,7 +159,10 @@ class Engine:
         sampler = serving_sampler(options.model, options.drafter, backend=options.backend,
                                   trust_remote_code=options.trust_remote_code, threads=options.threads)
         policy = None if options.k is None else parse_k(options.k)
-        self.worker = make_worker(sampler, ServerMetrics(), max_queue=options.max_queue,
+        # the gateway bounds the requests (`RayOptions.capacity`); Ray Serve's router, whose view of a
+        # replica's load lags (cancelled requests it still counts, or ones it has not heard of), may send it
+        # more than max_queue, which this worker takes rather than refuse what the gateway admitted
+        self.worker = make_worker(sampler, ServerMetrics(), max_queue=options.capacity(),
                                   k=policy if options.max_batch == 1 else options.k,
                                   default_max_tokens=options.default_max_tokens, max_batch=options.max_batch)
         self.card = model_card(sampler)
