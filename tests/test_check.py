@@ -106,7 +106,7 @@ def test_check_rejects_bad_arguments(capsys, tiny_dir):
     assert code == 2 and "--broken needs a drafter" in err and err.count("\n") == 1
     code, _, err = cli(capsys, "check", "--model", str(tiny_dir), "--drafter", "ngram", "--broken", "--samples", "20",
                        "--context", "w5 w6")  # nothing to look up in a context of two words
-    error = err.rstrip("\n").split("\n")[-1]  # after the progress bar's lines
+    error = err.rstrip("\n").replace("\r", "\n").split("\n")[-1]  # after the progress bar's, which it clears
     assert code == 2 and error.startswith("specsample: error: --broken needs") and "proposed no tokens" in error
 
 
