@@ -2,7 +2,9 @@
 transformers' `generate`, speculative decoding rolls back (transformers' own sliding cache layers cannot
 be cropped once full) with the same greedy tokens, and a tree's nodes get their paths' logits (each
 query sees the keys within its window of its own position, 1e-5 absolute: float32 rounding of another
-summation order). Models with a recurrent state (an SSM, linear attention) are refused in one line."""
+summation order; in Llama 4's chunked layers, those of its own chunk). After a tree pass the kept path's
+keys and values move into place, in every layer that has its own (Gemma 4's shared ones have none). Models
+with a recurrent state (an SSM, linear attention) are refused in one line."""
 
 from __future__ import annotations
 
@@ -26,6 +28,37 @@ MODELS = {
     "gemma3": lambda: tiny("gemma3", sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
 }
 PARENTS = torch.tensor([-1, -1, 0, 2, 2, -1, 4, 1, 6, 3])
+
+
+def llama4_chunked() -> torch.nn.Module:
+    """Llama 4's text model: its attention layers see their own chunk of WINDOW positions only."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(0)
+    config = Llama4TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=1, interleave_moe_layer_step=0,
+        moe_layers=[], attention_chunk_size=WINDOW, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, initializer_range=0.3)
+    return Llama4ForCausalLM(config).eval()
+
+
+def gemma4_shared() -> torch.nn.Module:
+    """Gemma 4's text model with layers that read other layers' keys and values (`num_kv_shared_layers`):
+    transformers gives them cache layers without keys of their own."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma4TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=16, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2, vocab_size_per_layer_input=128,
+        hidden_size_per_layer_input=8, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, initializer_range=0.3)
+    return Gemma4ForCausalLM(config).eval()
+
+
+MODELS |= {"llama4": llama4_chunked, "gemma4": gemma4_shared}
 
 
 def repetitive_prompt(length: int) -> torch.Tensor:
@@ -77,3 +110,30 @@ def test_a_model_with_a_recurrent_state_is_refused():
     model = MambaForCausalLM(MambaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, state_size=8)).eval()
     with pytest.raises(UnsupportedModel, match="model type 'mamba' keeps a recurrent state .* run its GGUF file on llamacpp"):
         TransformersTarget(model)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_tree_s_kept_path_continues_as_the_chain(name):
+    """After a tree pass the accepted path's keys and values move into place (shared-cache layers have none
+    to move): the next position's logits equal those after scoring the path as a chain."""
+    target = TransformersTarget(MODELS[name]())
+    context, tokens = repetitive_prompt(2 * WINDOW + 3), torch.arange(20, 20 + len(PARENTS))
+    target.prefill(context)
+    start = target.length
+    target.score_tree(tokens, PARENTS)
+    target.keep_path(start, [1, 7])  # root 1, then its child 7
+    after_tree = target.score(torch.tensor([40]))[-1]
+    target.prefill(context)
+    target.score(tokens[[1, 7]])
+    torch.testing.assert_close(after_tree, target.score(torch.tensor([40]))[-1], rtol=0, atol=1e-5)
+
+
+def test_rollback_and_scoring_stay_within_the_cache_and_the_window():
+    target = TransformersTarget(MODELS["mistral"](), max_length=16)
+    target.prefill(torch.arange(1, 11))
+    for length in (-1, 11):
+        with pytest.raises(ValueError, match="cannot roll back"):
+            target.rollback(length)
+    with pytest.raises(ValueError, match="exceed the context window of 16"):
+        target.score(torch.arange(1, 8))
+    assert target.length == 10

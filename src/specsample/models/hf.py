@@ -37,12 +37,28 @@ def rollback_cache(config) -> DynamicCache:
     return cache
 
 
-def attention_windows(config) -> dict[str, int | None]:
-    """The window of each kind of attention layer of `config` (None: the whole context): transformers'
-    `layer_types`, or one kind for all layers, sliding where the config gives a window."""
-    window = getattr(config, "sliding_window", None)
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")  # what `score_tree` masks
+
+
+def attention_windows(config) -> dict[str, tuple[int | None, int | None]]:
+    """Each kind of attention layer of `config` (transformers' `layer_types`, or one kind for all layers,
+    sliding where the config gives a window) with its window and its chunk (None: not limited so): a
+    sliding layer's query sees the last `sliding_window` positions, a chunked one (Llama 4's) those of its
+    own block of `attention_chunk_size`. Other kinds of layers (no attention: "moe", "mlp") are left out."""
+    window, chunk = getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)
     kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"])
-    return {kind: window if kind == "sliding_attention" else None for kind in kinds}
+    limits = {"full_attention": (None, None), "sliding_attention": (window, None), "chunked_attention": (None, chunk)}
+    return {kind: limits[kind] for kind in kinds if kind in limits}
+
+
+def within(seen: Tensor, positions: Tensor, key_positions: Tensor, window: int | None, chunk: int | None) -> Tensor:
+    """`seen` [n, keys] where a query at `positions` [n] also reaches the key at `key_positions` [keys]: within
+    `window` positions of it, and in its block of `chunk` (None: no such limit)."""
+    if window is not None:
+        seen = seen & (positions[:, None] - key_positions < window)
+    if chunk is not None:
+        seen = seen & (positions[:, None] // chunk == key_positions // chunk)
+    return seen
 
 
 class TransformersTarget:
@@ -78,15 +94,16 @@ class TransformersTarget:
     def score_tree(self, token_ids: Tensor, parents: Tensor) -> Tensor:
         """Append a tree of tokens [n] with `parents` [n] (`target.ScoresTrees`); logits [n, vocab]: a mask
         [1, 1, n, length + n] lets each see the cache, its ancestors and itself, at position length + depth
-        (in a sliding-window layer, those of them within its window of that position). One mask when
-        every layer attends alike, else one for each kind of layer, as transformers maps them."""
-        start, n = self.length, token_ids.shape[0]
+        (in a sliding-window layer, those of them within its window of that position; in a chunked one,
+        those in its chunk). One mask when every layer attends alike, else one for each kind of layer, as
+        transformers maps them."""
+        start, n = self._room(token_ids.shape[0]), token_ids.shape[0]
         positions = start + depths(parents)  # [n]
         seen = torch.ones(n, start + n, dtype=torch.bool)
         seen[:, start:] = visibility(parents)
         key_positions = torch.cat([torch.arange(start), positions])  # [start + n]
-        masks = {kind: self._additive(seen if window is None else seen & (positions[:, None] - key_positions < window))
-                 for kind, window in self.windows.items()}
+        masks = {kind: self._additive(within(seen, positions, key_positions, window, chunk))
+                 for kind, (window, chunk) in self.windows.items()}
         out = self.model(
             input_ids=token_ids[None], **{self.cache_argument: self.cache}, use_cache=True,
             attention_mask=next(iter(masks.values())) if len(masks) == 1 else masks,
@@ -106,12 +123,16 @@ class TransformersTarget:
         kept = torch.as_tensor(list(nodes), dtype=torch.long)
         source, target = start + kept, torch.arange(start, start + kept.shape[0])
         for layer in self.cache.layers:
+            if layer.keys is None:  # a layer that reads another's keys and values (Gemma 4's shared ones)
+                continue
             layer.keys[:, :, target] = layer.keys[:, :, source]
             layer.values[:, :, target] = layer.values[:, :, source]
         self._features.keep(start, kept)
         self.rollback(start + source.shape[0])
 
     def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: the cache holds {self.length} positions")
         if length < self.length:
             self.cache.crop(length - self.length)  # a negative count removes that many positions
         self._features.truncate(length)
@@ -125,7 +146,7 @@ class TransformersTarget:
         return self._features.read(start, end, layers)
 
     def _forward(self, token_ids: Tensor, logits_to_keep: int) -> Tensor:
-        start = self.length
+        start = self._room(token_ids.shape[0])
         recording = self._features.recording
         out = self.model(
             input_ids=token_ids[None],
@@ -136,6 +157,12 @@ class TransformersTarget:
         )
         self._record(start, out)
         return out.logits
+
+    def _room(self, n: int) -> int:
+        """The cache's length, where `n` more positions fit the context window; else a ValueError."""
+        if self.length + n > self.max_length:
+            raise ValueError(f"{self.length} + {n} positions exceed the context window of {self.max_length}")
+        return self.length
 
     def _record(self, start: int, out) -> None:
         """Where features are recorded, write a pass's rows from position `start` on."""
