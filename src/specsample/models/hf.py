@@ -37,9 +37,6 @@ def rollback_cache(config) -> DynamicCache:
     return cache
 
 
-ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")  # what `score_tree` masks
-
-
 def attention_windows(config) -> dict[str, tuple[int | None, int | None]]:
     """Each kind of attention layer of `config` (transformers' `layer_types`, or one kind for all layers,
     sliding where the config gives a window) with its window and its chunk (None: not limited so): a
