@@ -12,10 +12,9 @@ compared by these strings, not by their token names; and some decoders (Llama 2'
 TinyLlama's) strip the leading space of a whole text, so a token decoded alone would lose its own
 ("▁the" would read "the", the string of the token that has no space). Tokens without a string of
 their own are left out: special tokens, the empty string, and tokens that hold part of a UTF-8
-character (byte-level pieces and
-byte-fallback tokens of non-ASCII bytes decode to U+FFFD alone). A byte-fallback token of an ASCII
-byte decodes to the same string as an ordinary token; a string's tokens are then told apart by the
-one its tokenizer encodes it to (`token_strings`).
+character (byte-level pieces and byte-fallback tokens of non-ASCII bytes decode to U+FFFD alone). A
+byte-fallback token of an ASCII byte decodes to the same string as an ordinary token; a string's
+tokens are then told apart by the one its tokenizer encodes it to (`token_strings`).
 """
 
 from __future__ import annotations
