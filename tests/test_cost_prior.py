@@ -174,3 +174,18 @@ def test_each_pass_is_timed_after_one_of_its_own_size(monkeypatch):
     (curve,) = cost_curve.measure_synthetic({"t": EvictingTarget(tiny_target(), clock)}, 8, (1, 2, 5, 9), repeats=3)
     assert curve.ms == pytest.approx([1.0, 1.1, 1.4, 1.8])
     assert curve.ratio(9) == pytest.approx(1.8)
+
+
+@pytest.mark.parametrize("damage", ['{"1": 1.0, "2": 1.', "[1, 2]", '{"1": 2.0}', '{"one": 1.0}', ""])
+def test_a_damaged_remembered_curve_is_measured_anew(tmp_path, monkeypatch, damage):
+    """A remembered file cut short (a full disk) or not a curve is measured anew and written whole, not a
+    traceback at every request's first step."""
+    monkeypatch.setenv("SPECSAMPLE_CACHE", str(tmp_path))
+    target = tiny_target()
+    path = ratios_path("tiny|fast|1")
+    path.parent.mkdir(parents=True)
+    path.write_text(damage)
+    ratios = machine_ratios(target, "tiny|fast|1")
+    assert list(ratios) == list(PRIOR_NS) and ratios[1] == 1.0
+    assert json.loads(path.read_text()) == {str(n): r for n, r in ratios.items()}
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind

@@ -133,28 +133,33 @@ def measure_synthetic(
 
 def remembered_ratios(key: str | None) -> dict[int, float] | None:
     """The ratios `machine_ratios` remembered under `key` on this machine, if it has measured them."""
-    path = None if key is None else ratios_path(key)
-    if path is None or not path.is_file():
+    return None if key is None else _read_ratios(ratios_path(key))
+
+
+def _read_ratios(path: Path) -> dict[int, float] | None:
+    """The ratios kept in `path`; None if there are none, or none to trust (a damaged file is measured anew)."""
+    try:
+        ratios = {int(n): float(ratio) for n, ratio in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
-    return {int(n): ratio for n, ratio in json.loads(path.read_text()).items()}
+    return ratios if ratios.get(1) == 1.0 else None
 
 
 def machine_ratios(target: Target, key: str | None) -> dict[int, float]:
     """f(n)/f(1) of `target` on this machine at PRIOR_NS, remembered under `key` (None: measured anew,
     not remembered). Measuring leaves the target's cache empty."""
-    remembered = remembered_ratios(key)
+    path = None if key is None else ratios_path(key)
+    remembered = None if path is None else _read_ratios(path)
     if remembered is not None:
         return remembered
-    path = None if key is None else ratios_path(key)
     ns = [n for n in PRIOR_NS if n < target.max_length]  # a cached token and n new ones fit
     context = min(PRIOR_CONTEXT, target.max_length - max(ns))
     (curve,) = measure_synthetic({"target": target}, context, ns, PRIOR_REPEATS)
     ratios = dict(zip(curve.ns, curve.ratios))
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{id(ratios)}.tmp")
-        tmp.write_text(json.dumps(ratios))
-        tmp.replace(path)
+        from specsample.models.loading import write_atomically
+
+        write_atomically(path, json.dumps(ratios))
     return ratios
 
 

@@ -136,10 +136,11 @@ class IncrementalDecoder:
         if final < len(text):  # a character may be incomplete: release what precedes it
             settled = len(self.ids) - INCOMPLETE_TOKENS
             older = self._decode(self.prefix_offset, settled) if settled > self.read_offset else ""
-            release = max(final, len(older) if text.startswith(older) else 0)
+            older_final = text.startswith(older)
+            release = max(final, len(older) if older_final else 0)
             delta = text[len(prefix) + self.sent : release]
             self.sent += len(delta)
-            if len(older) > len(prefix) and text.startswith(older):  # the text of the tokens before `settled` is final
+            if len(older) > len(prefix) and older_final:  # the text of the tokens before `settled` is final
                 self.prefix_offset, self.read_offset = self.read_offset, settled
                 self.sent = len(prefix) + self.sent - len(older)
             return delta

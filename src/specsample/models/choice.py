@@ -95,11 +95,10 @@ def backend_for(gguf: Path, threads: int | None, measure) -> BackendChoice:
         return BackendChoice(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         pass
+    from specsample.models.loading import write_atomically
+
     made = choose(measure())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(made)))
-    tmp.replace(path)
+    write_atomically(path, json.dumps(asdict(made)))
     return made
 
 

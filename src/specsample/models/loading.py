@@ -247,6 +247,20 @@ def cached(target: Path, marker: str, make: Callable[[Path], None]) -> Path:
     return target
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Writes `text` to `path` through a temporary file of its own renamed into place, so a reader (or a
+    process writing the same file at once) never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def eos_ids(generation_config: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """End-of-sequence ids from the generation config (if any) and the tokenizer."""
     ids = getattr(generation_config, "eos_token_id", None)
