@@ -20,6 +20,7 @@ import pytest
 from conftest import tiny_llama
 from specsample.bench import harness, llamacpp_baselines, report, run_notes
 from specsample.models import load_model, load_target
+from specsample.openmp import default_threads
 from specsample.policy import CostModelK
 from specsample.prompts import read_prompts
 from specsample.stats import Step
@@ -177,6 +178,15 @@ def test_a_non_gguf_target_has_no_llama_cpp_baselines(tiny_dir):
     config = harness.make_config({**harness.DEFAULTS, "name": "llamacpp-plain", "kind": "llamacpp-plain"})
     with pytest.raises(llamacpp_baselines.Unavailable, match="run GGUF files"):
         harness.llamacpp_runner(config, harness.Setup(loaded, None))
+
+
+def test_llama_cpp_baselines_beside_our_own_backend_take_the_default_threads(ggufs, cache):
+    """A target of the project's own backends has no llama.cpp threads: without --threads the baseline runs
+    on `default_threads()` (README's summary command, `--backend gguf --llamacpp-baselines`, had crashed)."""
+    loaded, target = load_target(str(ggufs[0]), "fast")
+    config = harness.make_config({**harness.DEFAULTS, "name": "llamacpp-plain", "kind": "llamacpp-plain"})
+    runner = harness.llamacpp_runner(config, harness.Setup(loaded, target, backend="fast"))
+    assert runner.lib.llama_n_threads(runner.ctx) == default_threads()
 
 
 def test_tool_output_is_parsed_into_timings_and_text():

@@ -40,6 +40,7 @@ from specsample.defaults import given
 from specsample.drafters import REGISTRY, DraftModelDrafter, check_spec, make_drafter
 from specsample.models import LoadedModel, Target, load_model, make_target
 from specsample.models.target import NotOnThisBackend
+from specsample.openmp import default_threads
 from specsample.policy import parse_k
 from specsample.prompts import Prompt
 from specsample.sampling import SamplingParams, check_seed
