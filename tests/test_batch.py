@@ -21,7 +21,7 @@ from specsample.drafters.suffix import SuffixTreeDrafter
 from specsample.engine import decode
 from specsample.models.llama import LlamaTarget
 from specsample.policy import FixedK
-from specsample.sampling import CoupledSource, RandomSource, SamplingParams, make_generator
+from specsample.sampling import CoupledSource, RandomSource, SamplingParams
 from specsample.stats import Stats
 
 from conftest import needs_kernels, tiny_llama

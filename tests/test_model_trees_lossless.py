@@ -14,7 +14,6 @@ verifier, which must be rejected.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from specsample.drafters import draft_model

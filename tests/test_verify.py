@@ -2,6 +2,7 @@
 
 import torch
 
+from specsample.sampling import Rows
 from specsample.verify import greedy_verify, leading_true, rejection_sample, residual
 
 
@@ -65,9 +66,8 @@ def test_same_seed_same_verdicts():
     assert runs[0] == runs[1]
 
 
-def counted_rows(table: torch.Tensor) -> tuple["Rows", list[int]]:
+def counted_rows(table: torch.Tensor) -> tuple[Rows, list[int]]:
     """`table` [n, width] as `sampling.Rows`, and the list of the rows it made, in order."""
-    from specsample.sampling import Rows
 
     made: list[int] = []
     return Rows(table.shape[0], lambda i: made.append(i) or table[i]), made
