@@ -570,7 +570,7 @@ def file_shape(index: TensorIndex) -> FileShape:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise UnsupportedModel(f"GGUF architecture {arch!r} is not one of {sorted(ARCHITECTURES)}")
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "linear")  # llama.cpp's default: a factor alone is linear
     if scaling not in ("none", "linear"):
         raise UnsupportedModel(f"rope scaling {scaling!r} is not built from the file")
     hidden, heads = meta[f"{arch}.embedding_length"], meta[f"{arch}.attention.head_count"]
@@ -631,13 +631,22 @@ def base_frequencies(base: float, head_dim: int) -> Tensor:
     return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
 
 
+def linear_factor(meta: dict, arch: str) -> float:
+    """What a linear rotary scaling divides the frequencies by, read as llama.cpp reads it: the factor, else
+    the older key `rope.scale_linear` (old conversions wrote it with no scaling type), 0 or neither 1. A file
+    with a factor and no type is linear scaled in llama.cpp; read as unscaled, its logits moved by 8."""
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear", 0.0)))
+    return factor if factor != 0.0 else 1.0
+
+
 def inverse_frequencies(index: TensorIndex, shape: FileShape) -> Tensor:
     """The rotary embedding's inverse frequencies [head_dim / 2] (`base_frequencies` of the file's base),
     divided by a linear scaling factor or by the file's per-frequency factors (llama3's rope_freqs)."""
-    base = float(index.metadata.get(f"{shape.arch}.rope.freq_base", 10000.0))
+    meta = index.metadata
+    base = float(meta.get(f"{shape.arch}.rope.freq_base", 10000.0))
     inv_freq = base_frequencies(base, shape.head_dim)
-    if index.metadata.get(f"{shape.arch}.rope.scaling.type") == "linear":
-        inv_freq = inv_freq / float(index.metadata[f"{shape.arch}.rope.scaling.factor"])
+    if meta.get(f"{shape.arch}.rope.scaling.type", "linear") == "linear":
+        inv_freq = inv_freq / linear_factor(meta, shape.arch)
     if "rope_freqs.weight" in index.tensors:
         inv_freq = inv_freq / vector(index, "rope_freqs.weight")
     return inv_freq

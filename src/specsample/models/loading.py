@@ -93,6 +93,8 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(directory)
         config = GenerationConfig.from_pretrained(directory) if (directory / "generation_config.json").is_file() else None
         return LoadedModel(None, tokenizer, name, eos_ids(config, tokenizer), perf_counter() - start, gguf)
+    if gguf:
+        check_rope_survives_conversion(gguf)
     directory = converted_gguf(gguf) if gguf else checked_hf_dir(source)
     tokenizer = hf_tokenizer(directory, trust_remote_code)
     try:
@@ -102,6 +104,25 @@ def load_model(
     except SafetensorError as error:  # a truncated or corrupt weights file
         raise ValueError(f"cannot read the weights in {directory}: {error}") from error
     return LoadedModel(model, tokenizer, name, eos_ids(model.generation_config, tokenizer), perf_counter() - start, gguf)
+
+
+def check_rope_survives_conversion(gguf: Path) -> None:
+    """UnsupportedModel for a GGUF file whose rotary embedding is scaled (a linear factor, or llama3's
+    per-frequency factors `rope_freqs`, as Llama 3.x files carry): transformers' GGUF converter reads no
+    rotary scaling for these architectures, so the float32 path would run another model than the file's,
+    which llama.cpp and the blocks run (`gguf_blocks.inverse_frequencies`)."""
+    from specsample.models.gguf_blocks import TensorIndex, linear_factor
+    from specsample.models.target import UnsupportedModel
+
+    try:
+        index = TensorIndex(gguf)
+    except ValueError:  # not a GGUF file whole: the converter says so (`checked_gguf`)
+        return
+    arch = index.metadata.get("general.architecture")
+    scaled = index.metadata.get(f"{arch}.rope.scaling.type", "linear") != "none" and linear_factor(index.metadata, arch) != 1.0
+    if scaled or "rope_freqs.weight" in index.tensors:
+        raise UnsupportedModel(f"{gguf.name} scales its rotary embedding, which transformers' GGUF converter drops: "
+                               "the float32 path would run another model; use --backend gguf or --backend llamacpp")
 
 
 def hf_tokenizer(directory: Path, trust_remote_code: bool) -> PreTrainedTokenizerBase:
