@@ -12,7 +12,8 @@ import numpy as np
 import torch
 import pytest
 
-from specsample.verify.check import ALPHA, BROKEN, certify, chi_square_p, load_sampler
+from specsample.stats import Stats, Step
+from specsample.verify.check import ALPHA, BROKEN, certify, chi_square_p, exercised, load_sampler
 from specsample.policy import FixedK
 from specsample.sampling import SamplingParams
 
@@ -72,10 +73,24 @@ def test_a_thinly_spread_distribution_is_still_tested():
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=5)], ids=["t1", "t0.8-top_k5"])
 def test_certificate_passes_the_sampler_and_rejects_always_accept(sampler, params):
     good = certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=300, seed=1)
-    assert good.stats.acceptance_rate > 0.4 and len(good.tests) >= 3
+    assert good.stats.acceptance_rate > 0.4 and len(good.tests) >= 3 and good.notes == []
     assert not good.rejected, [(t.position, t.p_value) for t in good.tests]
     bad = certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=300, seed=1, verifier=BROKEN)
     assert bad.rejected, [(t.position, t.p_value) for t in bad.tests]
+
+
+def test_a_check_whose_drafts_are_hardly_ever_accepted_says_so():
+    """6,012 drafted and none accepted (an `ngram` draft the target's top-p gives no probability) had printed
+    PASS beside "acceptance rate 0.000" and nothing more: a certificate of the recovery alone."""
+    def stats(drafted: int, accepted: int) -> Stats:
+        out = Stats()
+        out.record(Step(drafted, accepted, accepted + 1, 0.0, 0.0))
+        return out
+
+    assert exercised(stats(0, 0)) == ["the drafter proposed no tokens: only plain decoding was exercised"]
+    (note,) = exercised(stats(6012, 0))
+    assert note.startswith("0 of 6012 draft tokens were accepted: the accept rule was hardly exercised")
+    assert exercised(stats(100, 4)) and exercised(stats(100, 5)) == []
 
 
 def test_greedy_certificate(sampler):

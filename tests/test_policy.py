@@ -43,6 +43,17 @@ def test_heuristic_grows_by_two_after_full_acceptance_and_shrinks_by_one_otherwi
     assert policy.choose() == 4
 
 
+def test_heuristic_grows_after_a_tree_whose_deepest_path_was_accepted_whole():
+    """A tree of 4 nodes, 3 deep (a root with two children, one of them with a child): accepting its deepest
+    path is full acceptance, as a chain's every token is; counted as a miss, K had never grown for trees."""
+    policy = HeuristicK(k_start=4, k_max=9)
+    parents = torch.tensor([-1, 0, 0, 1])
+    policy.observe(Step(4, 3, 4, 0.0, 0.01, parents=parents))
+    assert policy.choose() == 6
+    policy.observe(Step(4, 2, 3, 0.0, 0.01, parents=parents))
+    assert policy.choose() == 5
+
+
 def test_heuristic_never_goes_below_one():
     policy = HeuristicK(k_start=1)
     policy.observe(step(1, 0))

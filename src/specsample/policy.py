@@ -151,7 +151,7 @@ class HeuristicK:
     def observe(self, step: Step) -> None:
         if step.drafted == 0:
             return
-        grown = self.k + 2 if step.accepted == step.drafted else self.k - 1
+        grown = self.k + 2 if step.accepted == verified_positions(step) else self.k - 1  # a tree: its deepest path
         self.k = max(1, min(self.k_max, grown))
 
     def estimates(self) -> dict:

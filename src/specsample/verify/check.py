@@ -66,6 +66,7 @@ CONTEXTS = (
     "What is the capital of France?",
 )
 MIN_CONDITIONAL_SAMPLES = 50  # fewer samples of a first token: no test of the second token after it
+LOW_ACCEPTANCE = 0.05  # below it, a check notes that the accept rule was hardly exercised
 
 
 class PrefixCache:
@@ -233,10 +234,20 @@ def certify(
         runs = tqdm(range(samples), desc=context[:24], unit="sample", leave=False, disable=not progress)
         pairs = [sample_pair(sampler, policy, prompt_ids, params, random, stats, verifier) for _ in runs]
         tests += context_tests(sampler, context, prompt_ids, params, pairs, conditionals)
-    certificate = Certificate(tests, alpha, stats, perf_counter() - start)
+    return Certificate(tests, alpha, stats, perf_counter() - start, exercised(stats))
+
+
+def exercised(stats: Stats) -> list[str]:
+    """Notes on how little of the speculative path a check ran: no draft tokens (plain decoding only), or
+    draft tokens accepted less than LOW_ACCEPTANCE of the time, so that the accept rule was hardly tested (an
+    `ngram` draft of the chat template's next `<|im_start|>` under top-p 0.9: 6,012 drafted, none accepted)."""
     if stats.drafted_tokens == 0:
-        certificate.notes.append("the drafter proposed no tokens: only plain decoding was exercised")
-    return certificate
+        return ["the drafter proposed no tokens: only plain decoding was exercised"]
+    if stats.acceptance_rate < LOW_ACCEPTANCE:
+        return [f"{stats.accepted_tokens} of {stats.drafted_tokens} draft tokens were accepted: the accept rule was "
+                "hardly exercised, mostly the recovery; a drafter or sampling options whose drafts the target keeps "
+                "make a stronger check"]
+    return []
 
 
 def sample_pair(
@@ -415,10 +426,7 @@ def check_identity(
             speculative = new_tokens(sampler.target, sampler.drafter, policy, prompt_ids, params, CoupledSource(seed),
                                      max_new_tokens, eos, stats, verifier)
             runs.append(SeedRun(context, seed, plain, speculative))
-    check = IdentityCheck(runs, stats, perf_counter() - start)
-    if stats.drafted_tokens == 0:
-        check.notes.append("the drafter proposed no tokens: only plain decoding was exercised")
-    return check
+    return IdentityCheck(runs, stats, perf_counter() - start, exercised(stats))
 
 
 def new_tokens(
