@@ -244,22 +244,24 @@ def test_tree_stats_count_trees_verified_and_the_path_the_answer_holds():
     tree = stats.to_dict()["tree"]
     assert tree["steps"] == 2 and tree["mean_nodes"] == 5 and tree["mean_accepted_depth"] == 1.5
     assert tree["mean_accepted_depth"] * tree["steps"] == stats.accepted_tokens
-    # depth 0 rank 0 reached twice, accepted twice; rank 1 twice, never; depth 1 rank 0 twice, accepted once
-    # (the first step's node 2; the second step's was past its stop); depth 2 once, not accepted
-    assert tree["acceptance_by_depth_rank"] == {"0,0": 1.0, "0,1": 0.0, "1,0": 0.5, "1,1": 0.0, "2,0": 0.0}
+    # depth 0 rank 0 reached twice, accepted twice; rank 1 twice, never; depth 1 once (the first step's node 2,
+    # accepted, and its sibling node 3); the first step's depth 2 and the second's depth 1 were judged past
+    # the answer's end (verification accepted node 4 and node 2 there): neither accepted nor rejected
+    assert tree["acceptance_by_depth_rank"] == {"0,0": 1.0, "0,1": 0.0, "1,0": 1.0, "1,1": 0.0}
     assert stats.acceptance_by_position == []  # a tree's node indices are not positions
 
 
 def test_a_stop_string_that_takes_back_a_tree_s_deepest_reach_leaves_no_empty_depth():
-    """Depth 2 reached only by the accepted path a stop string then cut: its count goes to 0 and it leaves
-    the table (it divided by zero)."""
+    """Depths 1 and 2 reached only by the accepted path a stop string then cut: their counts go to 0 and they
+    leave the table (it divided by zero)."""
     from specsample.stats import Step
 
     stats = Stats()
     stats.record(Step(4, 3, 4, 0.0, 0.0, torch.tensor([-1, -1, 0, 2]), (0, 2, 3)))
     stats.answer_ends(1)
-    # the answer keeps node 0 (accepted); node 1 and node 0's child node 2 were reached; node 3 was not
-    assert stats.to_dict()["tree"]["acceptance_by_depth_rank"] == {"0,0": 1.0, "0,1": 0.0, "1,0": 0.0}
+    # the answer keeps node 0 (accepted) and node 1 was reached; node 0's child node 2, accepted past the
+    # answer's end, counts as neither, and node 3 was not reached
+    assert stats.to_dict()["tree"]["acceptance_by_depth_rank"] == {"0,0": 1.0, "0,1": 0.0}
 
 
 def test_tree_size_policy_keeps_the_nodes_that_pay():

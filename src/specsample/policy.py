@@ -13,7 +13,7 @@ from torch import Tensor
 
 from specsample.sampling import integer
 from specsample.stats import Step
-from specsample.tree import depths, reached
+from specsample.tree import depths
 
 
 CONFIDENCE_BINS = 10  # a drafter's confidence is calibrated per tenth of its range
@@ -388,7 +388,7 @@ class CostModelK:
         for key in self.tree_reached:
             self.tree_reached[key] *= self.decay
             self.tree_accepted[key] *= self.decay
-        for depth, rank, accepted in reached(step.parents, step.path or ()):
+        for depth, rank, accepted in step.reached():
             self.tree_reached[depth, rank] = self.tree_reached.get((depth, rank), 0.0) + 1
             self.tree_accepted[depth, rank] = self.tree_accepted.get((depth, rank), 0.0) + accepted
 

@@ -33,12 +33,22 @@ class Step:
     cut: int = 0  # draft tokens drafted (and paid for) but not verified: cut by the K policy (`KPolicy.keep`)
     chosen: int | None = None  # the K the policy chose for this step (`KPolicy.choose`), before any limit
     asked: int | None = None  # the K asked of the drafter: `chosen` within the tokens left (and a batch slot's rows)
+    ended_in_path: bool = False  # the answer ended inside a tree's accepted path, which `path` is cut to
 
     def answered(self, kept: int) -> "Step":
         """The step as far as the answer goes, its first `kept` emitted tokens (an EOS or a stop string ends
         it there): accepted draft tokens after them, and their nodes on a tree's path, are not counted."""
         accepted = min(self.accepted, kept)
-        return replace(self, accepted=accepted, emitted=kept, path=None if self.path is None else self.path[:accepted])
+        if self.path is None or accepted == len(self.path):
+            return replace(self, accepted=accepted, emitted=kept)
+        return replace(self, accepted=accepted, emitted=kept, path=self.path[:accepted], ended_in_path=True)
+
+    def reached(self) -> list[tuple[int, int, bool]]:
+        """(depth, sibling rank, accepted) of the tree nodes this step's verification reached (`tree.reached`)
+        within the answer: where the answer ended inside the accepted path, the children of its last node
+        were judged after the answer's end, and count as neither accepted nor rejected."""
+        nodes = reached(self.parents, self.path or ())
+        return [node for node in nodes if node[0] < len(self.path)] if self.ended_in_path else nodes
 
 
 @dataclass
@@ -125,7 +135,7 @@ class Stats:
         self.tree_steps += sign
         self.tree_nodes += sign * step.parents.shape[0]
         self.tree_depth += sign * len(path)
-        for depth, rank, accepted in reached(step.parents, path):
+        for depth, rank, accepted in step.reached():
             key = depth, rank
             self.reached_at[key] = self.reached_at.get(key, 0) + sign
             self.accepted_in_tree[key] = self.accepted_in_tree.get(key, 0) + sign * accepted
