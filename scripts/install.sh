@@ -14,7 +14,12 @@
 # extra, ~360 MB) is installed too, so the tests of `specsample serve --replicas` run in CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || python3 -m venv .venv
+if [ ! -x .venv/bin/python ]; then
+  # pyproject.toml's requires-python, checked before an 8-minute build that `pip install -e .` would then refuse
+  python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+    echo "specsample needs Python 3.11 or newer; python3 is $(python3 -V 2>&1)" >&2; exit 2; }
+  python3 -m venv .venv
+fi
 . .venv/bin/activate
 pip install -q --upgrade pip
 pip install -q torch==2.13.0 ${SPECSAMPLE_TORCH_INDEX:+--index-url "$SPECSAMPLE_TORCH_INDEX"}

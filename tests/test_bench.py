@@ -177,6 +177,8 @@ def test_bench_run_writes_json_table_and_plot(capsys, tmp_path, prompts_file, ti
     assert all(r["checked"] == 4 and r["mismatches"] == 0 for r in overall.values())  # all greedy, all lossless
     table = (out / "table.md").read_text()
     assert stdout == table and "| draft |" in table and "| writing | qa | overall |" in table
+    # three questions: no interval, said so (a table of headers alone had looked broken)
+    assert "paired bootstrap over the questions)\n\nnone: every configuration answered fewer than 4" in table
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (out / "plot.png").unlink()
     code, again, err = cli(capsys, "bench", "report", str(out))

@@ -76,9 +76,11 @@ def test_the_fast_backend_on_torch_ops_falls_back_to_a_lookup_drafter(tiny_dir):
 
 
 def test_a_named_drafter_is_used_as_given(tiny_dir):
+    """Its K, where none is given, is 4, and 0 for plain decoding (`--drafter none --json` had reported K 4)."""
     sampler = SpecSampler.load(str(tiny_dir), "none")
     assert isinstance(sampler.drafter, NoDrafter)
-    assert (sampler.configuration.drafter, sampler.configuration.k, sampler.configuration.reason) == ("none", "4", "given")
+    assert (sampler.configuration.drafter, sampler.configuration.k, sampler.configuration.reason) == ("none", "0", "given")
+    assert SpecSampler.load(str(tiny_dir), "ngram").configuration.k == "4"
 
 
 def test_the_server_lists_its_configuration(tiny_dir):

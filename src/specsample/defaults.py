@@ -81,6 +81,6 @@ def costly_copy(cost: float | None) -> str:
     return f"this backend's quantized copy costs {cost:.2f} of a target pass (measured), more than {CHEAP_COPY}"
 
 
-def given(drafter: str, k: str = "4") -> Configuration:
-    """A configuration the user chose."""
-    return Configuration(drafter, k, "given")
+def given(drafter: str, k: str | None = None) -> Configuration:
+    """A configuration the user chose; K, where not given, 4 (0 for plain decoding, which drafts nothing)."""
+    return Configuration(drafter, k if k is not None else "0" if drafter == "none" else "4", "given")

@@ -164,7 +164,7 @@ def decode(
 def batch(
     model: Annotated[Optional[str], typer.Option(help="HF model directory or GGUF file (default: bundled SmolLM2).")] = None,
     drafter: Annotated[str, typer.Option(help="Drafter of every run.")] = "suffix",
-    backend: Annotated[str, typer.Option(help="Target backend; batching needs slots: fast or gguf (auto: as `load`).")] = "gguf",
+    backend: Annotated[str, typer.Option(help="Target backend; batching needs slots: fast, gguf or llamacpp (auto: as `load`).")] = "gguf",
     k: Annotated[str, typer.Option("--k", help="Comma-separated K specs, each run alone and batched: auto, 0, 3...")] = "auto,0",
     max_batch: Annotated[int, typer.Option(help="Requests decoded together at most.")] = 8,
     prompts: Annotated[Optional[Path], typer.Option(help=PROMPTS_HELP)] = None,

@@ -156,12 +156,13 @@ def markdown(results: dict) -> str:
         mismatches = f"{r['mismatches']}/{r['checked']}" if r["checked"] else "n/a"
         overall.append(f"| {name} | {fmt(r['speedup'])} | {fmt(r['decode_speedup'])} | {fmt(r['mean_accepted_length'])} "
                        f"| {fmt(r['acceptance_rate'])} | {fmt(r['tokens_per_second'], 1)} | {r['answers']} | {mismatches} |")
+    with_interval = [n for n in configs if cell[n, OVERALL]["speedup_interval"]]
+    intervals = (per_category(cell, with_interval, categories, "speedup_interval") if with_interval else
+                 f"none: every configuration answered fewer than {MIN_QUESTIONS} questions in common with plain decoding")
     return "\n\n".join([
         "\n".join(overall),
         "Speedup (end to end) per category\n\n" + per_category(cell, configs, categories, "speedup"),
-        f"{CONFIDENCE:.0%} confidence interval of each speedup (paired bootstrap over the questions)\n\n"
-        + per_category(cell, [n for n in configs if cell[n, OVERALL]["speedup_interval"]], categories,
-                       "speedup_interval"),
+        f"{CONFIDENCE:.0%} confidence interval of each speedup (paired bootstrap over the questions)\n\n" + intervals,
         "Mean accepted length per category\n\n" + per_category(
             cell, [n for n in configs if cell[n, OVERALL]["mean_accepted_length"] is not None], categories,
             "mean_accepted_length"),
