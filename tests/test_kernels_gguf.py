@@ -554,3 +554,22 @@ def test_a_layer_runs_a_stacked_qkv_in_its_cxx_call(bundled):
     assert stacked.layers[0].qkv.qtype == gguf_blocks.STACKED
     ids = torch.arange(100, 120)
     assert torch.equal(stacked.score(ids), fused.score(ids))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0, Q6_K])
+def test_a_non_finite_activation_makes_its_row_nan_and_leaves_the_others_be(isa, qtype, bad):
+    """A NaN input had quantized to 0 (the block's amax skips NaNs), so a NaN hidden state gave finite
+    outputs, all-zero logits through a tied head on the blocks: a uniform distribution, silently. Now its
+    block's scale is NaN and the row's outputs are NaN, as a float product's are (an infinite input was
+    NaN already: inf / 127 times 0); the other rows are what they are alone, on every instruction set."""
+    matrix = gguf_blocks.pack_blocks(random_raw(qtype, OUT, inputs(qtype), seed=9), qtype)
+    x = activations(5, inputs(qtype), seed=10)
+    clean = matrix(x)
+    x[2, 70] = bad
+    _, d, _ = kernels.quantize_activations(x)
+    assert torch.isnan(d[2, 2]) if bad != bad else torch.isinf(d[2, 2])
+    assert torch.isfinite(d[[0, 1, 3, 4]]).all() and torch.isfinite(d[2, [0, 1, 3]]).all()
+    y = matrix(x)
+    assert torch.isnan(y[2]).all()
+    assert torch.equal(y[[0, 1, 3, 4]], clean[[0, 1, 3, 4]])

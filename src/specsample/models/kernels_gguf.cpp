@@ -145,7 +145,8 @@ inline void quantize_block(const float* v, int8_t* out, float* d, int32_t* s) {
   q1 = _mm512_srai_epi32(_mm512_slli_epi32(q1, 24), 24);
   _mm_storeu_si128((__m128i*)out, _mm512_cvtepi32_epi8(q0));
   _mm_storeu_si128((__m128i*)(out + 16), _mm512_cvtepi32_epi8(q1));
-  *d = scale;
+  bool nan = _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q);
+  *d = nan ? NAN : scale;
   *s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 }
 #elif (defined(GGUF_VNNI) || defined(GGUF_AVX2)) && defined(__AVX2__)
@@ -173,10 +174,12 @@ inline void quantize_block(const float* v, int8_t* out, float* d, int32_t* s) {
   }
   __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
   _mm256_storeu_si256((__m256i*)out, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m256 unordered = _mm256_setzero_ps();
+  for (int i = 0; i < 4; i++) unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(x[i], x[i], _CMP_UNORD_Q));
   __m128i total = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
   total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0x4e));
   total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0xb1));
-  *d = scale;
+  *d = _mm256_movemask_ps(unordered) ? NAN : scale;
   *s = _mm_cvtsi128_si32(total);
 }
 #else
@@ -198,16 +201,21 @@ inline float block_amax(const float* v) {
   return amax;
 }
 
-// One 32-block: d = amax / 127, q = round(v / d) (half to even, as v * (1 / d)), s = sum q.
+// One 32-block: d = amax / 127, q = round(v / d) (half to even, as v * (1 / d)), s = sum q. A block holding a
+// NaN gets d = NaN, so that its row's outputs are NaN as a float product's would be (amax skips NaNs, and
+// they had quantized to 0: a NaN hidden state gave all-zero logits, a uniform distribution, silently).
 inline void quantize_block(const float* v, int8_t* out, float* d, int32_t* s) {
   float amax = block_amax(v);
   float scale = amax / 127.0f, inverse = scale != 0 ? 1.0f / scale : 0.0f;
   int sum = 0;
+  bool nan = false;
   for (int i = 0; i < QK; i++) {
-    out[i] = (int8_t)nearbyintf(v[i] * inverse);
+    float r = v[i] * inverse;
+    out[i] = r == r ? (int8_t)nearbyintf(r) : 0;  // NaN (v NaN, or infinite with a zero inverse): 0, as cvtps gives
     sum += out[i];
+    nan |= v[i] != v[i];
   }
-  *d = scale;
+  *d = nan ? NAN : scale;
   *s = sum;
 }
 #endif
