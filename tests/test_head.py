@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -22,7 +23,7 @@ from specsample.sampling import GeneratorSource, SamplingParams, request_source
 from specsample.stats import Stats
 from specsample.prompts import read_prompts
 from specsample.training import TrainOptions, data_shards, train
-from specsample.training.dataset import Sequence, load_sequences, prompt_hash, split
+from specsample.training.dataset import Sequence, frequent_tokens, load_sequences, prompt_hash, split
 from specsample.training.generate import Writer, generate_shards, seeds_for, teacher_forced_features, write_prompts
 from specsample.training.objective import Objective
 from test_lossless import ALPHA, VOCAB, chi_square_p, exact_distribution, sampled_counts
@@ -532,8 +533,9 @@ def test_train_refuses_self_prompts_without_a_chat_template_before_making_its_di
     assert not out.exists()
 
 
-def test_a_run_resumed_with_other_prompts_or_options_is_refused(tiny_dir, tmp_path):
-    """Shards are named by batch: resumed with other prompts, the old shards would be taken for the new."""
+def test_a_run_resumed_with_other_prompts_or_options_is_refused(tiny_dir, tiny_draft_dir, tmp_path):
+    """Shards are named by batch: resumed with other prompts, the old shards would be taken for the new; and
+    with another target or another backend writing, another model's answers and features."""
     loaded = load_model(tiny_dir)
     writer = Writer(loaded, partial(make_target, loaded), 3)
     options = TrainOptions(generate_batch=3, max_new_tokens=6)
@@ -544,6 +546,65 @@ def test_a_run_resumed_with_other_prompts_or_options_is_refused(tiny_dir, tmp_pa
         generate_shards(loaded, writer, prompts + ["w9 w10"], tmp_path, options)
     with pytest.raises(ValueError, match=r"\(max_new_tokens differ\)"):
         generate_shards(loaded, writer, prompts, tmp_path, replace(options, max_new_tokens=7))
+    other = load_model(tiny_draft_dir)  # the same shapes and vocabulary: its features had been taken silently
+    with pytest.raises(ValueError, match=r"\(target differ\)"):
+        generate_shards(other, Writer(other, partial(make_target, other), 3), prompts, tmp_path, options)
+    with pytest.raises(ValueError, match=r"\(writer differ\)"):
+        generate_shards(loaded, Writer(loaded, partial(make_target, loaded, "transformers"), 3, "transformers"), prompts,
+                        tmp_path, options)
+
+
+def test_data_of_another_target_is_refused(trained_dir, tiny_dir, tiny_draft_dir, tmp_path):
+    """--extra-data of another model: refused by its manifest where the shapes agree, by its shapes otherwise
+    (a traceback deep in training, or silent training on the other model's features)."""
+    options = TrainOptions(batch_size=4, vocab_subset=40, steps=1, seq_len=16, eval_every=1)
+    with pytest.raises(ValueError, match="holds data of another target"):
+        train(load_model(tiny_draft_dir), [], tmp_path, options, log=lambda _: None, extra_shards=data_shards(trained_dir))
+    shard = data_shards(trained_dir)[0]
+    hidden = load_sequences([shard])[0].features.shape[-1]
+    with pytest.raises(ValueError, match=f"{shard} holds data of another model"):
+        load_sequences([shard], hidden=hidden + 1, vocab=64)
+    with pytest.raises(ValueError, match=f"{shard} holds data of another model"):
+        load_sequences([shard], hidden=hidden, vocab=3)
+
+
+def test_a_finished_run_resumed_with_more_data_keeps_its_token_subset(trained_dir, tiny_dir, tmp_path):
+    """A run resumed after its steps were done (more data written since, as `--data-minutes` leaves it) trains
+    nothing and says so; the head keeps the token subset its weights were trained for (the subset of the grown
+    data had been saved beside the old weights, whose rows then drafted other tokens)."""
+    options = TrainOptions(batch_size=4, vocab_subset=20, steps=2, seq_len=16, eval_every=2, holdout=0.0)
+    shards = data_shards(trained_dir)
+    train(load_model(tiny_dir), [], tmp_path, options, log=lambda _: None, extra_shards=shards[:1])
+    before = load_file(tmp_path / "head.safetensors")
+    lines = []
+    train(load_model(tiny_dir), [], tmp_path, options, log=lines.append, extra_shards=shards)
+    after = load_file(tmp_path / "head.safetensors")
+    assert any("has trained all 2 steps: nothing to train" in line for line in lines)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    grown = frequent_tokens(load_sequences(shards), 20, 64)
+    assert not torch.equal(grown, before["token_ids"])  # the grown data's subset is another one
+
+
+@pytest.mark.parametrize("damage", ["unknown key", "missing key", "not json", "weights cut short", "weights of another shape"])
+def test_a_damaged_head_directory_is_one_clear_error(trained_dir, tiny_dir, tmp_path, damage):
+    """A head of another version, or one a kill left half written: a ValueError naming the file, not a traceback."""
+    head = tmp_path / "head"
+    shutil.copytree(trained_dir, head, ignore=shutil.ignore_patterns("data", "*.pt"))
+    config = json.loads((head / "head.json").read_text())
+    if damage == "unknown key":
+        (head / "head.json").write_text(json.dumps(config | {"extra": 1}))
+    elif damage == "missing key":
+        (head / "head.json").write_text(json.dumps({k: v for k, v in config.items() if k != "layers"}))
+    elif damage == "not json":
+        (head / "head.json").write_text("{'layers': 1")
+    elif damage == "weights cut short":
+        (head / "head.safetensors").write_bytes((head / "head.safetensors").read_bytes()[:100])
+    else:
+        (head / "head.json").write_text(json.dumps(config | {"intermediate_size": config["intermediate_size"] + 8}))
+    model = load_model(tiny_dir)
+    with pytest.raises(ValueError, match=r"head\.(json|safetensors)") as error:
+        make_drafter(f"head:{head}", model, make_target(model))
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("content", [b"", b"PK\x03\x04 a zip cut short"])

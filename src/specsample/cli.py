@@ -250,7 +250,7 @@ def train_draft(
     check_backend(backend)
     loaded = load_model(model, trust_remote_code=trust_remote_code)
     check_backend_runs(backend, loaded)
-    writer = Writer(loaded, partial(make_target, loaded, backend), options.generate_batch)
+    writer = Writer(loaded, partial(make_target, loaded, backend), options.generate_batch, backend)
     report = train(loaded, texts, out_dir, options, log=lambda line: print(line, file=sys.stderr), extra_shards=extra,
                    writer=writer)
     print(json.dumps({k: v for k, v in report.items() if k != "history"}))

@@ -42,7 +42,8 @@ accepted less (BENCHMARKS.md).
 
 A head is a directory: `head.safetensors` (float16 weights and the subset's
 token ids) and `head.json` (the config, naming the target it was trained for;
-loading it for another target is refused).
+loading it for another target is refused: one whose LM head differs, by `target_fingerprint`. A
+fine-tune that kept its base's LM head passes; its drafts are verified as any, so only speed is at stake.)
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from specsample.drafters.base import Draft
 from specsample.models import LoadedModel, Target, kernels
 from specsample.models.llama import Layer, Linear, LlamaTarget
+from specsample.models.loading import write_atomically
 from specsample.models.ops import rms_norm, rope_tables, rotate
 from specsample.models.target import RecordsFeatures, require
 from specsample.models.quantize import quantize_layer, quantize_linear
@@ -233,12 +236,15 @@ def draft_step_mask(t: int, depth: int) -> Tensor:
 
 
 def save_head(directory: Path, head: DraftHead, token_ids: Tensor) -> None:
-    """Write head.safetensors (float16 weights, int64 token ids) and head.json."""
+    """Write head.safetensors (float16 weights, int64 token ids) and head.json, each whole or not at all
+    (a run killed while saving leaves the files it had)."""
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: w.detach().to(torch.float16).contiguous() for name, w in head.state_dict().items()}
     tensors["token_ids"] = token_ids.to(torch.int64).contiguous()
-    save_file(tensors, directory / WEIGHTS_FILE)
-    (directory / CONFIG_FILE).write_text(json.dumps(asdict(head.config), indent=1) + "\n")
+    tmp = directory / f".{WEIGHTS_FILE}.tmp"
+    save_file(tensors, tmp)
+    tmp.replace(directory / WEIGHTS_FILE)
+    write_atomically(directory / CONFIG_FILE, json.dumps(asdict(head.config), indent=1) + "\n")
 
 
 def load_head(directory: Path, model: LoadedModel) -> tuple[DraftHead, Tensor]:
@@ -246,16 +252,24 @@ def load_head(directory: Path, model: LoadedModel) -> tuple[DraftHead, Tensor]:
     directory = Path(directory).expanduser()
     if not (directory / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"not a draft head directory (no {CONFIG_FILE}): {directory}")
-    config = HeadConfig(**json.loads((directory / CONFIG_FILE).read_text()))
+    try:
+        config = HeadConfig(**json.loads((directory / CONFIG_FILE).read_text()))
+    except (ValueError, TypeError) as error:  # not JSON; keys of another version
+        raise ValueError(f"{directory / CONFIG_FILE} is not a head configuration this version reads ({error})") from None
     if config.fingerprint != target_fingerprint(model.model):
         raise ValueError(
             f"the draft head in {directory} was trained for target {config.target!r}, not {model.name!r}: "
             f"train one for this target with `specsample train-draft`"
         )
-    tensors = load_file(directory / WEIGHTS_FILE)
-    token_ids = tensors.pop("token_ids")
-    head = DraftHead(config)
-    head.load_state_dict({name: w.float() for name, w in tensors.items()})
+    try:
+        tensors = load_file(directory / WEIGHTS_FILE)
+        token_ids = tensors.pop("token_ids")
+        head = DraftHead(config)
+        head.load_state_dict({name: w.float() for name, w in tensors.items()})
+    except (SafetensorError, OSError, KeyError, RuntimeError) as error:  # cut short, missing, or of another shape
+        reason = str(error).strip().splitlines()[0]
+        raise ValueError(f"cannot read the head's weights in {directory / WEIGHTS_FILE} as {CONFIG_FILE} describes "
+                         f"them ({reason}): train the head again") from None
     return head.eval(), token_ids
 
 

@@ -28,8 +28,10 @@ def data_shards(run_dir: Path) -> list[Path]:
     return shards
 
 
-def load_sequences(shards: list[Path], layers: tuple[int, ...] = ()) -> list[Sequence]:
-    """The sequences of these shards, with the outputs of `layers` (which every shard must hold)."""
+def load_sequences(shards: list[Path], layers: tuple[int, ...] = (), hidden: int | None = None,
+                   vocab: int | None = None) -> list[Sequence]:
+    """The sequences of these shards, with the outputs of `layers` (which every shard must hold); a ValueError
+    for a shard whose features are not `hidden` wide or whose tokens are not below `vocab` (another model's)."""
     out = []
     for shard in shards:
         try:
@@ -39,6 +41,9 @@ def load_sequences(shards: list[Path], layers: tuple[int, ...] = ()) -> list[Seq
                              f"again) or leave its directory out") from None
         lengths = data["lengths"].tolist()
         features = data["features"]
+        if hidden is not None and features.shape[-1] != hidden or vocab is not None and int(data["tokens"].max()) >= vocab:
+            raise ValueError(f"{shard} holds data of another model (features {features.shape[-1]} wide, token ids up to "
+                             f"{int(data['tokens'].max())}; this target's are {hidden} wide, below {vocab})")
         if layers:
             stored, hidden = data["layers"].tolist() if "layers" in data else [], features.shape[-1]
             if missing := sorted(set(layers) - set(stored)):

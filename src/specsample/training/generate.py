@@ -66,6 +66,9 @@ def write_prompts(model: LoadedModel, writer: Writer, path: Path, options: Train
     return prompts
 
 
+MANIFEST = "manifest.json"
+
+
 def generate_shards(model: LoadedModel, writer: Writer, prompts: list[str], data_dir: Path,
                     options: TrainOptions) -> list[Path]:
     """Answer the prompts in batches with `writer` and store tokens + features, one shard per batch (resumable).
@@ -76,7 +79,7 @@ def generate_shards(model: LoadedModel, writer: Writer, prompts: list[str], data
     data_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = model.tokenizer
     encoded = sorted((encode_prompt(tokenizer, p, True)[-options.max_prompt_tokens :] for p in prompts), key=len)
-    check_manifest(data_dir / "manifest.json", encoded, options)
+    check_manifest(data_dir / MANIFEST, encoded, options, model_fingerprint(model), writer.backend)
     batches = [encoded[i : i + options.generate_batch] for i in range(0, len(encoded), options.generate_batch)]
     random.Random(options.seed).shuffle(batches)  # similar lengths in a batch, all lengths among the first shards
     jobs = [(batch, round_, data_dir / (f"shard-{i:05d}" + (f"-s{round_}" if round_ else "") + ".safetensors"))
@@ -94,14 +97,16 @@ def generate_shards(model: LoadedModel, writer: Writer, prompts: list[str], data
     return [shard for _, _, shard in jobs if shard.exists()]
 
 
-def check_manifest(path: Path, encoded: list[list[int]], options: TrainOptions) -> None:
-    """Record what a data directory's shards are made from (the prompts and the options that shape the
-    answers), or refuse to resume one made from something else: its shards, named by batch, would be taken
-    as they are and the new prompts never answered."""
+def check_manifest(path: Path, encoded: list[list[int]], options: TrainOptions, target: str, writer: str) -> None:
+    """Record what a data directory's shards are made from (the target's `model_fingerprint`, the backend that
+    wrote the answers, the prompts and the options that shape the answers), or refuse to resume one made from
+    something else: its shards, named by batch, would be taken as they are (another model's features, or the
+    new prompts never answered)."""
     digest = hashlib.sha256(json.dumps(encoded).encode()).hexdigest()
-    manifest = {"prompts": len(encoded), "prompts_sha256": digest, "max_new_tokens": options.max_new_tokens,
-                "generate_batch": options.generate_batch, "sampled_answers": options.sampled_answers,
-                "seed": options.seed, "max_prompt_tokens": options.max_prompt_tokens}
+    manifest = {"target": target, "writer": writer, "prompts": len(encoded), "prompts_sha256": digest,
+                "max_new_tokens": options.max_new_tokens, "generate_batch": options.generate_batch,
+                "sampled_answers": options.sampled_answers, "seed": options.seed,
+                "max_prompt_tokens": options.max_prompt_tokens}
     if path.is_file():
         earlier = json.loads(path.read_text())
         changed = [key for key in manifest if earlier.get(key) != manifest[key]]
@@ -109,6 +114,27 @@ def check_manifest(path: Path, encoded: list[list[int]], options: TrainOptions) 
             raise ValueError(f"{path.parent} holds answers made from other data ({', '.join(changed)} differ): "
                              f"resume with the same prompts and options, or give another --out")
     path.write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def model_fingerprint(model: LoadedModel) -> str:
+    """A short hash of every weight of the target (names, shapes and a sample of each in float16): what the
+    features of its data shards depend on (`check_manifest`, `check_extra_data`)."""
+    digest = hashlib.sha256()
+    for name, weight in model.model.state_dict().items():
+        digest.update(f"{name}{tuple(weight.shape)}".encode())
+        digest.update(weight.detach().flatten()[::4099].to(torch.float16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def check_extra_data(shards: list[Path], target: str) -> None:
+    """ValueError for data shards of another target: their manifest (`check_manifest`) names another
+    `model_fingerprint` (shards of the same shapes would be trained on silently)."""
+    for directory in dict.fromkeys(shard.parent for shard in shards):
+        path = directory / MANIFEST
+        earlier = json.loads(path.read_text()).get("target") if path.is_file() else None
+        if earlier is not None and earlier != target:
+            raise ValueError(f"{directory} holds data of another target (its answers and features are that model's): "
+                             f"train on data this target wrote")
 
 
 def write_shard(model: LoadedModel, shard: Path, sequences: list[list[int]], prompt_lengths: Tensor,
@@ -159,8 +185,8 @@ class Writer:
     a run that writes nothing (its data given with --extra-data, or all made by the run it resumes) never
     holds a second copy of the weights; on a target with slots, one batch of `width` slots serves the run."""
 
-    def __init__(self, model: LoadedModel, make: Callable[[], Target], width: int) -> None:
-        self.model, self.make, self.width = model, make, width
+    def __init__(self, model: LoadedModel, make: Callable[[], Target], width: int, backend: str = "auto") -> None:
+        self.model, self.make, self.width, self.backend = model, make, width, backend  # backend: as `make` makes it
         self.target: Target | None = None
         self.batch: Batch | None = None
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from time import perf_counter
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
 from specsample.drafters.head import DraftHead, HeadConfig, HeadDrafter, save_head
@@ -18,7 +19,8 @@ from specsample.models import LoadedModel, make_target
 from specsample.models.target import recordable
 from specsample.text import user_turn_opening
 from specsample.training.dataset import Batcher, Sequence, distinct_prompts, frequent_tokens, load_sequences, split
-from specsample.training.generate import Writer, generate_shards, with_layer_features, write_prompts
+from specsample.training.generate import (Writer, check_extra_data, generate_shards, model_fingerprint,
+                                         with_layer_features, write_prompts)
 from specsample.training.objective import EVAL_K, Objective
 from specsample.training.options import TrainOptions
 
@@ -46,27 +48,32 @@ def train(
     if options.self_prompts:
         prompts = prompts + write_prompts(model, writer, out_dir / "self_prompts.jsonl", options)
     shards = generate_shards(model, writer, prompts, out_dir / "data", options)
+    check_extra_data(list(extra_shards), model_fingerprint(model))
     if options.feature_layers:
         extra_shards = with_layer_features(model, list(extra_shards), options.feature_layers, out_dir / "data")
     unique = list({shard.resolve(): shard for shard in [*shards, *extra_shards]}.values())  # --extra-data OUT: once
-    sequences = load_sequences(unique, options.feature_layers)
+    hf = model.model
+    embed = hf.get_input_embeddings().weight.detach()
+    lm_head = hf.get_output_embeddings().weight.detach()
+    sequences = load_sequences(unique, options.feature_layers, embed.shape[1], lm_head.shape[0])
     data_seconds = perf_counter() - start
     train_set, eval_set = split(sequences, options.holdout, options.seed)
     if not eval_set:
         log(f"no prompt held out ({len(distinct_prompts(sequences))} distinct in the data): the held-out figures "
             f"are not measured")
-    hf = model.model
-    embed = hf.get_input_embeddings().weight.detach()
-    lm_head = hf.get_output_embeddings().weight.detach()
     token_ids = frequent_tokens(train_set, options.vocab_subset, lm_head.shape[0])
     config = HeadConfig.for_target(model, layers=options.layers, vocab_subset=len(token_ids),
                                    feature_layers=options.feature_layers)
     head = DraftHead(config)
     head.init_from_target(hf)
-    objective = Objective(head, embed, lm_head, token_ids)
     optimizer = torch.optim.AdamW(head.parameters(), lr=options.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(options.seed)
-    step, history = resume(out_dir / "checkpoint.pt", head, optimizer, generator)
+    step, history, trained_ids = resume(out_dir / "checkpoint.pt", head, optimizer, generator)
+    token_ids = token_ids if trained_ids is None else trained_ids  # the subset the weights were trained for
+    if step >= options.steps:
+        log(f"{out_dir / 'checkpoint.pt'} has trained all {options.steps} steps: nothing to train (data written "
+            f"by this run is not trained on; give more --steps to train on it)")
+    objective = Objective(head, embed, lm_head, token_ids)
     batcher = Batcher(train_set, options.seq_len, options.batch_size, generator)
     train_start = perf_counter()
     bar = tqdm(range(step, options.steps), desc="training head", unit="step", initial=step, total=options.steps)
@@ -82,7 +89,7 @@ def train(
         if (step + 1) % options.eval_every == 0 or step + 1 == options.steps:
             history.append(evaluate(objective, eval_set, step + 1, options))
             log(json.dumps(history[-1]))
-            save_checkpoint(out_dir / "checkpoint.pt", head, optimizer, generator, step + 1, history)
+            save_checkpoint(out_dir / "checkpoint.pt", head, optimizer, generator, step + 1, history, token_ids)
             save_head(out_dir, head, token_ids)
     train_seconds = perf_counter() - train_start
     save_head(out_dir, head, token_ids)
@@ -112,17 +119,20 @@ def set_lr(optimizer: torch.optim.Optimizer, options: TrainOptions, step: int) -
         group["lr"] = options.lr * scale
 
 
-def save_checkpoint(path: Path, head: DraftHead, optimizer, generator: torch.Generator, step: int, history: list) -> None:
+def save_checkpoint(path: Path, head: DraftHead, optimizer, generator: torch.Generator, step: int, history: list,
+                    token_ids: Tensor) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
-                "step": step, "history": history}, tmp)
+                "step": step, "history": history, "token_ids": token_ids}, tmp)
     tmp.rename(path)
 
 
-def resume(path: Path, head: DraftHead, optimizer, generator: torch.Generator) -> tuple[int, list]:
-    """Restore a checkpoint written by this module; (0, []) when there is none."""
+def resume(path: Path, head: DraftHead, optimizer, generator: torch.Generator) -> tuple[int, list, Tensor | None]:
+    """Restore a checkpoint written by this module: its step, history and the token subset its head was trained
+    for (which more data, resumed, would count otherwise: the weights' rows would draft other tokens); (0, [],
+    None) when there is none."""
     if not path.is_file():
-        return 0, []
+        return 0, [], None
     try:
         state = torch.load(path, weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError) as error:  # a file cut short (a kill, a full disk)
@@ -135,7 +145,7 @@ def resume(path: Path, head: DraftHead, optimizer, generator: torch.Generator) -
         raise ValueError(f"{path} holds a head of another shape than these options make (--layers, --vocab-subset, "
                          f"--feature-layers or --model changed?): resume with its options, or use another --out") from None
     generator.set_state(state["generator"])
-    return state["step"], state["history"]
+    return state["step"], state["history"], state.get("token_ids")
 
 
 def engine_acceptance(model: LoadedModel, head_dir: Path, eval_set: list[Sequence], prompts: int = 8) -> dict:
