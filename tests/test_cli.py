@@ -160,6 +160,10 @@ def test_train_draft_needs_prompts_of_some_kind(capsys, tiny_dir, tmp_path):
     assert code == 2 and err.strip() == "specsample: error: give --prompts, --self-prompts, --extra-data or several of them"
     code, _, err = cli(capsys, "train-draft", "--out", str(tmp_path), "--self-prompts", "2", "--extra-data", str(tmp_path))
     assert code == 2 and "no data shards in" in err and len(err.strip().splitlines()) == 1
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w2 w3\n")
+    code, _, err = cli(capsys, "train-draft", "--out", str(tmp_path / "o"), "--prompts", str(prompts), "--question-ids", "weird")
+    assert code == 2 and err.strip() == "specsample: error: --question-ids must be one of all, odd, even, got 'weird'"
 
 
 def test_train_draft_names_a_backend_it_cannot_write_on(capsys, tiny_dir, tmp_path):

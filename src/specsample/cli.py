@@ -231,7 +231,7 @@ def train_draft(
 
     from specsample.models import check_backend, check_backend_runs, load_model, make_target
     from specsample.outputs import check_output_dir
-    from specsample.prompts import read_prompts
+    from specsample.prompts import SPLITS, read_prompts
     from specsample.training import TrainOptions, data_shards, train
     from specsample.training.generate import Writer
 
@@ -243,6 +243,8 @@ def train_draft(
     )
     if not prompts and not self_prompts and not extra_data:
         raise ValueError("give --prompts, --self-prompts, --extra-data or several of them")
+    if question_ids not in SPLITS:
+        raise ValueError(f"--question-ids must be one of {', '.join(SPLITS)}, got {question_ids!r}")
     out_dir = check_output_dir(out, "--out")
     texts = [p.turns[0] for p in read_prompts(*prompts, split=question_ids)] if prompts else []
     extra = [shard for d in extra_data or () for shard in data_shards(Path(d))]
