@@ -299,6 +299,8 @@ def test_generate_batch_equals_generate(sampler):
         assert completion.token_ids == sampler.generate(prompt, seed=seed, **sampled).token_ids
     with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
         sampler.generate_batch(prompts[:3], seeds=[1, 2])
+    with pytest.raises(ValueError, match="takes a list of prompts, got one"):  # had answered "a", "b" and "c"
+        sampler.generate_batch("abc", max_new_tokens=2)
     batch = sampler.batch(2, 3)  # a batch given, reused warm, as `bench batch` does
     for _ in range(2):
         again = sampler.generate_batch(prompts[:3], batch=batch, **greedy)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
@@ -73,6 +74,27 @@ def test_the_fast_backend_on_torch_ops_falls_back_to_a_lookup_drafter(tiny_dir):
     result = generate_json(REPEATING, "--model", str(tiny_dir), "--no-chat", "--temperature", "0",
                            "--max-new-tokens", "8", env={"SPECSAMPLE_NO_KERNELS": "1"})
     assert result["drafter"] == "suffix"
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(threads=1.5), "threads must be an integer, got 1.5"),  # a traceback from torch's set_num_threads
+    (dict(threads="2"), "threads must be an integer, got '2'"),
+    (dict(threads=True), "threads must be an integer, got True"),
+    (dict(drafter=123), "a drafter is named by a string"),
+])
+def test_bad_arguments_to_load_are_value_errors(tiny_dir, arguments, message):
+    with pytest.raises(ValueError, match=message):
+        SpecSampler.load(str(tiny_dir), **arguments)
+
+
+def test_k_is_a_policy_or_a_spec_of_one(tiny_dir):
+    """A numpy integer is a K as an int is (it had been taken for a policy object: an AttributeError deep in
+    the engine); anything neither a spec nor a `KPolicy` is a ValueError."""
+    sampler = SpecSampler.load(str(tiny_dir), "ngram", backend="transformers")
+    options = dict(max_new_tokens=4, temperature=0, chat=False)
+    assert sampler.generate("w5 w6", k=np.int64(3), **options).token_ids == sampler.generate("w5 w6", k=3, **options).token_ids
+    with pytest.raises(ValueError, match="k must be an integer >= 0 or one of"):
+        sampler.generate("w5 w6", k=object(), **options)
 
 
 def test_a_named_drafter_is_used_as_given(tiny_dir):

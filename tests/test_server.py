@@ -267,6 +267,12 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "w5", "stop_token_ids": [13]}),
     ("/v1/completions", {"prompt": "w5", "stop": "w6", "include_stop_str_in_output": True}),
     ("/v1/completions", {"prompt": "w5", "guided_json": {"type": "object"}}),
+    ("/v1/completions", {"prompt": "w5", "structured_outputs": {"choice": ["w6", "w7"]}}),  # vLLM's newer name
+    ("/v1/completions", {"prompt": "w5", "bad_words": ["w6"]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "continue_final_message": True}),
+    ("/v1/completions", {"prompt": "w5", "repeat_penalty": 1.3}),  # llama.cpp's names
+    ("/v1/completions", {"prompt": "w5", "grammar": "root ::= \"w6\""}),
+    ("/v1/completions", {"prompt": "w5", "n_predict": 3}),
     ("/v1/completions", {"prompt": "w5", "stream_options": {"include_usage": True}}),  # without stream
     ("/v1/completions", {"prompt": "w5", "prediction": {"type": "image", "content": "w6"}}),  # Predicted Outputs' kind
     ("/v1/completions", {"prompt": "w5", "prediction": "w6"}),

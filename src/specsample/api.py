@@ -345,7 +345,7 @@ class SpecSampler:
         max_new_tokens = check_max_new_tokens(max_new_tokens)
         seed = None if seed is None else check_seed(seed)
         k = self.configuration.k if k is None else k
-        policy = self.informed(self.policy(k) if isinstance(k, (int, float, str)) else k)
+        policy = self.informed(k if isinstance(k, KPolicy) else self.policy(k))  # else a spec: 4, "auto"
         prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)
         drafter = self.drafter if prediction is None else with_prediction(self.drafter, self.encode_prediction(prediction))
         return Generation(self, drafter, prompt_ids, params, policy, max_new_tokens, seed, stop_strings(stop))
@@ -410,6 +410,8 @@ class SpecSampler:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if "seed" in options:
             raise ValueError("generate_batch takes seeds=[...], one per prompt, not seed=")
+        if isinstance(prompts, (str, bytes, dict)):  # a string is one prompt, not prompts of its characters
+            raise ValueError(f"generate_batch takes a list of prompts, got one: {prompts!r:.60}")
         stop = stop_strings(stop)
         seeds = [None] * len(prompts) if seeds is None else list(seeds)
         if len(seeds) != len(prompts):

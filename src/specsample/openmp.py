@@ -26,6 +26,7 @@ when it returns, taking its team with it, so the decoding thread's team is the o
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 import time
@@ -72,6 +73,8 @@ def cpu_times() -> tuple[int, int]:
 
 def check_threads(threads: int | None, name: str = "--threads") -> None:
     """Refuse a thread count below 1 or above MAX_THREADS (None: all cores) on every backend, before anything slow."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, numbers.Integral)):
+        raise ValueError(f"{name} must be an integer, got {threads!r}")
     if threads is not None and not 1 <= threads <= MAX_THREADS:
         raise ValueError(f"{name} must be from 1 to {MAX_THREADS}, got {threads}")
 

@@ -27,6 +27,7 @@ PEEK_MOST = 8  # after misses, a plain step looks at a lookup drafter's next tok
 OUTLIER = 1.5  # a pass timed above this many times its moving average counts as this many (`smoothed`)
 
 
+@runtime_checkable
 class KPolicy(Protocol):
     def begin(self) -> None:
         """A new request starts."""

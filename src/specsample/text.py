@@ -178,7 +178,10 @@ def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     not its characters). An empty one is a ValueError: it would end every answer before its first token."""
     if isinstance(stop, bytes):
         raise ValueError(f"a stop string must be a string, got {stop!r}")
-    strings = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+    try:
+        strings = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+    except TypeError:  # not a sequence
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}") from None
     for string in strings:
         if not isinstance(string, str):
             raise ValueError(f"a stop string must be a string, got {string!r}")

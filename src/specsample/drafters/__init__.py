@@ -151,6 +151,8 @@ def parse_spec(spec: str) -> Recipe:
     """The recipe of a drafter spec: a registered name, NAME:PATH, A+B of two such (A a lookup drafter,
     neither none), or the path of a draft model (a path that exists is taken whole, `+` or `:` in it);
     a spec naming none of these is a ValueError."""
+    if not isinstance(spec, str):
+        raise ValueError(f"a drafter is named by a string (none, ngram, suffix, a path, ...), got {spec!r}")
     if spec in REGISTRY:
         return lambda model, target, options: REGISTRY[spec](model, target)
     first, plus, second = spec.partition("+")

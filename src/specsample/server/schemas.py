@@ -50,6 +50,21 @@ UNSUPPORTED: dict[str, tuple] = {
     "guided_regex": (None,),
     "guided_choice": (None,),
     "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "continue_final_message": (None, False),
+    "add_generation_prompt": (None, True),
+    "chat_template_kwargs": (None, {}),
+    "truncate_prompt_tokens": (None,),
+    "prompt_logprobs": (None,),
+    # llama.cpp server's names for options of the kinds above
+    "grammar": (None, ""),
+    "json_schema": (None,),
+    "repeat_penalty": (None, 1),
+    "n_predict": (None,),
+    "typical_p": (None, 1),
+    "mirostat": (None, 0),
 }
 
 
