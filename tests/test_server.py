@@ -433,6 +433,7 @@ def test_a_bad_request_names_the_option_the_client_sent(base_url, body, message)
     ({"temperature": -1}, "temperature"), ({"top_p": 2}, "top_p"), ({"top_k": -1}, "top_k"), ({"min_p": 2}, "min_p"),
     ({"max_tokens": 0}, "max_tokens"), ({"n": 3}, "n"), ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"logprobs": True}, "logprobs"), ({"max_tokens": "x"}, "max_tokens"), ({"seed": -1}, "seed"), ({"seed": 2**64}, "seed"),
+    ({"prompt": ["w5", "w6"]}, "prompt"), ({"prompt": ""}, "prompt"),
 ])
 def test_a_bad_requests_error_names_its_param(base_url, body, param):
     response = httpx.post(base_url + "/v1/completions", json={"prompt": "w5 w6 w7", **body})

@@ -245,9 +245,9 @@ class CompletionRequest(GenerationRequest):
     @model_validator(mode="after")
     def check_prompt(self) -> "CompletionRequest":
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            raise ValueError(f"prompt must be a string or a list of one string, got a list of {len(self.prompt)}")
+            raise OptionError(f"prompt must be a string or a list of one string, got a list of {len(self.prompt)}", "prompt")
         if not self.text:
-            raise ValueError("the prompt is empty")
+            raise OptionError("the prompt is empty", "prompt")
         return self
 
     @property
