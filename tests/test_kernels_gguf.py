@@ -20,6 +20,7 @@ build. A deliberately wrong scale must fail the same bounds.
 
 from __future__ import annotations
 
+import tracemalloc
 from importlib import resources
 
 import numpy as np
@@ -159,6 +160,28 @@ def test_packing_keeps_every_byte(qtype):
     assert np.array_equal(matrix.raw_rows(np.arange(OUT)), raw)
     rows = torch.tensor([99, 0, 17, 17])
     assert torch.equal(matrix.rows(rows), torch.from_numpy(dequantize(raw, qtype))[rows])
+
+
+@pytest.mark.parametrize("qtype", sorted(K_TYPES))
+def test_k_types_pack_a_few_pairs_at_a_time_into_the_same_bytes(qtype, monkeypatch):
+    """Packed PAIRS_AT_ONCE pairs of panels at a time (here 1: four slices of 100 rows, the last partial),
+    a K type's matrix holds the bytes it holds packed at once, and its packing's temporaries stay a slice's:
+    packing the whole of a matrix at once had taken about 7 times its size (a 1B model's Q6_K LM head)."""
+    raw = random_raw(qtype, OUT, inputs(qtype), seed=11)
+    whole = gguf_blocks.pack_blocks(raw, qtype)
+    monkeypatch.setattr(gguf_blocks, "PAIRS_AT_ONCE", 1)
+    sliced = gguf_blocks.pack_blocks(raw, qtype)
+    assert torch.equal(sliced.qs, whole.qs) and torch.equal(sliced.scales, whole.scales)
+    assert np.array_equal(sliced.raw_rows(np.arange(OUT)), raw)
+    monkeypatch.setattr(gguf_blocks, "PAIRS_AT_ONCE", 8)
+    large = random_raw(qtype, 64 * 32, 4 * 256, seed=12)  # 64 pairs of panels, 8 slices
+    tracemalloc.start()
+    try:
+        gguf_blocks.pack_blocks(large, qtype)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * large.nbytes, peak / large.nbytes
 
 
 def test_unknown_type_is_refused():

@@ -153,20 +153,21 @@ def _qh_bytes(fifth: np.ndarray) -> np.ndarray:
 PAIRS_AT_ONCE = 128  # pairs rearranged at a time: bounds the temporaries of packing a large matrix
 
 
-def _to_pairs(per_row: np.ndarray, inner: int) -> np.ndarray:
+def _to_pairs(per_row: np.ndarray, inner: int, out: np.ndarray | None = None) -> np.ndarray:
     """Bytes per row [out, X, A * inner] in pairs of panels, [pairs, X, PAIR * A * COLS * inner]: for each X,
     a pair's two panels one after the other, and in a panel its A pieces of `inner` bytes, each piece of
-    all 16 columns side by side (zero rows pad the last pair)."""
+    all 16 columns side by side (zero rows pad the last pair). Written into `out` if given (those bytes in
+    any shape that splits the last axis, [pairs, X, PAIR, A * COLS * inner] too), else into a new array."""
     out_features, x, width = per_row.shape
     pairs = -(-out_features // (PAIR * COLS))
-    out = hugepages.empty((pairs, x, PAIR * width * COLS), np.uint8)
+    out = hugepages.empty((pairs, x, PAIR * width * COLS), np.uint8) if out is None else out
     for p0 in range(0, pairs, PAIRS_AT_ONCE):
         p1 = min(p0 + PAIRS_AT_ONCE, pairs)
         rows = per_row[p0 * PAIR * COLS : p1 * PAIR * COLS]
         padded = np.zeros(((p1 - p0) * PAIR * COLS, x, width), dtype=np.uint8)
         padded[: len(rows)] = rows
         pieces = padded.reshape(p1 - p0, PAIR, COLS, x, width // inner, inner).transpose(0, 3, 1, 4, 2, 5)
-        out[p0:p1] = pieces.reshape(p1 - p0, x, -1)  # [pair, X, panel, piece, column, inner]
+        out[p0:p1] = pieces.reshape(out[p0:p1].shape)  # [pair, X, panel, piece, column, inner]
     return out
 
 
@@ -254,21 +255,35 @@ def _k_bytes(fields: dict[str, np.ndarray], values: np.ndarray, qtype: GGMLQuant
 
 
 def _pack_k(raw: np.ndarray, qtype: GGMLQuantizationType) -> BlockMatrix:
-    """`pack_blocks` of a Q4_K or Q6_K tensor."""
+    """`pack_blocks` of a Q4_K or Q6_K tensor, PAIRS_AT_ONCE pairs of panels at a time, into the packed arrays
+    directly: the temporaries (record fields, values, integers) are several times the matrix, and made whole
+    they had raised a 1B model's peak memory by 559 MiB to pack its 78 MiB Q6_K LM head."""
+    out_features, sb = raw.shape[0], raw.shape[1] // gguf_quant_sizes(qtype)[1]
+    pairs = -(-out_features // (PAIR * COLS))
+    int_bytes = 24 if qtype == Q6_K else 16  # of a row's 32-block: the nibbles, and Q6_K's high bits
+    qs = hugepages.empty((pairs, sb * QK_K // QK, PAIR * COLS * int_bytes), np.uint8)
+    record = np.empty((pairs, sb, PAIR, sum(count * COLS * width for _, count, width in RECORDS[qtype])), np.uint8)
+    for p0 in range(0, pairs, PAIRS_AT_ONCE):
+        p1 = min(p0 + PAIRS_AT_ONCE, pairs)
+        _pack_k_rows(raw[p0 * PAIR * COLS : p1 * PAIR * COLS], qtype, qs[p0:p1], record[p0:p1])
+    return BlockMatrix(qtype, torch.from_numpy(qs), torch.from_numpy(record), out_features, sb * QK_K)
+
+
+def _pack_k_rows(raw: np.ndarray, qtype: GGMLQuantizationType, qs: np.ndarray, record: np.ndarray) -> None:
+    """Some rows of a K type's bytes packed into their pairs' integers qs [pairs, blocks, bytes] and scale
+    records [pairs, sb, PAIR, bytes], each field's records side by side in a panel's (`_pack_k`)."""
     fields, values = _k_fields(raw, qtype)
     out_features, sb, _ = values.shape
     by_block = values.reshape(out_features, sb * QK_K // QK, QK)  # [out, blocks, 32]
     ints = _nibble_bytes(by_block)
     if qtype == Q6_K:
         ints = np.concatenate([ints, _high_bytes(by_block)], axis=-1)
-    record = []  # per field [pairs, sb, PAIR, count * COLS * width], joined per panel
+    _to_pairs(ints, 4, qs)
+    start = 0
     for name, count, width in RECORDS[qtype]:
-        pairs = _to_pairs(fields[name].reshape(out_features, sb, count * width), width)
-        record.append(pairs.reshape(*pairs.shape[:2], PAIR, -1))
-    return BlockMatrix(
-        qtype, torch.from_numpy(_to_pairs(ints, 4)), torch.from_numpy(np.concatenate(record, -1)), out_features,
-        sb * QK_K,
-    )
+        size = count * COLS * width
+        _to_pairs(fields[name].reshape(out_features, sb, count * width), width, record[..., start : start + size])
+        start += size
 
 
 def _unpack_k(matrix: BlockMatrix, rows: np.ndarray) -> np.ndarray:
