@@ -449,9 +449,48 @@ def test_a_generation_interrupted_by_another_raises_rather_than_mixing_texts(sam
     a = sampler.stream("Write a long story.", **options)  # a Generation is its own iterator
     next(a)
     assert sampler.generate("Name three rivers.", **options).text == alone["Name three rivers."]
-    with pytest.raises(Interrupted, match="another generation on the same SpecSampler ran after it"):
+    with pytest.raises(Interrupted, match="another generation on the same target ran after it"):
         next(a)
     assert sampler.generate("Write a long story.", **options).text == alone["Write a long story."]
+
+
+def test_two_samplers_over_one_target_take_turns_as_one_does(sampler):
+    """Samplers built over one target (`SpecSampler.build`, a drafter each) share its one sequence: a stream of
+    one resumed after the other's step raises `Interrupted` (each had gone on from the other's cache)."""
+    from specsample import Interrupted
+    from specsample.api import SpecSampler
+
+    other = SpecSampler.build(sampler.model, sampler.target, "ngram")
+    options = dict(max_new_tokens=10, temperature=0, k=3)
+    alone = sampler.generate("Write a long story.", **options).text
+    a = sampler.stream("Write a long story.", **options)
+    next(a)
+    other.generate("Name three rivers.", **options)
+    with pytest.raises(Interrupted, match="another generation on the same target ran after it"):
+        next(a)
+    assert sampler.generate("Write a long story.", **options).text == alone
+
+
+def test_a_batch_run_that_fails_ends_its_requests(sampler, monkeypatch):
+    """An error mid-`generate_batch` (or Ctrl-C) ends the batch's requests, so the suffix drafter's forks file
+    them under its bounded history; thrown away running, they had stayed counted in its tree for good."""
+    from specsample.batch import Batch
+
+    batch = sampler.batch(2, 3)
+    step = Batch.step
+    calls = []
+
+    def failing(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Batch, "step", failing)
+    with pytest.raises(KeyboardInterrupt):
+        sampler.generate_batch(["Name three rivers.", "Say hello.", "Count to ten."], batch=batch, max_new_tokens=12,
+                               temperature=0)
+    assert not batch.busy and len(batch.free) == 2
 
 
 def test_measuring_the_cost_curve_interrupts_a_paused_generation_rather_than_corrupt_it():
@@ -502,7 +541,7 @@ def test_a_batch_steps_under_the_sampler_s_lock_as_a_generation_does():
     class Probe(SuffixDrafter):
         def propose(self, k, random):
             with ThreadPoolExecutor(1) as pool:  # another thread tries the lock
-                free_while_drafting.append(pool.submit(sampler.lock.acquire, False).result())
+                free_while_drafting.append(pool.submit(sampler.turns.lock.acquire, False).result())
             return super().propose(k, random)
 
     model = tiny_llama(64, seed=3, init_scale=0.5)

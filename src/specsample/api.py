@@ -12,6 +12,7 @@ machine (`specsample.defaults`); `sampler.configuration` says which, and why.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -116,19 +117,33 @@ class Generation:
         self.completion = output.completion(stats)
 
     def _turns(self, sampler: SpecSampler, steps: Iterator[list[int]]) -> Iterator[list[int]]:
-        """`steps`, each taken under the sampler's lock, as long as no other generation took a step since."""
+        """`steps`, each taken under the target's lock, as long as no other generation took a step since."""
+        turns = sampler.turns
         while True:
-            with sampler.lock:
-                if self.started and sampler.running is not self:
-                    raise Interrupted("this generation cannot go on: another generation on the same SpecSampler "
+            with turns.lock:
+                if self.started and turns.running is not self:
+                    raise Interrupted("this generation cannot go on: another generation on the same target "
                                       "ran after it, and the target holds one sequence at a time; finish or close "
                                       "one before starting the next, or run several with generate_batch")
-                sampler.running, self.started = self, True
+                turns.running, self.started = self, True
                 try:
                     new = next(steps)
                 except StopIteration:
                     return
             yield new
+
+
+class Turns:
+    """Whose turn a target's one sequence is: the lock held for each step of a `Generation` and of a `batch`,
+    and the generation whose step ran last. Kept per target (`TURNS`), not per sampler: two samplers built
+    over one target (`SpecSampler.build`) had each gone on from the other's cache, with no error."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.running: Generation | None = None
+
+
+TURNS: "weakref.WeakKeyDictionary[Target, Turns]" = weakref.WeakKeyDictionary()
 
 
 class TextOutput:
@@ -210,8 +225,7 @@ class SpecSampler:
         self.policies: dict[str, KPolicy] = {}
         self.threads = threads
         self._cost_ratios: dict[int, float] | None = None
-        self.lock = threading.RLock()  # held for each step of a `Generation` and of a `batch`
-        self.running: Generation | None = None  # the generation whose step ran last
+        self.turns = TURNS.setdefault(target, Turns())  # shared by every sampler over this target
 
     @classmethod
     def load(
@@ -278,9 +292,9 @@ class SpecSampler:
                 [conversion_dir(gguf).name, backend, type(self.target).__name__, str(self.threads), str(torch.get_num_threads())])
             self._cost_ratios = remembered_ratios(key)
             if self._cost_ratios is None:
-                with self.lock:
+                with self.turns.lock:
                     self._cost_ratios = machine_ratios(self.target, key)
-                    self.running = None
+                    self.turns.running = None
         return self._cost_ratios
 
     def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
@@ -358,7 +372,7 @@ class SpecSampler:
         slots = require(self.target, SlottedTarget, "batched decoding").slots(max_batch)
         spec = self.configuration.k if k is None else k
         return Batch(slots, self.drafter, lambda: self.informed(parse_batch_k(spec)), eos_token_ids=self.model.eos_token_ids,
-                     verifier=self.verifier, cost_prior=self.cost_ratios(), prefill_chunk=prefill_chunk, lock=self.lock)
+                     verifier=self.verifier, cost_prior=self.cost_ratios(), prefill_chunk=prefill_chunk, lock=self.turns.lock)
 
     def informed(self, policy: KPolicy) -> KPolicy:
         """`policy`, told what this sampler knows before its first step: the target's cost curve on this

@@ -274,9 +274,14 @@ def drain(batch: Batch, requests: Iterable[Request], feed: Callable[[Request, li
     (continuous batching). `feed` takes a request's new tokens after each step and says whether the
     request stops there (a stop string), besides ending by EOS or max_new_tokens."""
     waiting = deque(requests)
-    while waiting or batch.busy:
-        while waiting and not batch.full:
-            batch.add(waiting.popleft())
-        for request, new in batch.step():
-            if feed(request, new):
-                batch.remove(request)
+    try:
+        while waiting or batch.busy:
+            while waiting and not batch.full:
+                batch.add(waiting.popleft())
+            for request, new in batch.step():
+                if feed(request, new):
+                    batch.remove(request)
+    except BaseException:  # an error or Ctrl-C mid-run: the requests end, and their drafters' state with them
+        for request in [*batch.prefilling, *batch.running]:
+            batch.remove(request)
+        raise
