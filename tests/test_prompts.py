@@ -155,7 +155,7 @@ def test_train_draft_question_ids_are_the_same_split(capsys, tmp_path, tiny_dir)
     assert code == 0, err
     assert json.loads(out)["sequences"] == 3
     code, _, err = cli(capsys, "train-draft", "--out", str(tmp_path / "head"), "--prompts", str(path), "--question-ids", "1")
-    assert code == 2 and "split must be one of all, odd, even, got '1'" in err
+    assert code == 2 and "--question-ids must be one of all, odd, even, got '1'" in err
 
 
 def test_copy_bound_refuses_a_bad_split(capsys, spec_bench_file):
