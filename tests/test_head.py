@@ -24,7 +24,7 @@ from specsample.stats import Stats
 from specsample.prompts import read_prompts
 from specsample.training import TrainOptions, data_shards, train
 from specsample.training.dataset import Sequence, frequent_tokens, load_sequences, prompt_hash, split
-from specsample.training.generate import Writer, generate_shards, seeds_for, teacher_forced_features, write_prompts
+from specsample.training.generate import Writer, generate_shards, model_fingerprint, seeds_for, teacher_forced_features, write_prompts
 from specsample.training.objective import Objective
 from test_lossless import ALPHA, VOCAB, chi_square_p, exact_distribution, sampled_counts
 
@@ -475,7 +475,8 @@ def test_the_target_writes_distinct_prompts_and_a_resumed_run_keeps_them(tiny_di
     assert more[:6] == first and len(set(more)) == 9
     assert [json.loads(line)["prompt"] for line in path.read_text().splitlines()] == more
     # the same writer answers them, outside write_prompts' inference mode, on the slots made inside it
-    shards = generate_shards(loaded, writer, more, tmp_path / "data", TrainOptions(generate_batch=32, max_new_tokens=8))
+    shards = generate_shards(loaded, writer, more, tmp_path / "data", TrainOptions(generate_batch=32, max_new_tokens=8),
+                             model_fingerprint(loaded))
     assert len(shards) == 1
 
 
@@ -510,13 +511,13 @@ def test_sampled_data_is_the_same_in_a_run_and_its_resumption(tiny_dir, tmp_path
     prompts = [f"w{i} w{i + 5}" for i in range(2, 8)]
     options = TrainOptions(generate_batch=3, sampled_answers=1, max_new_tokens=12)
     writer = Writer(loaded, partial(make_target, loaded, backend), options.generate_batch)
-    shards = generate_shards(loaded, writer, prompts, tmp_path / "a", options)
+    shards = generate_shards(loaded, writer, prompts, tmp_path / "a", options, model_fingerprint(loaded))
     assert len(shards) == 4
     before = [load_file(shard)["tokens"] for shard in shards]
     shards[3].unlink()
-    again = generate_shards(loaded, writer, prompts, tmp_path / "a", options)
+    again = generate_shards(loaded, writer, prompts, tmp_path / "a", options, model_fingerprint(loaded))
     assert all(torch.equal(a, load_file(b)["tokens"]) for a, b in zip(before, again))
-    other = generate_shards(loaded, writer, prompts, tmp_path / "b", replace(options, seed=1))
+    other = generate_shards(loaded, writer, prompts, tmp_path / "b", replace(options, seed=1), model_fingerprint(loaded))
     assert not torch.equal(before[3], load_file(other[3])["tokens"])
 
 
@@ -540,18 +541,20 @@ def test_a_run_resumed_with_other_prompts_or_options_is_refused(tiny_dir, tiny_d
     writer = Writer(loaded, partial(make_target, loaded), 3)
     options = TrainOptions(generate_batch=3, max_new_tokens=6)
     prompts = [f"w{i} w{i + 5}" for i in range(2, 5)]
-    made = generate_shards(loaded, writer, prompts, tmp_path, options)
-    assert generate_shards(loaded, writer, prompts, tmp_path, options) == made
+    target = model_fingerprint(loaded)
+    made = generate_shards(loaded, writer, prompts, tmp_path, options, target)
+    assert generate_shards(loaded, writer, prompts, tmp_path, options, target) == made
     with pytest.raises(ValueError, match=r"holds answers made from other data \(prompts, prompts_sha256 differ\)"):
-        generate_shards(loaded, writer, prompts + ["w9 w10"], tmp_path, options)
+        generate_shards(loaded, writer, prompts + ["w9 w10"], tmp_path, options, target)
     with pytest.raises(ValueError, match=r"\(max_new_tokens differ\)"):
-        generate_shards(loaded, writer, prompts, tmp_path, replace(options, max_new_tokens=7))
+        generate_shards(loaded, writer, prompts, tmp_path, replace(options, max_new_tokens=7), target)
     other = load_model(tiny_draft_dir)  # the same shapes and vocabulary: its features had been taken silently
     with pytest.raises(ValueError, match=r"\(target differ\)"):
-        generate_shards(other, Writer(other, partial(make_target, other), 3), prompts, tmp_path, options)
+        generate_shards(other, Writer(other, partial(make_target, other), 3), prompts, tmp_path, options,
+                        model_fingerprint(other))
     with pytest.raises(ValueError, match=r"\(writer differ\)"):
         generate_shards(loaded, Writer(loaded, partial(make_target, loaded, "transformers"), 3, "transformers"), prompts,
-                        tmp_path, options)
+                        tmp_path, options, target)
 
 
 def test_data_of_another_target_is_refused(trained_dir, tiny_dir, tiny_draft_dir, tmp_path):
@@ -629,12 +632,15 @@ def test_a_run_that_writes_nothing_never_makes_the_writers_target(tiny_dir, tmp_
     loaded = load_model(tiny_dir)
     options = TrainOptions(generate_batch=3, max_new_tokens=6)
     prompts = [f"w{i} w{i + 5}" for i in range(2, 5)]
-    made = generate_shards(loaded, Writer(loaded, partial(make_target, loaded), 3), prompts, tmp_path, options)
+    target = model_fingerprint(loaded)
+    made = generate_shards(loaded, Writer(loaded, partial(make_target, loaded), 3), prompts, tmp_path, options,
+                           target)
 
     def refuse() -> None:
         raise AssertionError("the writer's target was made")
 
-    assert generate_shards(loaded, Writer(loaded, refuse, 3), prompts, tmp_path, options) == made
+    assert generate_shards(loaded, Writer(loaded, refuse, 3), prompts, tmp_path, options,
+                           target) == made
 
 
 def test_held_out_split_keeps_every_answer_to_a_prompt_on_one_side():

@@ -133,34 +133,33 @@ def measure_synthetic(
 
 def remembered_ratios(key: str | None) -> dict[int, float] | None:
     """The ratios `machine_ratios` remembered under `key` on this machine, if it has measured them."""
-    return None if key is None else _read_ratios(ratios_path(key))
+    from specsample.models.loading import remembered
+
+    return None if key is None else remembered(ratios_path(key), _parse_ratios)
 
 
-def _read_ratios(path: Path) -> dict[int, float] | None:
-    """The ratios kept in `path`; None if there are none, or none to trust (a damaged file is measured anew)."""
-    try:
-        ratios = {int(n): float(ratio) for n, ratio in json.loads(path.read_text()).items()}
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
-    return ratios if ratios.get(1) == 1.0 else None
+def _parse_ratios(text: str) -> dict[int, float]:
+    """Ratios as `machine_ratios` keeps them; ValueError for a file with no f(1)/f(1) of 1 (damaged)."""
+    ratios = {int(n): float(ratio) for n, ratio in json.loads(text).items()}
+    if ratios.get(1) != 1.0:
+        raise ValueError("no f(1)/f(1)")
+    return ratios
 
 
 def machine_ratios(target: Target, key: str | None) -> dict[int, float]:
     """f(n)/f(1) of `target` on this machine at PRIOR_NS, remembered under `key` (None: measured anew,
     not remembered). Measuring leaves the target's cache empty."""
-    path = None if key is None else ratios_path(key)
-    remembered = None if path is None else _read_ratios(path)
-    if remembered is not None:
-        return remembered
-    ns = [n for n in PRIOR_NS if n < target.max_length]  # a cached token and n new ones fit
-    context = min(PRIOR_CONTEXT, target.max_length - max(ns))
-    (curve,) = measure_synthetic({"target": target}, context, ns, PRIOR_REPEATS)
-    ratios = dict(zip(curve.ns, curve.ratios))
-    if path is not None:
-        from specsample.models.loading import write_atomically
+    from specsample.models.loading import remember
 
-        write_atomically(path, json.dumps(ratios))
-    return ratios
+    def measure_ratios() -> dict[int, float]:
+        ns = [n for n in PRIOR_NS if n < target.max_length]  # a cached token and n new ones fit
+        context = min(PRIOR_CONTEXT, target.max_length - max(ns))
+        (curve,) = measure_synthetic({"target": target}, context, ns, PRIOR_REPEATS)
+        return dict(zip(curve.ns, curve.ratios))
+
+    if key is None:
+        return measure_ratios()
+    return remember(ratios_path(key), _parse_ratios, measure_ratios, json.dumps)
 
 
 def ratios_path(key: str) -> Path:

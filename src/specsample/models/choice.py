@@ -90,16 +90,10 @@ def choice_path(gguf: Path, threads: int | None) -> Path:
 def backend_for(gguf: Path, threads: int | None, measure) -> BackendChoice:
     """The remembered choice for `gguf`, else (none, or one that cannot be read) `measure()`'s (seconds per
     token by candidate), remembered."""
-    path = choice_path(gguf, threads)
-    try:
-        return BackendChoice(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
-        pass
-    from specsample.models.loading import write_atomically
+    from specsample.models.loading import remember
 
-    made = choose(measure())
-    write_atomically(path, json.dumps(asdict(made)))
-    return made
+    return remember(choice_path(gguf, threads), lambda text: BackendChoice(**json.loads(text)),
+                    lambda: choose(measure()), lambda made: json.dumps(asdict(made)))
 
 
 def gguf_file(path: str | Path | None) -> Path | None:

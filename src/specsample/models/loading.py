@@ -24,6 +24,7 @@ from functools import cache
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
+from typing import TypeVar
 
 import torch
 from safetensors import SafetensorError
@@ -33,6 +34,8 @@ BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 # Files one of which a Hugging Face model directory's tokenizer is loaded from.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -266,6 +269,24 @@ def cached(target: Path, marker: str, make: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def remembered(path: Path, parse: Callable[[str], T]) -> T | None:
+    """What `parse` reads from the file at `path` (a measurement kept on this machine), or None if there is
+    nothing there to trust: no file, an unreadable one, or one `parse` refuses (damaged: measured anew)."""
+    try:
+        return parse(path.read_text())
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+        return None
+
+
+def remember(path: Path, parse: Callable[[str], T], make: Callable[[], T], dump: Callable[[T], str]) -> T:
+    """The value `remembered` at `path`, else `make()`'s, kept there (`dump` is `parse`'s inverse)."""
+    kept = remembered(path, parse)
+    if kept is None:
+        kept = make()
+        write_atomically(path, dump(kept))
+    return kept
 
 
 def write_atomically(path: Path, text: str) -> None:

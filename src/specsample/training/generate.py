@@ -70,8 +70,9 @@ MANIFEST = "manifest.json"
 
 
 def generate_shards(model: LoadedModel, writer: Writer, prompts: list[str], data_dir: Path,
-                    options: TrainOptions) -> list[Path]:
+                    options: TrainOptions, target: str) -> list[Path]:
     """Answer the prompts in batches with `writer` and store tokens + features, one shard per batch (resumable).
+    `target`: `model`'s `model_fingerprint`, recorded in the directory's manifest (`check_manifest`).
 
     Every batch is answered greedily first; then, `sampled_answers` times over, by
     sampling at temperature 1, so the head also sees the continuations it will draft for at temperature > 0.
@@ -79,7 +80,7 @@ def generate_shards(model: LoadedModel, writer: Writer, prompts: list[str], data
     data_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = model.tokenizer
     encoded = sorted((encode_prompt(tokenizer, p, True)[-options.max_prompt_tokens :] for p in prompts), key=len)
-    check_manifest(data_dir / MANIFEST, encoded, options, model_fingerprint(model), writer.backend)
+    check_manifest(data_dir / MANIFEST, encoded, options, target, writer.backend)
     batches = [encoded[i : i + options.generate_batch] for i in range(0, len(encoded), options.generate_batch)]
     random.Random(options.seed).shuffle(batches)  # similar lengths in a batch, all lengths among the first shards
     jobs = [(batch, round_, data_dir / (f"shard-{i:05d}" + (f"-s{round_}" if round_ else "") + ".safetensors"))

@@ -41,14 +41,15 @@ def train(
     recordable(options.feature_layers, model.model.config.num_hidden_layers)  # refuses layers before any work
     if options.self_prompts:
         user_turn_opening(model.tokenizer)  # refuses a model without a chat template before any work
+    target = model_fingerprint(model)
+    check_extra_data(list(extra_shards), target)  # refuses another target's data before any work
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(options.seed)
     start = perf_counter()
     writer = Writer(model, partial(make_target, model), options.generate_batch) if writer is None else writer
     if options.self_prompts:
         prompts = prompts + write_prompts(model, writer, out_dir / "self_prompts.jsonl", options)
-    shards = generate_shards(model, writer, prompts, out_dir / "data", options)
-    check_extra_data(list(extra_shards), model_fingerprint(model))
+    shards = generate_shards(model, writer, prompts, out_dir / "data", options, target)
     if options.feature_layers:
         extra_shards = with_layer_features(model, list(extra_shards), options.feature_layers, out_dir / "data")
     unique = list({shard.resolve(): shard for shard in [*shards, *extra_shards]}.values())  # --extra-data OUT: once
