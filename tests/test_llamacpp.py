@@ -24,7 +24,8 @@ from specsample.drafters import DraftModelDrafter, NoDrafter
 from specsample.drafters.quantized import QuantizedDrafter
 from specsample.engine import decode
 from specsample.models import load_target, make_target
-from specsample.models.llamacpp import LlamaCppTarget, batch_invariant_build, quantize, repack_is_batch_invariant, requested_variant, system_info
+from specsample.models.llamacpp import (LlamaCppTarget, batch_invariant_build, quantize, reads_instead_of_mapping,
+                                        repack_is_batch_invariant, requested_variant, system_info)
 from specsample.models.loading import bundled_gguf, load_model
 from specsample.policy import FixedK
 from specsample.sampling import GeneratorSource, SamplingParams
@@ -285,6 +286,7 @@ def test_quantized_copies_are_batch_invariant(tmp_path, file_type, repacked):
     layout (gemm for 4 rows at a time, gemv for the rest) is batch invariant, and the backend uses it."""
     path = quantize(bundled_gguf(), tmp_path / f"{file_type}.gguf", file_type, threads=2)
     assert repack_is_batch_invariant(path) == repacked
+    assert reads_instead_of_mapping(path) == repacked  # its pages would stay resident beside the repacked copy
     target = LlamaCppTarget(path, n_threads=2)
     alone, batched = scored_one_by_one_and_batched(target, random_ids(30, seed=8, vocab=49152), random_ids(16, seed=6, vocab=49152))
     assert_batch_invariant(alone, batched)

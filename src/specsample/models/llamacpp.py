@@ -337,21 +337,41 @@ def quantize(source: Path, out: Path, type_name: str, threads: int) -> Path:
 REPACK_INVARIANT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q5_K", "Q6_K"})
 
 
+# The types among them that x86 does repack (Q4_0 into its 8x8 layout; Q8_0 and the others stay as they are).
+REPACKED_TYPES = frozenset({"Q4_0"})
+
+
 def repack_is_batch_invariant(path: Path) -> bool:
     """Whether llama.cpp may repack `path`'s weights (its extra buffer types) and keep a position's
     logits independent of the batch: on x86 without AMX (whose buffer type crashed in batched passes
     on this project's AMX machine), for a file of REPACK_INVARIANT_TYPES only. Repacked Q4_0 decodes
     1.4-1.7x as fast on the 1B Q4_0 file (docs/llamacpp-backend.md)."""
+    types = tensor_types(path)
+    return repacking_x86() and bool(types) and types <= REPACK_INVARIANT_TYPES
+
+
+def reads_instead_of_mapping(path: Path) -> bool:
+    """Whether llama.cpp should read `path` into memory rather than map it: where it repacks weights,
+    which it copies out of the file, a mapped file's pages stayed resident beside the copy (the 1B Q4_0
+    file: 1.81x the file's size in all, against 1.06x read; docs/llamacpp-backend.md "Memory"). Files
+    it does not repack stay mapped, their pages shared with the page cache and other processes."""
+    return repack_is_batch_invariant(path) and bool(tensor_types(path) & REPACKED_TYPES)
+
+
+def repacking_x86() -> bool:
+    """An x86 CPU whose repacked layouts this backend may use: not one with AMX (see `repack_is_batch_invariant`)."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
+    return platform.machine().lower() in ("x86_64", "amd64") and "amx_tile" not in flags
+
+
+def tensor_types(path: Path) -> frozenset[str]:
+    """The GGML types of `path`'s tensors; none for a file the project cannot read (llama.cpp says why)."""
     from specsample.models.gguf_blocks import TensorIndex
 
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
-    if platform.machine().lower() not in ("x86_64", "amd64") or "amx_tile" in flags:
-        return False
     try:
-        types = {kind.name for _dims, kind, _offset in TensorIndex(path).tensors.values()}
-    except (ValueError, struct.error, OSError):  # not a GGUF file we can read: llama.cpp says why in one line
-        return False
-    return types <= REPACK_INVARIANT_TYPES
+        return frozenset(kind.name for _dims, kind, _offset in TensorIndex(path).tensors.values())
+    except (ValueError, struct.error, OSError):
+        return frozenset()
 
 
 class LlamaCppTarget:
@@ -396,6 +416,8 @@ class LlamaCppTarget:
         model_params = lib.llama_model_default_params()
         model_params.n_gpu_layers = 0
         model_params.use_extra_bufts = repack_is_batch_invariant(self.path)
+        if reads_instead_of_mapping(self.path):
+            model_params.load_mode = lib.LLAMA_LOAD_MODE_NONE
         _errors.clear()
         self.model = lib.llama_model_load_from_file(str(self.path).encode(), model_params)
         if not self.model:
