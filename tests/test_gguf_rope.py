@@ -89,6 +89,10 @@ def test_the_float32_path_refuses_a_file_whose_rope_scaling_its_converter_drops(
     assert code == 2 and "\n" not in err and "scales its rotary embedding" in err, err
     backend, _ = choice.resolve(path, "auto", threads=1)
     assert backend in ("gguf", "llamacpp")
+    # layer skipping on the blocks calibrates on the converted weights; the target runs the file's scaling
+    code, out, err = cli(capsys, "generate", "ab", "--model", str(path), "--backend", "gguf", "--drafter", "layerskip",
+                         "--no-chat", "--max-new-tokens", "2", "--threads", "1")
+    assert code == 0 and out, err
     (tmp_path / "none").mkdir()
     _, unscaled = written(tmp_path / "none", monkeypatch, {"rope.scaling.type": "none", "rope.scaling.factor": 4.0})
     assert load_model(unscaled).model is not None

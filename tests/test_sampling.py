@@ -6,9 +6,11 @@ from scipy.stats import chisquare
 from hypothesis import given, settings, strategies as st
 
 from specsample.sampling import (
-    CoupledSource, GeneratorSource, SamplingParams, argmax, check_seed, draw_draft_token, make_generator, probs_from_logits,
-    sample,
+    CoupledSource, GeneratorSource, SamplingParams, argmax, check_seed, draw_draft_token, greedy_tokens, make_generator,
+    probs_from_logits, sample,
 )
+from specsample.verify.chain import greedy_verify
+from specsample.verify.tree import greedy_verify_tree
 
 
 def test_greedy_is_a_point_mass_on_the_argmax():
@@ -252,6 +254,19 @@ def test_a_row_holding_inf_gets_its_limit_and_nan_is_refused(params):
     for bad in ([math.nan, 0.0, 1.0], [-inf, -inf, -inf]):
         with pytest.raises(ValueError, match="no distribution to sample from"):
             probs_from_logits(torch.tensor(bad), params)
+
+
+def test_greedy_decoding_refuses_nan_logits_too():
+    """argmax counts a NaN as the largest: a row holding one gave its first NaN's token silently (on the
+    bundled model token 0, the end of the text), where sampling refuses. Every greedy path refuses it."""
+    bad = torch.tensor([[0.0, 1.0, 2.0], [0.0, math.nan, 2.0]])  # [2, vocab]: the second row holds NaN
+    with pytest.raises(ValueError, match="hold NaN"):
+        probs_from_logits(bad, SamplingParams(0))
+    with pytest.raises(ValueError, match="hold NaN"):
+        greedy_verify(torch.tensor([2]), bad)
+    with pytest.raises(ValueError, match="hold NaN"):
+        greedy_verify_tree(torch.tensor([2]), torch.tensor([-1]), bad)
+    assert greedy_tokens(bad[:1]).tolist() == [2]
 
 
 def test_a_temperature_beyond_float32_is_near_uniform_over_the_finite_logits():

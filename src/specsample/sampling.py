@@ -93,6 +93,16 @@ def argmax(scores: Tensor) -> Tensor:
     return scores.argmax(-1)
 
 
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """The target's greedy tokens, `argmax` of `logits` [..., vocab]; a ValueError for NaN logits, as
+    sampling from them is (`finite_limit`): argmax counts a NaN as the largest, so a row holding one
+    would give its first NaN's token silently. Since it does, only the picked values need checking."""
+    tokens = argmax(logits)
+    if bool(logits.gather(-1, tokens.unsqueeze(-1)).isnan().any()):
+        raise ValueError("the model's logits hold NaN: there is no greedy token")
+    return tokens
+
+
 SMALL_TEMPERATURE = 1e-20  # below, logits are shifted to a largest of 0 and divided in float64
 LARGE_TEMPERATURE = 1e30  # above, too (float32 holds no T beyond 3.4e38, and -inf / inf is NaN)
 
@@ -102,7 +112,7 @@ def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     overflow) gets its limit, an even split over its +inf entries (`finite_limit`)."""
     if params.greedy:
         probs = torch.zeros_like(logits, dtype=torch.float32)
-        return probs.scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
+        return probs.scatter_(-1, greedy_tokens(logits).unsqueeze(-1), 1.0)
     probs = transformed(logits.float(), params)
     if bool(probs[..., 0].isnan().any()):  # softmax made a row all NaN: its logits hold +inf, NaN or only -inf
         probs = transformed(finite_limit(logits.float()), params)

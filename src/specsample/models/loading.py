@@ -77,11 +77,14 @@ def load_model(
     trust_remote_code: bool = False,
     dtype: torch.dtype = torch.float32,
     tokenizer_only: bool = False,
+    runs_as_target: bool = True,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer; None means the bundled SmolLM2-135M-Instruct.
 
     `tokenizer_only`: a GGUF file's tokenizer and end-of-sequence ids without its weights
-    (`model` is None, `gguf` the file), for a backend that runs the file itself.
+    (`model` is None, `gguf` the file), for a backend that runs the file itself. `runs_as_target`
+    False: the weights only feed a drafter (`with_weights`) while a backend runs the file itself, so a
+    rotary scaling transformers drops is no reason to refuse (`check_rope_survives_conversion`).
     """
     start = perf_counter()
     check_model_path(path)
@@ -96,7 +99,7 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(directory)
         config = GenerationConfig.from_pretrained(directory) if (directory / "generation_config.json").is_file() else None
         return LoadedModel(None, tokenizer, name, eos_ids(config, tokenizer), perf_counter() - start, gguf)
-    if gguf:
+    if gguf and runs_as_target:
         check_rope_survives_conversion(gguf)
     directory = converted_gguf(gguf) if gguf else checked_hf_dir(source)
     tokenizer = hf_tokenizer(directory, trust_remote_code)
@@ -317,5 +320,5 @@ def with_weights(loaded: LoadedModel, *, trust_remote_code: bool = False) -> Loa
     file whose target runs the file itself (`gguf`, `llamacpp`), for a drafter that reads the model's
     weights (the draft head's embeddings, layer skipping's calibration)."""
     if loaded.model is None and loaded.gguf is not None:
-        loaded.model = load_model(loaded.gguf, trust_remote_code=trust_remote_code).model
+        loaded.model = load_model(loaded.gguf, trust_remote_code=trust_remote_code, runs_as_target=False).model
     return loaded

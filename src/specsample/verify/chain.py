@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specsample.sampling import RandomSource, Rows, SamplingParams, argmax, sample, target_rows
+from specsample.sampling import RandomSource, Rows, SamplingParams, greedy_tokens, sample, target_rows
 from specsample.verify.coupled import coupled_verify
 from specsample.verify.tree import TreeVerifier
 from specsample.verify.verdict import Verdict, match_tokens
@@ -64,7 +64,7 @@ def residual(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Ten
 
 def greedy_verify(draft_tokens: Tensor, target_logits: Tensor) -> Verdict:
     """Temperature 0: accept the longest prefix equal to the target's argmax tokens [k + 1]."""
-    return match_tokens(draft_tokens, argmax(target_logits))
+    return match_tokens(draft_tokens, greedy_tokens(target_logits))
 
 
 @dataclass(frozen=True)

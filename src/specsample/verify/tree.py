@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specsample.sampling import RandomSource, Rows, SamplingParams, argmax, gumbel_max, sample, target_rows
+from specsample.sampling import RandomSource, Rows, SamplingParams, greedy_tokens, gumbel_max, sample, target_rows
 from specsample.tree import children_of
 from specsample.verify.verdict import Verdict
 
@@ -73,7 +73,7 @@ def walk(draft_tokens: Tensor, parents: Tensor, draw: Callable[[int, int], int])
 
 def greedy_verify_tree(draft_tokens: Tensor, parents: Tensor, target_logits: Tensor) -> Verdict:
     """Temperature 0: the path of the target's argmax tokens (target_logits [n + 1, vocab]), then its next one."""
-    tokens = argmax(target_logits).tolist()  # [n + 1]
+    tokens = greedy_tokens(target_logits).tolist()  # [n + 1]
     return walk(draft_tokens, parents, lambda row, depth: tokens[row])
 
 
