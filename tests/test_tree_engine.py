@@ -251,6 +251,21 @@ def test_tree_stats_count_trees_verified_and_the_path_the_answer_holds():
     assert stats.acceptance_by_position == []  # a tree's node indices are not positions
 
 
+def test_an_answer_ending_on_the_path_s_last_node_leaves_its_rejected_child_uncounted():
+    """The EOS (or a stop string) on the last accepted node: the child verification rejected after it was judged
+    past the answer's end, as in the test above where it was accepted, and counts as neither (it had counted
+    as a rejection at depth 2, and the K policy learned it)."""
+    from specsample.stats import Step
+
+    stats = Stats()
+    step = Step(3, 2, 3, 0.0, 0.0, torch.tensor([-1, 0, 1]), (0, 1))  # node 2 rejected, a recovered token emitted
+    stats.record(step.answered(2))
+    assert stats.to_dict()["tree"]["acceptance_by_depth_rank"] == {"0,0": 1.0, "1,0": 1.0}
+    whole = Stats()
+    whole.record(step.answered(3))  # the recovered token in the answer: node 2 was judged within it
+    assert whole.to_dict()["tree"]["acceptance_by_depth_rank"] == {"0,0": 1.0, "1,0": 1.0, "2,0": 0.0}
+
+
 def test_a_stop_string_that_takes_back_a_tree_s_deepest_reach_leaves_no_empty_depth():
     """Depths 1 and 2 reached only by the accepted path a stop string then cut: their counts go to 0 and they
     leave the table (it divided by zero)."""

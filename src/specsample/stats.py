@@ -39,7 +39,7 @@ class Step:
         """The step as far as the answer goes, its first `kept` emitted tokens (an EOS or a stop string ends
         it there): accepted draft tokens after them, and their nodes on a tree's path, are not counted."""
         accepted = min(self.accepted, kept)
-        if self.path is None or accepted == len(self.path):
+        if self.path is None or kept > len(self.path):  # the token after the path is in the answer too
             return replace(self, accepted=accepted, emitted=kept)
         return replace(self, accepted=accepted, emitted=kept, path=self.path[:accepted], ended_in_path=True)
 
