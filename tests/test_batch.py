@@ -451,7 +451,14 @@ def test_a_generation_interrupted_by_another_raises_rather_than_mixing_texts(sam
     assert sampler.generate("Name three rivers.", **options).text == alone["Name three rivers."]
     with pytest.raises(Interrupted, match="another generation on the same target ran after it"):
         next(a)
+    with pytest.raises(Interrupted, match="ended before its completion"):  # not a bare AssertionError
+        a.result()
     assert sampler.generate("Write a long story.", **options).text == alone["Write a long story."]
+    closed = sampler.stream("Write a long story.", **options)
+    next(closed)
+    closed.chunks.close()
+    with pytest.raises(Interrupted, match="ended before its completion"):
+        closed.result()
 
 
 def test_two_samplers_over_one_target_take_turns_as_one_does(sampler):

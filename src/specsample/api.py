@@ -54,7 +54,8 @@ class Chunk:
 
 
 class Interrupted(RuntimeError):
-    """A generation resumed after another one on the same sampler took a step (`Generation`)."""
+    """A generation resumed after another one on the same target took a step (`Generation`), or one
+    asked for the completion it never reached."""
 
 
 class Generation:
@@ -80,9 +81,12 @@ class Generation:
         return next(self.chunks)
 
     def result(self) -> Completion:
+        """The completion, decoding what is left first; `Interrupted` for a generation that ended without
+        one (interrupted, or its chunks closed before the end)."""
         for _ in self.chunks:
             pass
-        assert self.completion is not None
+        if self.completion is None:
+            raise Interrupted("this generation ended before its completion: it was interrupted, or closed")
         return self.completion
 
     def _chunks(
