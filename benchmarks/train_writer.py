@@ -18,7 +18,7 @@ import time
 import torch
 from coupled_cost import cpu_model  # this directory is on sys.path when run as a script
 
-from specsample.models import load_model, make_target
+from specsample.models import backend_of, load_model, make_target
 from specsample.prompts import packaged_prompts, read_prompts
 from specsample.text import encode_prompt
 from specsample.training.generate import Writer, generate_batch
@@ -35,7 +35,7 @@ def main() -> None:
     target = make_target(model, args.backend)
     texts = [p.turns[0] for p in read_prompts(packaged_prompts(), split="even")][: args.batch * args.batches]
     prompts = [encode_prompt(model.tokenizer, text, True)[-384:] for text in texts]
-    writer = Writer(model, lambda: target, args.batch)
+    writer = Writer(model, lambda: target, args.batch, backend_of(model, args.backend))
     seconds, tokens, alike = {"slots": 0.0, "generate": 0.0}, {"slots": 0, "generate": 0}, 0
     for i in range(0, len(prompts), args.batch):
         batch = prompts[i : i + args.batch]

@@ -17,7 +17,7 @@ from specsample.drafters import NoDrafter, make_drafter
 from specsample.drafters import head as head_module
 from specsample.drafters.head import CATCH_UP_BATCH, DraftHead, HeadConfig, HeadDrafter, save_head
 from specsample.engine import decode
-from specsample.models import LoadedModel, kernels, load_model, make_target
+from specsample.models import LoadedModel, backend_of, kernels, load_model, make_target
 from specsample.policy import FixedK
 from specsample.sampling import GeneratorSource, SamplingParams, request_source
 from specsample.stats import Stats
@@ -467,7 +467,7 @@ def test_the_target_writes_distinct_prompts_and_a_resumed_run_keeps_them(tiny_di
     loaded = load_model(tiny_dir)
     loaded.tokenizer.chat_template = TINY_CHAT
     path = tmp_path / "self_prompts.jsonl"
-    writer = Writer(loaded, partial(make_target, loaded), 32)
+    writer = Writer(loaded, partial(make_target, loaded), 32, "fast")
     first = write_prompts(loaded, writer, path, TrainOptions(self_prompts=6, generate_batch=32, self_prompt_tokens=64))
     assert len(first) == len(set(first)) == 6 and all(first)
     assert all(p.split()[0] != "w2" for p in first)  # the template's opening is not part of a prompt
@@ -489,7 +489,7 @@ def test_the_batched_writer_writes_what_the_target_writes_alone(tiny_dir, sample
     prompts = [[3 + i, 9, 4 + 2 * i, 7][: 2 + i % 3] for i in range(5)]
     options = TrainOptions(generate_batch=3)
     seeds = seeds_for("test", options) + [11, 12] if sampled else None
-    writer = Writer(loaded, partial(make_target, loaded), options.generate_batch)
+    writer = Writer(loaded, partial(make_target, loaded), options.generate_batch, "fast")
     written = writer(prompts, 10, seeds)
     assert writer(prompts[:2], 10, None if seeds is None else seeds[:2]) == written[:2]  # its slots serve again
     params = SamplingParams(temperature=1.0 if sampled else 0.0)
@@ -499,7 +499,7 @@ def test_the_batched_writer_writes_what_the_target_writes_alone(tiny_dir, sample
                        stats=Stats())
         assert text == [t for step in alone for t in step]
     if not sampled:
-        fallback = Writer(loaded, partial(make_target, loaded, "transformers"), options.generate_batch)(prompts, 10, None)
+        fallback = Writer(loaded, partial(make_target, loaded, "transformers"), options.generate_batch, "transformers")(prompts, 10, None)
         assert [len(text) for text in fallback] == [len(text) for text in written]
 
 
@@ -510,7 +510,7 @@ def test_sampled_data_is_the_same_in_a_run_and_its_resumption(tiny_dir, tmp_path
     loaded = load_model(tiny_dir)
     prompts = [f"w{i} w{i + 5}" for i in range(2, 8)]
     options = TrainOptions(generate_batch=3, sampled_answers=1, max_new_tokens=12)
-    writer = Writer(loaded, partial(make_target, loaded, backend), options.generate_batch)
+    writer = Writer(loaded, partial(make_target, loaded, backend), options.generate_batch, backend_of(loaded, backend))
     shards = generate_shards(loaded, writer, prompts, tmp_path / "a", options, model_fingerprint(loaded))
     assert len(shards) == 4
     before = [load_file(shard)["tokens"] for shard in shards]
@@ -524,7 +524,7 @@ def test_sampled_data_is_the_same_in_a_run_and_its_resumption(tiny_dir, tmp_path
 def test_a_target_without_a_chat_template_cannot_write_prompts(tiny_dir, tmp_path):
     with pytest.raises(ValueError, match="no chat template"):
         loaded = load_model(tiny_dir)
-        write_prompts(loaded, Writer(loaded, partial(make_target, loaded), 2), tmp_path / "p.jsonl", TrainOptions(self_prompts=2))
+        write_prompts(loaded, Writer(loaded, partial(make_target, loaded), 2, "fast"), tmp_path / "p.jsonl", TrainOptions(self_prompts=2))
 
 
 def test_train_refuses_self_prompts_without_a_chat_template_before_making_its_directory(tiny_dir, tmp_path):
@@ -538,7 +538,7 @@ def test_a_run_resumed_with_other_prompts_or_options_is_refused(tiny_dir, tiny_d
     """Shards are named by batch: resumed with other prompts, the old shards would be taken for the new; and
     with another target or another backend writing, another model's answers and features."""
     loaded = load_model(tiny_dir)
-    writer = Writer(loaded, partial(make_target, loaded), 3)
+    writer = Writer(loaded, partial(make_target, loaded), 3, "fast")
     options = TrainOptions(generate_batch=3, max_new_tokens=6)
     prompts = [f"w{i} w{i + 5}" for i in range(2, 5)]
     target = model_fingerprint(loaded)
@@ -550,11 +550,17 @@ def test_a_run_resumed_with_other_prompts_or_options_is_refused(tiny_dir, tiny_d
         generate_shards(loaded, writer, prompts, tmp_path, replace(options, max_new_tokens=7), target)
     other = load_model(tiny_draft_dir)  # the same shapes and vocabulary: its features had been taken silently
     with pytest.raises(ValueError, match=r"\(target differ\)"):
-        generate_shards(other, Writer(other, partial(make_target, other), 3), prompts, tmp_path, options,
+        generate_shards(other, Writer(other, partial(make_target, other), 3, "fast"), prompts, tmp_path, options,
                         model_fingerprint(other))
     with pytest.raises(ValueError, match=r"\(writer differ\)"):
         generate_shards(loaded, Writer(loaded, partial(make_target, loaded, "transformers"), 3, "transformers"), prompts,
                         tmp_path, options, target)
+    assert backend_of(loaded, "auto") == "fast"  # --backend auto resumes a --backend fast run: one backend wrote
+    manifest = tmp_path / "manifest.json"
+    old = {key: value for key, value in json.loads(manifest.read_text()).items() if key not in ("target", "writer")}
+    manifest.write_text(json.dumps(old))  # a run of a version that recorded neither: resumed, and both recorded
+    assert generate_shards(loaded, writer, prompts, tmp_path, options, target) == made
+    assert json.loads(manifest.read_text())["target"] == target
 
 
 def test_data_of_another_target_is_refused(trained_dir, tiny_dir, tiny_draft_dir, tmp_path):
@@ -633,13 +639,13 @@ def test_a_run_that_writes_nothing_never_makes_the_writers_target(tiny_dir, tmp_
     options = TrainOptions(generate_batch=3, max_new_tokens=6)
     prompts = [f"w{i} w{i + 5}" for i in range(2, 5)]
     target = model_fingerprint(loaded)
-    made = generate_shards(loaded, Writer(loaded, partial(make_target, loaded), 3), prompts, tmp_path, options,
+    made = generate_shards(loaded, Writer(loaded, partial(make_target, loaded), 3, "fast"), prompts, tmp_path, options,
                            target)
 
     def refuse() -> None:
         raise AssertionError("the writer's target was made")
 
-    assert generate_shards(loaded, Writer(loaded, refuse, 3), prompts, tmp_path, options,
+    assert generate_shards(loaded, Writer(loaded, refuse, 3, "fast"), prompts, tmp_path, options,
                            target) == made
 
 

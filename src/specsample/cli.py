@@ -229,7 +229,7 @@ def train_draft(
     from functools import partial
     from pathlib import Path
 
-    from specsample.models import check_backend, check_backend_runs, load_model, make_target
+    from specsample.models import backend_of, check_backend, check_backend_runs, load_model, make_target
     from specsample.outputs import check_output_dir
     from specsample.prompts import SPLITS, read_prompts
     from specsample.training import TrainOptions, data_shards, train
@@ -252,7 +252,7 @@ def train_draft(
     check_backend(backend)
     loaded = load_model(model, trust_remote_code=trust_remote_code)
     check_backend_runs(backend, loaded)
-    writer = Writer(loaded, partial(make_target, loaded, backend), options.generate_batch, backend)
+    writer = Writer(loaded, partial(make_target, loaded, backend), options.generate_batch, backend_of(loaded, backend))
     report = train(loaded, texts, out_dir, options, log=lambda line: print(line, file=sys.stderr), extra_shards=extra,
                    writer=writer)
     print(json.dumps({k: v for k, v in report.items() if k != "history"}))

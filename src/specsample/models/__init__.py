@@ -26,12 +26,13 @@ def check_backend_runs(backend: str, loaded: LoadedModel) -> None:
 
 
 def make_target(loaded: LoadedModel, backend: str = "auto", *, threads: int | None = None) -> Target:
-    """A loaded model's target. `auto` (and `fast`): the fast Llama-family backend when it supports the
-    architecture, else (`auto` only) transformers: a model already in memory stays in float32;
-    `gguf`: the fast backend with its linear maps on the file's own GGUF blocks (Q4_0 to Q8_0, Q4_K,
-    Q6_K; `gguf_blocks`), built from the file alone when `loaded` holds no weights; `llamacpp` runs
-    the GGUF file `loaded` came from on llama.cpp (`threads`: default all cores)."""
+    """A loaded model's target on `backend_of(loaded, backend)`: `fast`, the fast Llama-family backend (a
+    model already in memory stays in float32); `transformers`; `gguf`: the fast backend with its linear maps
+    on the file's own GGUF blocks (Q4_0 to Q8_0, Q4_K, Q6_K; `gguf_blocks`), built from the file alone when
+    `loaded` holds no weights; `llamacpp` runs the GGUF file `loaded` came from on llama.cpp (`threads`:
+    default all cores)."""
     check_backend_runs(backend, loaded)
+    backend = backend_of(loaded, backend)
     if backend == "llamacpp":
         from specsample.models.llamacpp import LlamaCppTarget
 
@@ -42,14 +43,24 @@ def make_target(loaded: LoadedModel, backend: str = "auto", *, threads: int | No
         return file_target(loaded.gguf) if loaded.model is None else gguf_target(loaded.model, loaded.gguf)
     if loaded.model is None:
         raise ValueError(f"the {backend} backend needs the model's weights, loaded without them")
-    if backend != "transformers":
+    if backend == "fast":
         from specsample.models import llama
 
-        if llama.supports(loaded.model.config):
-            return llama.LlamaTarget.from_hf(loaded.model, gguf=loaded.gguf)
-        if backend == "fast":
+        if not llama.supports(loaded.model.config):
             raise ValueError(f"the fast backend does not support model type {loaded.model.config.model_type!r}")
+        return llama.LlamaTarget.from_hf(loaded.model, gguf=loaded.gguf)
     return TransformersTarget(loaded.model)
+
+
+def backend_of(loaded: LoadedModel, backend: str) -> str:
+    """The backend `make_target` runs `loaded` on for `backend`: `auto` with the weights in memory is `fast`
+    where the fast backend supports the architecture, else `transformers` (`load_target` resolves `auto`
+    for a GGUF file by measuring, `models.choice`); any other is itself."""
+    if backend != "auto" or loaded.model is None:
+        return backend
+    from specsample.models import llama
+
+    return "fast" if llama.supports(loaded.model.config) else "transformers"
 
 
 def load_target(

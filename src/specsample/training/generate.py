@@ -110,7 +110,8 @@ def check_manifest(path: Path, encoded: list[list[int]], options: TrainOptions, 
                 "max_prompt_tokens": options.max_prompt_tokens}
     if path.is_file():
         earlier = json.loads(path.read_text())
-        changed = [key for key in manifest if earlier.get(key) != manifest[key]]
+        # a key an earlier version did not record is taken as agreeing, and recorded from now on
+        changed = [key for key in manifest if key in earlier and earlier[key] != manifest[key]]
         if changed:
             raise ValueError(f"{path.parent} holds answers made from other data ({', '.join(changed)} differ): "
                              f"resume with the same prompts and options, or give another --out")
@@ -186,8 +187,9 @@ class Writer:
     a run that writes nothing (its data given with --extra-data, or all made by the run it resumes) never
     holds a second copy of the weights; on a target with slots, one batch of `width` slots serves the run."""
 
-    def __init__(self, model: LoadedModel, make: Callable[[], Target], width: int, backend: str = "auto") -> None:
-        self.model, self.make, self.width, self.backend = model, make, width, backend  # backend: as `make` makes it
+    def __init__(self, model: LoadedModel, make: Callable[[], Target], width: int, backend: str) -> None:
+        # backend: the one `make` makes its target on, as `models.backend_of` names it
+        self.model, self.make, self.width, self.backend = model, make, width, backend
         self.target: Target | None = None
         self.batch: Batch | None = None
 

@@ -15,7 +15,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from specsample.drafters.head import DraftHead, HeadConfig, HeadDrafter, save_head
-from specsample.models import LoadedModel, make_target
+from specsample.models import LoadedModel, backend_of, make_target
 from specsample.models.target import recordable
 from specsample.text import user_turn_opening
 from specsample.training.dataset import Batcher, Sequence, distinct_prompts, frequent_tokens, load_sequences, split
@@ -46,7 +46,7 @@ def train(
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(options.seed)
     start = perf_counter()
-    writer = Writer(model, partial(make_target, model), options.generate_batch) if writer is None else writer
+    writer = Writer(model, partial(make_target, model), options.generate_batch, backend_of(model, "auto")) if writer is None else writer
     if options.self_prompts:
         prompts = prompts + write_prompts(model, writer, out_dir / "self_prompts.jsonl", options)
     shards = generate_shards(model, writer, prompts, out_dir / "data", options, target)
