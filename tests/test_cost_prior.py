@@ -97,7 +97,8 @@ def test_the_remembered_curve_is_keyed_by_the_named_backend(tmp_path, monkeypatc
     """The fast and gguf backends both run a LlamaTarget: a sampler given its target directly remembers no
     curve (it once keyed both by the type, so `bench run --backend fast` priced its passes by the curve a
     `--backend gguf` run had measured, and kept K at 4 where the float32 pass is flat to 9 positions), and
-    samplers of named backends keep one curve each."""
+    samplers of named backends keep one curve each, and one for each build of llama.cpp (what runs the
+    llamacpp backend; a rebuild with other flags or without the batch-invariance patch changes its cost)."""
     monkeypatch.setenv("SPECSAMPLE_CACHE", str(tmp_path / "cache"))
     file = tmp_path / "model.gguf"
     file.write_bytes(b"GGUF" + bytes(64))
@@ -111,6 +112,11 @@ def test_the_remembered_curve_is_keyed_by_the_named_backend(tmp_path, monkeypatc
         assert sampler.backend == backend
         sampler.cost_ratios()
     assert len(list((tmp_path / "cache" / "cost-curve").iterdir())) == 2
+    import specsample.api
+
+    monkeypatch.setattr(specsample.api, "llamacpp_build", lambda: "another build of llama.cpp")  # flags, patch
+    SpecSampler(loaded, target, drafter, backend="fast").cost_ratios()
+    assert len(list((tmp_path / "cache" / "cost-curve").iterdir())) == 3
 
 
 def test_a_target_with_a_short_context_measures_what_fits():

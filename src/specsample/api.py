@@ -26,7 +26,7 @@ from specsample.drafters.base import draft_cost
 from specsample.drafters.prediction import with_prediction
 from specsample.engine import check_max_new_tokens, decode
 from specsample.models import LoadedModel, Target, load_target
-from specsample.models.choice import resolve
+from specsample.models.choice import llamacpp_build, resolve
 from specsample.models.loading import conversion_dir
 from specsample.models.target import SlottedTarget, require
 from specsample.openmp import use_threads
@@ -292,8 +292,9 @@ class SpecSampler:
         remembered on this machine leave a paused generation be."""
         if self._cost_ratios is None:
             gguf, backend = self.model.gguf, self.named_backend
-            key = None if gguf is None or backend is None else "|".join(
-                [conversion_dir(gguf).name, backend, type(self.target).__name__, str(self.threads), str(torch.get_num_threads())])
+            key = None if gguf is None or backend is None else "|".join(  # llama.cpp's build: its speed, if it runs
+                [conversion_dir(gguf).name, backend, type(self.target).__name__, str(self.threads), str(torch.get_num_threads()),
+                 llamacpp_build()])
             self._cost_ratios = remembered_ratios(key)
             if self._cost_ratios is None:
                 with self.turns.lock:
