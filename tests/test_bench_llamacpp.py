@@ -180,6 +180,18 @@ def test_a_non_gguf_target_has_no_llama_cpp_baselines(tiny_dir):
         harness.llamacpp_runner(config, harness.Setup(loaded, None))
 
 
+def test_without_llama_cpp_python_the_baselines_are_unavailable_not_the_run(ggufs, monkeypatch):
+    """They are reported as not available and the engine's configurations run (the whole run had ended
+    on the backend's error)."""
+    from specsample.models import choice
+
+    loaded = load_model(str(ggufs[0]), tokenizer_only=True)
+    monkeypatch.setattr(choice, "llamacpp_installed", lambda: False)
+    config = harness.make_config({**harness.DEFAULTS, "name": "llamacpp-plain", "kind": "llamacpp-plain"})
+    with pytest.raises(llamacpp_baselines.Unavailable, match="need llama-cpp-python"):
+        harness.llamacpp_runner(config, harness.Setup(loaded, None))
+
+
 def test_llama_cpp_baselines_beside_our_own_backend_take_the_default_threads(ggufs, cache):
     """A target of the project's own backends has no llama.cpp threads: without --threads the baseline runs
     on `default_threads()` (README's summary command, `--backend gguf --llamacpp-baselines`, had crashed)."""

@@ -505,3 +505,15 @@ def test_bad_replica_options_are_one_line(capsys, args, message):
         main(["serve", *args])
     err = capsys.readouterr().err
     assert done.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_replicas_on_llamacpp_without_llama_cpp_is_one_line(capsys, monkeypatch):
+    """Checked before Ray starts, as the other options are (each replica had failed to build, and the
+    driver ended in a traceback after Ray's start)."""
+    from specsample.models import choice
+
+    monkeypatch.setattr(choice, "llamacpp_installed", lambda: False)  # as if the extra were not installed
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--replicas", "1", "--backend", "llamacpp"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1 and "needs llama-cpp-python" in err, err

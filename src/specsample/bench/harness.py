@@ -304,6 +304,10 @@ def llamacpp_runner(config: Config, setup: Setup) -> Runner:
     """A llama.cpp baseline on the target's GGUF file, with the target's threads and context window."""
     if setup.model.gguf is None:
         raise llamacpp.Unavailable(f"the llama.cpp baselines run GGUF files, and {setup.model.name} is not one")
+    from specsample.models.choice import llamacpp_installed
+
+    if not llamacpp_installed():  # the engine's configurations still run
+        raise llamacpp.Unavailable("the llama.cpp baselines need llama-cpp-python, which is not installed")
     threads = getattr(setup.target, "n_threads", None) or setup.threads or default_threads()
     common = dict(model=setup.model, path=setup.model.gguf, threads=threads, n_ctx=setup.target.max_length,
                   params=config.params, max_new_tokens=config.max_new_tokens, seed=config.seed)

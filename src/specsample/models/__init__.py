@@ -13,8 +13,16 @@ BACKENDS = ("auto", "fast", "gguf", "transformers", "llamacpp")
 
 
 def check_backend(backend: str) -> None:
+    """Refuse, before anything is loaded, a backend of no such name, or `llamacpp` where llama-cpp-python
+    is not installed (the optional extra: it failed only once the model had loaded)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    from specsample.models.choice import llamacpp_installed
+
+    if backend == "llamacpp" and not llamacpp_installed():
+        from specsample.models.llamacpp import LLAMACPP_MISSING
+
+        raise ValueError(LLAMACPP_MISSING)
 
 
 def check_backend_runs(backend: str, loaded: LoadedModel) -> None:

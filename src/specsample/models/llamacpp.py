@@ -87,12 +87,16 @@ VARIANT_VARIABLE = "SPECSAMPLE_LLAMACPP_VARIANT"  # a ggml CPU variant to load i
 VARIANT_PREFIX = "libggml-cpu-"  # of each CPU variant's library (`variant_library`)
 
 
+LLAMACPP_MISSING = ("the llamacpp backend needs llama-cpp-python, built with the project's flags: bash scripts/install.sh "
+                    "in a source checkout, or the steps under \"Build\" in docs/llamacpp-backend.md")
+
+
 def _bindings():
     """The llama_cpp module; a one-line error when llama-cpp-python is not installed."""
     try:
         import llama_cpp
     except ImportError as e:
-        raise ValueError("the llamacpp backend needs llama-cpp-python: run bash scripts/install.sh") from e
+        raise ValueError(LLAMACPP_MISSING) from e
     return llama_cpp
 
 

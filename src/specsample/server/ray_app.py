@@ -45,6 +45,7 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from specsample.api import Chunk, Completion, Prompt
+from specsample.models import check_backend
 from specsample.policy import parse_k
 from specsample.server.app import check_api_key, make_worker, model_card, serve_worker, serving_sampler
 from specsample.server.metrics import ServerMetrics
@@ -82,6 +83,7 @@ class RayOptions(BaseModel):
 
     @model_validator(mode="after")
     def check_replicas(self) -> "RayOptions":
+        check_backend(self.backend)  # an unknown backend, or llamacpp not installed: here, not in every replica
         if self.k is not None:
             parse_k(self.k)  # a bad K fails here, not in every replica
         if self.api_key is not None:

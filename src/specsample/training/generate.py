@@ -108,7 +108,7 @@ def check_manifest(path: Path, encoded: list[list[int]], options: TrainOptions, 
                 "max_new_tokens": options.max_new_tokens, "generate_batch": options.generate_batch,
                 "sampled_answers": options.sampled_answers, "seed": options.seed,
                 "max_prompt_tokens": options.max_prompt_tokens}
-    if path.is_file():
+    if path.is_file() and any(path.parent.glob("shard-*.safetensors")):  # no shard: nothing made from it yet
         earlier = json.loads(path.read_text())
         # a key an earlier version did not record is taken as agreeing, and recorded from now on
         changed = [key for key in manifest if key in earlier and earlier[key] != manifest[key]]
