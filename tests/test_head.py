@@ -521,6 +521,39 @@ def test_sampled_data_is_the_same_in_a_run_and_its_resumption(tiny_dir, tmp_path
     assert not torch.equal(before[3], load_file(other[3])["tokens"])
 
 
+def test_a_resumed_run_writes_the_prompts_an_uninterrupted_one_writes(tiny_dir, tmp_path):
+    """Seeds follow from the prompts kept and the batches since the last new one: a run interrupted after a
+    batch that added nothing had restarted its count of tries, and every prompt after it differed."""
+    import random
+
+    loaded = load_model(tiny_dir)
+    loaded.tokenizer.chat_template = TINY_CHAT
+    eos = min(loaded.eos_token_ids)
+
+    class SeededWriter:  # what plain decoding with a seed is: a function of the seed alone
+        def __init__(self, stop_at: int | None = None) -> None:
+            self.calls, self.stop_at = 0, stop_at
+
+        def __call__(self, prompts, max_new_tokens, seeds):
+            self.calls += 1
+            if self.calls == self.stop_at:
+                raise KeyboardInterrupt
+            draws = [random.Random(seed) for seed in seeds]
+            rows = [[r.choice(range(10, 14)) for _ in range(2)] + ([eos] if r.random() < 0.3 else []) for r in draws]
+            return rows
+
+    options = TrainOptions(self_prompts=8, generate_batch=4, self_prompt_tokens=8)
+    whole = write_prompts(loaded, SeededWriter(), tmp_path / "a.jsonl", options)
+    stops = []
+    for stop_at in (2, 3, 4):
+        path = tmp_path / f"b{stop_at}.jsonl"
+        with pytest.raises(KeyboardInterrupt):
+            write_prompts(loaded, SeededWriter(stop_at), path, options)
+        stops.append(len(path.read_text().splitlines()) if path.is_file() else 0)
+        assert write_prompts(loaded, SeededWriter(), path, options) == whole, stop_at
+    assert len(set(stops)) < len(stops)  # some batch added no prompt before an interruption
+
+
 def test_a_target_without_a_chat_template_cannot_write_prompts(tiny_dir, tmp_path):
     with pytest.raises(ValueError, match="no chat template"):
         loaded = load_model(tiny_dir)

@@ -39,17 +39,19 @@ from specsample.training.options import TrainOptions
 def write_prompts(model: LoadedModel, writer: Writer, path: Path, options: TrainOptions) -> list[str]:
     """`options.self_prompts` distinct prompts written by the target, sampled at temperature 1 after
     its chat template's opening of a user turn; only those it ends (EOS) within `self_prompt_tokens`.
-    Kept in `path` (one JSON line each) as they come, so a resumed run writes only the rest."""
+    Kept in `path` (one JSON line each) as they come, so a resumed run writes only the rest, and the rest
+    it would have written uninterrupted: each batch's seeds follow from the prompts kept and the batches
+    since the last one that added any (a batch that adds none, replayed, adds none again)."""
     prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines()] if path.is_file() else []
     opening = user_turn_opening(model.tokenizer)
     bar = tqdm(desc="writing prompts", unit="prompt", initial=len(prompts), total=options.self_prompts)
-    tries = 0
+    tries = attempt = 0  # attempt: batches since the last new prompt, so that seeds follow from the file alone
     while len(prompts) < options.self_prompts:
-        tries += 1
+        tries, attempt = tries + 1, attempt + 1
         if tries > 4 * options.self_prompts / options.generate_batch + 4:
             raise ValueError(f"the model ended only {len(prompts)} of {options.self_prompts} prompts within "
                              f"{options.self_prompt_tokens} tokens: give it prompts with --prompts instead")
-        seeds = seeds_for(f"prompts-{len(prompts)}-{tries}", options)
+        seeds = seeds_for(f"prompts-{len(prompts)}-{attempt}", options)
         rows = writer([opening] * options.generate_batch, options.self_prompt_tokens, seeds)
         new = []
         for row in rows:
@@ -61,6 +63,7 @@ def write_prompts(model: LoadedModel, writer: Writer, path: Path, options: Train
         with path.open("a") as f:
             f.writelines(json.dumps({"prompt": text}) + "\n" for text in new)
         prompts += new
+        attempt = 0 if new else attempt
         bar.update(len(new))
     bar.close()
     return prompts
