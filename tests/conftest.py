@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import os
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,25 @@ torch.set_num_threads(1)
 # The GGUF blocks (`--backend gguf`) and the slots run on the C++ kernels: without a compiler, or with
 # SPECSAMPLE_NO_KERNELS=1, their tests are skipped.
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels could not be built here")
+
+
+LLAMACPP_INSTALLED = find_spec("llama_cpp") is not None
+NEED_LLAMACPP = "SPECSAMPLE_TESTS_NEED_LLAMACPP"  # scripts/test.sh: a broken install fails, not skips
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get(NEED_LLAMACPP) and not LLAMACPP_INSTALLED:
+        raise pytest.UsageError(f"{NEED_LLAMACPP} is set and llama-cpp-python is not installed (bash scripts/install.sh)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without llama-cpp-python (an optional extra) the tests marked `llamacpp` are skipped, not failed."""
+    if LLAMACPP_INSTALLED:
+        return
+    skip = pytest.mark.skip(reason="needs llama-cpp-python, the optional extra specsample[llamacpp]")
+    for item in items:
+        if item.get_closest_marker("llamacpp"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

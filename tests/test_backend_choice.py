@@ -63,6 +63,7 @@ def test_a_directory_the_fast_backend_does_not_take_names_transformers(tmp_path)
     assert choice.resolve(tmp_path / "missing", "auto")[0] == "auto"  # loading names what is missing
 
 
+@pytest.mark.llamacpp
 def test_a_gguf_file_is_measured_once_per_machine_and_thread_count(tiny_gguf, cache, monkeypatch):
     backend, reason = choice.resolve(tiny_gguf, "auto", threads=1)
     assert backend in ("llamacpp", "gguf", "auto") and reason.startswith("auto: ")
@@ -76,6 +77,7 @@ def test_a_gguf_file_is_measured_once_per_machine_and_thread_count(tiny_gguf, ca
     assert choice.resolve(tiny_gguf, "auto", threads=2)[0] == "llamacpp"  # another thread count: measured anew
 
 
+@pytest.mark.llamacpp
 def test_a_choice_is_remembered_apart_for_an_installed_llama_cpp_and_measured_again_when_unreadable(tiny_gguf, cache,
                                                                                                  monkeypatch):
     """llama.cpp installed after a choice was made among the others, or uninstalled after it won: the file
@@ -89,7 +91,8 @@ def test_a_choice_is_remembered_apart_for_an_installed_llama_cpp_and_measured_ag
 
 
 @pytest.mark.parametrize("winner, target_type", [
-    ("llamacpp", LlamaCppTarget), pytest.param("gguf", LlamaTarget, marks=needs_kernels), ("auto", LlamaTarget),
+    pytest.param("llamacpp", LlamaCppTarget, marks=pytest.mark.llamacpp), pytest.param("gguf", LlamaTarget, marks=needs_kernels),
+    ("auto", LlamaTarget),
 ])
 def test_the_sampler_loads_on_the_remembered_choice_and_says_why(tiny_gguf, cache, winner, target_type):
     seconds = {name: 0.02 for name in ("llamacpp", "gguf", "auto")} | {winner: 0.01}
@@ -111,6 +114,7 @@ def test_the_bundled_model_on_its_blocks_defaults_to_a_lookup_drafter():
     assert SpecSampler.load(None, backend="fast").configuration.drafter in ("suffix+quantized", "none")
 
 
+@pytest.mark.llamacpp
 @needs_kernels
 def test_a_file_transformers_cannot_convert_is_measured_on_the_other_backends(files, cache):
     """transformers' GGUF converter refuses the tiny Qwen3 (its head size is not Qwen3's default): the

@@ -27,6 +27,8 @@ from specsample.stats import Step
 from test_cli import cli
 from test_llamacpp import VOCAB, write_gguf
 
+pytestmark = pytest.mark.llamacpp  # skipped without llama-cpp-python (conftest.py)
+
 # byte-level vocabulary: any text; short, so that prompt + answer fit the tiny model's 128 positions
 PROMPTS = [
     {"question_id": 1, "category": "writing", "turns": ["abba cafe abba", "dead beef"]},

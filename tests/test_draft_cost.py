@@ -69,6 +69,7 @@ def test_an_unprofitable_drafter_is_never_asked_to_draft_under_auto_and_the_text
     assert sampler.policy("auto").estimates()["declared_draft_cost"] == 2.0
 
 
+@pytest.mark.llamacpp
 def test_a_draft_model_runs_with_the_targets_threads_and_declares_its_measured_cost():
     """On llama.cpp the draft model gets the target's thread count (not all cores), and its cost per
     token against a target pass is measured when it is made (a number, not a timing asserted)."""

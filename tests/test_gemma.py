@@ -27,6 +27,7 @@ def paths() -> dict[str, str]:
     return {"gemma": str(gemma3_270m()), "smollm2": str(bundled_gguf())}
 
 
+@pytest.mark.llamacpp
 @pytest.mark.parametrize(("target", "draft", "method"), [
     ("gemma", "smollm2", "text"), ("gemma", "smollm2", "intersection"), ("smollm2", "gemma", "text"),
 ])
@@ -40,6 +41,7 @@ def test_greedy_output_with_a_draft_of_another_family_is_the_targets(paths, targ
     assert expected.text.strip()
 
 
+@pytest.mark.llamacpp
 def test_gemma_runs_as_a_target_on_llamacpp(paths):
     sampler = SpecSampler.load(paths["gemma"], "none", backend="llamacpp", threads=1)
     assert sampler.target.vocab_size == len(sampler.model.tokenizer) == 262_144

@@ -53,6 +53,7 @@ def scaled(model: LlamaForCausalLM, factor: float) -> LlamaForCausalLM:
     return out
 
 
+@pytest.mark.llamacpp
 @pytest.mark.parametrize("keys, factor", [
     ({"rope.scaling.factor": 4.0}, 4.0),
     ({"rope.scale_linear": 4.0}, 4.0),

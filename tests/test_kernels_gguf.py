@@ -446,7 +446,8 @@ def copies(tmp_path_factory):
     is the path of that file; with the bundled tokenizer (the vocabulary is the same)."""
     from specsample.models.loading import load_model
 
-    llamacpp = pytest.importorskip("specsample.models.llamacpp")
+    pytest.importorskip("llama_cpp")  # the optional extra (conftest.py)
+    from specsample.models import llamacpp
     if not kernels.available():
         pytest.skip("the kernels could not be built here")
     try:

@@ -31,6 +31,8 @@ from specsample.policy import FixedK
 from specsample.sampling import GeneratorSource, SamplingParams
 from specsample.stats import Stats
 
+pytestmark = pytest.mark.llamacpp  # skipped without llama-cpp-python (conftest.py)
+
 VOCAB = 320  # 256 byte tokens, 63 merges, one end-of-text token
 GREEDY = SamplingParams(temperature=0)
 LOGIT_TOLERANCE = 1e-4  # F32 file, F32 KV cache: llama.cpp and transformers differ by float32 rounding only

@@ -30,6 +30,8 @@ from specsample.models.loading import bundled_gguf
 from test_cli import cli
 from test_llamacpp import tiny_gguf, tiny_model  # noqa: F401 (fixtures)
 
+pytestmark = pytest.mark.llamacpp  # skipped without llama-cpp-python (conftest.py)
+
 MB = 2**20
 
 

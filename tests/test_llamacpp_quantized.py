@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import llama_cpp
 import pytest
 import torch
 
@@ -28,6 +27,9 @@ from specsample.policy import FixedK
 from specsample.sampling import GeneratorSource
 from specsample.stats import Stats
 from test_llamacpp import GREEDY, VOCAB, random_ids, tiny_gguf, tiny_model  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.llamacpp  # skipped without llama-cpp-python (conftest.py)
+llama_cpp = pytest.importorskip("llama_cpp")  # imported by name below
 
 
 @pytest.fixture

@@ -21,6 +21,8 @@ from test_batch import (check_cancelled_request_frees_its_slot, check_chunked_pr
 from test_llamacpp import VOCAB, tiny_gguf, tiny_model  # noqa: F401  (fixtures this module uses)
 from test_slots import check_invariance, tokens
 
+pytestmark = pytest.mark.llamacpp  # skipped without llama-cpp-python (conftest.py)
+
 
 @pytest.fixture(scope="module")
 def target(tiny_gguf) -> LlamaCppTarget:  # noqa: F811

@@ -21,6 +21,8 @@ import pytest
 from specsample.bench import llamacpp_baselines
 from specsample.models.llamacpp import VARIANT_VARIABLE
 
+pytestmark = pytest.mark.llamacpp  # skipped without llama-cpp-python (conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
 HASWELL = {"avx2", "fma", "f16c", "bmi2"}  # what ggml's haswell variant needs (its ggml_backend_score)

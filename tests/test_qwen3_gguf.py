@@ -24,7 +24,8 @@ from specsample.models.llamacpp import LlamaCppTarget
 from conftest import needs_kernels
 from test_llamacpp import LOGIT_TOLERANCE, VOCAB, f32_and_q8_0, logits_after, random_ids, run
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="the GGUF blocks need the C++ kernels")
+pytestmark = [pytest.mark.skipif(not kernels.available(), reason="the GGUF blocks need the C++ kernels"),
+              pytest.mark.llamacpp]  # its files are made by llama.cpp's quantizer
 
 @pytest.fixture(scope="module")
 def qwen3() -> Qwen3ForCausalLM:

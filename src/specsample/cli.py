@@ -115,7 +115,7 @@ def serve(
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(envvar="SPECSAMPLE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
     max_queue: Annotated[int, typer.Option(help="Most requests admitted at once (running or waiting); more get 503. With --replicas: per replica.")] = 16,
-    max_batch: Annotated[int, typer.Option(help="Most requests decoded together, one target pass per step (continuous batching; backends fast, gguf and llamacpp, drafters none, ngram, suffix and A+B of them); 1: one at a time.")] = 1,
+    max_batch: Annotated[int, typer.Option(help="Most requests decoded together, one target pass per step (continuous batching; backends fast, gguf and llamacpp, drafters that fork: none, ngram, suffix, recycle, their tree forms and A+B of them); 1: one at a time.")] = 1,
     replicas: Annotated[Optional[int], typer.Option(help="Run N engine replicas on a Ray cluster behind this endpoint (Ray Serve: pip install 'specsample[ray]').")] = None,
     min_replicas: Annotated[Optional[int], typer.Option(help="Autoscale the replicas on queue depth, from this many ...")] = None,
     max_replicas: Annotated[Optional[int], typer.Option(help="... to this many (Ray Serve's autoscaling_config).")] = None,

@@ -315,7 +315,8 @@ def position_noise(seed: int, position: int, vocab: int) -> Tensor:
     token's probability is never emitted (a total variation of at most vocab x 3.6e-9 from the target's
     distribution; without a seed, `GeneratorSource` draws exactly). Computed by the C++ kernels on the
     decoding thread's team (about 26 us for 49,152 tokens on 2 threads, 52 on one, AMD EPYC with
-    AVX-512, bitwise the same with the AVX2 build; numpy's Philox and two float64 logs took 220), else by
+    AVX-512, bitwise the same with the AVX2 build, the portable build's 125 of 49,152 one ulp apart; numpy's
+    Philox and two float64 logs took 220), else by
     `numpy_position_noise`, the same stream to float32 rounding: within 1e-6, but not bitwise (about
     4 numbers in 10 differ in their last bit), so a seed's text may differ between a process with the
     kernels and one without (SPECSAMPLE_NO_KERNELS), as between backends.

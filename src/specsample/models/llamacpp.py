@@ -299,7 +299,7 @@ def copy_type(source: str) -> str:
 
 def copy_path(source: Path, type_name: str) -> Path:
     """Where the `type_name` copy of the GGUF file `source` is cached: beside its float32
-    conversion (models/loading.py), named by the source's name and content (`file_fingerprint`)
+    conversion (models/loading.py), named by the source's content alone (`loading.conversion_dir`)
     and by llama-cpp-python's version, since another quantizer may write another copy."""
     import importlib.metadata
 
