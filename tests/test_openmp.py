@@ -61,3 +61,19 @@ def test_a_load_on_a_passing_thread_leaves_no_openmp_team_behind():
         for where in ("main", "passing")
     }
     assert left == {"main": 1, "passing": 0}
+
+
+def test_the_default_threads_follow_omp_num_threads(monkeypatch):
+    """OMP_NUM_THREADS=1 set torch's and the kernels' teams to one thread and left llama.cpp's (and every other
+    default of `default_threads`) on every core. Its first level counts, at most the cores; nonsense is ignored."""
+    import os
+
+    from specsample.openmp import default_threads
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert default_threads() == cores
+    for value, threads in (("1", 1), ("1,1", 1), (" 1 ", 1), (str(cores + 5), cores), ("0", cores), ("x", cores),
+                           ("", cores)):
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        assert default_threads() == threads, value

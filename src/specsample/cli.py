@@ -27,7 +27,7 @@ DRAFTER_HELP = (
 K_HELP = "Speculation length K, or 'auto' (cost model) or 'auto:heuristic'. Default: auto with the default drafter, else 4."
 BACKEND_HELP = ("auto (for a GGUF file, the one measured fastest here), gguf (the project's kernels on the file's own "
                 "blocks), fast, transformers or llamacpp (GGUF files on llama.cpp).")
-THREADS_HELP = "CPU threads of a forward pass, on every backend (default: all cores)."
+THREADS_HELP = "CPU threads of a forward pass, on every backend (default: all cores, or OMP_NUM_THREADS where it asks for fewer)."
 
 
 def quiet_transformers() -> None:

@@ -80,8 +80,12 @@ def check_threads(threads: int | None, name: str = "--threads") -> None:
 
 
 def default_threads() -> int:
-    """All the cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """All the cores this process may run on, or fewer where OMP_NUM_THREADS asks for fewer (its first
+    level), as it does of torch's and the kernels' teams: without it, OMP_NUM_THREADS=1 ran the project's
+    passes on one thread and llama.cpp's on every core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    asked = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return min(int(asked), cores) if asked.isdigit() and int(asked) > 0 else cores
 
 
 def use_threads(threads: int | None) -> None:
