@@ -162,3 +162,19 @@ def test_a_backend_without_quantized_copies_is_refused():
     loaded = LoadedModel(model, None, "tiny", frozenset(), 0.0)
     with pytest.raises(ValueError, match="quantized needs a target backend that makes a quantized copy of itself"):
         quantized_drafter(loaded, TransformersTarget(model))
+
+
+@needs_kernels
+def test_the_quantized_copy_is_made_from_the_target_s_own_weights_as_from_the_model_s():
+    """The fast backend's int8 copy comes from its own packed float32 weights, not from a second float32
+    target built from the transformers model on the way (a model's size more at its peak): logits equal."""
+    from specsample.models.llama import LlamaTarget
+
+    model = tiny_llama(vocab_size=64, layers=2)
+    target = LlamaTarget.from_hf(model, max_length=64)
+    assert target.source is model and target.copy_file is None
+    ids = torch.arange(12) % 64
+    copies = [target.quantized_copy(), int8_target(model, 64)]
+    for copy_ in copies:
+        copy_.prefill(ids[:-3])
+    assert torch.equal(copies[0].score(ids[-3:]), copies[1].score(ids[-3:]))

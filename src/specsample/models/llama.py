@@ -520,9 +520,11 @@ class LlamaTarget:
             copy = gguf_blocks.lower_bit_copy(self)
         elif self.copy_file is not None:
             copy = gguf_blocks.gguf_target(self.source, self.copy_file, self.max_length)
-        elif self.source is None:  # float weights read from a GGUF file
+        elif self.source is None or kernels.available():
+            # this target's own float32 weights (a float GGUF file has no source): on the kernels the same
+            # copy as the source's, logit for logit, without a second float32 target built on the way
             copy = int8_copy(self)
-        else:
+        else:  # the torch path's copy keeps its activations in ACTIVATIONS (models/quantize.py)
             copy = int8_target(self.source, self.max_length)
         copy.commit_cache(COMMITTED_POSITIONS)
         return copy
