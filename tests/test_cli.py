@@ -180,11 +180,13 @@ def test_train_draft_names_a_backend_it_cannot_write_on(capsys, tiny_dir, tmp_pa
 def test_llamacpp_without_llama_cpp_python_is_one_line_before_loading(capsys, monkeypatch, tmp_path, command):
     """llama-cpp-python is an optional extra: without it, --backend llamacpp is refused before the model loads
     (train-draft had loaded it, then left a manifest behind that refused the next run)."""
+    import specsample.models
     from specsample.models import choice, loading
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(choice, "llamacpp_installed", lambda: False)
-    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    for module in (loading, specsample.models):  # the commands call the name bound in specsample.models
+        monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     code, out, err = cli(capsys, *command, "--backend", "llamacpp")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "needs llama-cpp-python" in err, err
     assert not (tmp_path / "never-made").exists()

@@ -594,6 +594,8 @@ def test_a_run_resumed_with_other_prompts_or_options_is_refused(tiny_dir, tiny_d
     manifest.write_text(json.dumps(old))  # a run of a version that recorded neither: resumed, and both recorded
     assert generate_shards(loaded, writer, prompts, tmp_path, options, target) == made
     assert json.loads(manifest.read_text())["target"] == target
+    manifest.write_text(json.dumps({**old, "target": target, "writer": "auto"}))  # --backend as given, as 562abef wrote
+    assert generate_shards(loaded, writer, prompts, tmp_path, options, target) == made
     (tmp_path / "failed").mkdir()  # a run that failed before its first shard: its manifest is no data
     (tmp_path / "failed" / "manifest.json").write_text(json.dumps({**old, "writer": "llamacpp"}))
     assert len(generate_shards(loaded, writer, prompts, tmp_path / "failed", options, target)) == len(made)

@@ -86,7 +86,8 @@ class Generation:
         for _ in self.chunks:
             pass
         if self.completion is None:
-            raise Interrupted("this generation ended before its completion: it was interrupted, or closed")
+            raise Interrupted("this generation ended before its completion: it was interrupted, closed, or "
+                              "stopped by an error")
         return self.completion
 
     def _chunks(

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from specsample.batch import Batch, Request, drain
 from specsample.drafters.none import NoDrafter
 from specsample.engine import decode
-from specsample.models import LoadedModel, Target
+from specsample.models import LoadedModel, Target, backend_of
 from specsample.models.target import SlottedTarget, normalized
 from specsample.policy import FixedK
 from specsample.sampling import SamplingParams, request_source
@@ -83,7 +83,7 @@ def generate_shards(model: LoadedModel, writer: Writer, prompts: list[str], data
     data_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = model.tokenizer
     encoded = sorted((encode_prompt(tokenizer, p, True)[-options.max_prompt_tokens :] for p in prompts), key=len)
-    check_manifest(data_dir / MANIFEST, encoded, options, target, writer.backend)
+    check_manifest(data_dir / MANIFEST, encoded, options, target, writer.backend, backend_of(model, "auto"))
     batches = [encoded[i : i + options.generate_batch] for i in range(0, len(encoded), options.generate_batch)]
     random.Random(options.seed).shuffle(batches)  # similar lengths in a batch, all lengths among the first shards
     jobs = [(batch, round_, data_dir / (f"shard-{i:05d}" + (f"-s{round_}" if round_ else "") + ".safetensors"))
@@ -101,11 +101,13 @@ def generate_shards(model: LoadedModel, writer: Writer, prompts: list[str], data
     return [shard for _, _, shard in jobs if shard.exists()]
 
 
-def check_manifest(path: Path, encoded: list[list[int]], options: TrainOptions, target: str, writer: str) -> None:
+def check_manifest(path: Path, encoded: list[list[int]], options: TrainOptions, target: str, writer: str,
+                   auto: str) -> None:
     """Record what a data directory's shards are made from (the target's `model_fingerprint`, the backend that
     wrote the answers, the prompts and the options that shape the answers), or refuse to resume one made from
     something else: its shards, named by batch, would be taken as they are (another model's features, or the
-    new prompts never answered)."""
+    new prompts never answered). `auto`: the backend a recorded writer "auto" stood for (`models.backend_of`:
+    a version that recorded --backend as given)."""
     digest = hashlib.sha256(json.dumps(encoded).encode()).hexdigest()
     manifest = {"target": target, "writer": writer, "prompts": len(encoded), "prompts_sha256": digest,
                 "max_new_tokens": options.max_new_tokens, "generate_batch": options.generate_batch,
@@ -113,6 +115,8 @@ def check_manifest(path: Path, encoded: list[list[int]], options: TrainOptions, 
                 "max_prompt_tokens": options.max_prompt_tokens}
     if path.is_file() and any(path.parent.glob("shard-*.safetensors")):  # no shard: nothing made from it yet
         earlier = json.loads(path.read_text())
+        if earlier.get("writer") == "auto":  # as a version that recorded --backend as given wrote it
+            earlier["writer"] = auto
         # a key an earlier version did not record is taken as agreeing, and recorded from now on
         changed = [key for key in manifest if key in earlier and earlier[key] != manifest[key]]
         if changed:
