@@ -52,6 +52,7 @@ import struct
 import tempfile
 from collections import deque
 from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -362,6 +363,7 @@ def reads_instead_of_mapping(path: Path) -> bool:
     return repack_is_batch_invariant(path) and bool(tensor_types(path) & REPACKED_TYPES)
 
 
+@cache
 def repacking_x86() -> bool:
     """An x86 CPU whose repacked layouts this backend may use: not one with AMX (see `repack_is_batch_invariant`)."""
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
@@ -369,7 +371,17 @@ def repacking_x86() -> bool:
 
 
 def tensor_types(path: Path) -> frozenset[str]:
-    """The GGML types of `path`'s tensors; none for a file the project cannot read (llama.cpp says why)."""
+    """The GGML types of `path`'s tensors; none for a file the project cannot read (llama.cpp says why).
+    Its header is read once per file version (a load asks for them twice: `reads_instead_of_mapping`)."""
+    try:
+        stat = Path(path).stat()
+    except OSError:
+        return frozenset()
+    return _tensor_types(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@cache
+def _tensor_types(path: str, size: int, mtime_ns: int) -> frozenset[str]:
     from specsample.models.gguf_blocks import TensorIndex
 
     try:
