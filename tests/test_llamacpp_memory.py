@@ -206,14 +206,14 @@ print(json.dumps({"bare_import": bare, "runtime": runtime, "peak": status("VmHWM
 
 @pytest.fixture(scope="module")
 def q4_0_copy(tmp_path_factory) -> Path:
-    """A Q4_0 copy of the bundled model: llama.cpp repacks its weights on x86 (`repack_is_batch_invariant`)."""
+    """A Q4_0 copy of the bundled model: llama.cpp repacks its weights on x86 without AMX (`repack_is_batch_invariant`)."""
     return quantize(bundled_gguf(), tmp_path_factory.mktemp("q4_0") / "Q4_0.gguf", "Q4_0", threads=2)
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
 @pytest.mark.parametrize("file", ["bundled Q4_1", "Q4_0 copy"])
 def test_peak_memory_while_decoding_is_within_1_3_times_the_file_plus_the_kv_cache(request, file):
-    """The Q4_0 copy is repacked on x86: mapped, the file's pages had stayed resident beside the repacked
+    """The Q4_0 copy is repacked on x86 without AMX: mapped, the file's pages had stayed resident beside the repacked
     copy (`reads_instead_of_mapping`)."""
     prompt = "Summarize in three sentences why the sky is blue, and why sunsets are red. " * 4
     path = [str(request.getfixturevalue("q4_0_copy"))] if file == "Q4_0 copy" else []
