@@ -461,6 +461,27 @@ def test_a_generation_interrupted_by_another_raises_rather_than_mixing_texts(sam
         closed.result()
 
 
+def test_a_generation_cancelled_while_its_prompt_prefills_ends_with_no_chunk(sampler):
+    """A server's client that leaves during a long prompt's prefill: `cancelled`, asked every PREFILL_PART
+    positions, ends the generation there, with no chunk and no completion; the target then serves the
+    next request as if nothing had happened, and a generation whose `cancelled` never says True gives
+    the text of one that has none (the prompt prefilled in parts or at once: the same cache, bitwise)."""
+    from specsample import Interrupted
+    from specsample.engine import PREFILL_PART
+
+    prompt = "Summarize: " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(200))
+    assert len(sampler.encode(prompt, True)) > 3 * PREFILL_PART
+    options = dict(max_new_tokens=12, temperature=0, k=3)
+    whole = sampler.generate(prompt, **options).text
+    asks = []
+    gone = sampler.stream(prompt, cancelled=lambda: asks.append(1) or len(asks) >= 2, **options)
+    assert list(gone) == [] and sampler.target.length == 2 * PREFILL_PART  # True at the second ask
+    with pytest.raises(Interrupted, match="ended before its completion"):
+        gone.result()
+    assert sampler.generate(prompt, cancelled=lambda: False, **options).text == whole
+    assert sampler.generate("Name three rivers.", **options).text == sampler.generate("Name three rivers.", **options).text
+
+
 def test_two_samplers_over_one_target_take_turns_as_one_does(sampler):
     """Samplers built over one target (`SpecSampler.build`, a drafter each) share its one sequence: a stream of
     one resumed after the other's step raises `Interrupted` (each had gone on from the other's cache)."""

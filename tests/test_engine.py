@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specsample import engine
 from specsample.drafters import DraftModelDrafter, NoDrafter
 from specsample.engine import decode
 from specsample.models import TransformersTarget, make_target
@@ -80,6 +81,32 @@ def test_the_transformers_backend_passes_its_cache_without_a_deprecation_warning
 
 def make_target_of(model):
     return BACKENDS["auto"](model)
+
+
+@pytest.mark.parametrize("backend", ["auto", "transformers"])
+def test_a_prompt_prefilled_in_parts_scores_as_one_prefilled_at_once(target_model, backend, monkeypatch):
+    """`engine.prefill` with `cancelled` (a server's request): the prompt in parts of PREFILL_PART positions,
+    asking before each further part; the next token's logits as after one prefill (the kernels: bitwise)."""
+    monkeypatch.setattr(engine, "PREFILL_PART", 16)
+    ids = torch.randint(0, VOCAB, (100,), generator=torch.Generator().manual_seed(3))
+    whole, parts = BACKENDS[backend](target_model), BACKENDS[backend](target_model)
+    whole.prefill(ids[:-1])
+    asks = []
+    assert engine.prefill(parts, ids[:-1], lambda: asks.append(1) or False)
+    assert parts.length == whole.length == 99 and len(asks) == 6  # before the parts at 16, 32, .., 96
+    expected, got = whole.score(ids[-1:]), parts.score(ids[-1:])
+    assert torch.equal(got, expected) if backend == "auto" else torch.allclose(got, expected, atol=1e-5)
+
+
+def test_a_request_cancelled_while_its_prompt_prefills_stops_there_and_yields_nothing(target_model, monkeypatch):
+    monkeypatch.setattr(engine, "PREFILL_PART", 16)
+    target, asks = make_target_of(target_model), []
+    ids = torch.randint(0, VOCAB, (100,), generator=torch.Generator().manual_seed(3))
+    steps = decode(target, NoDrafter(), FixedK(0), ids, GREEDY, max_new_tokens=5, eos_token_ids=frozenset(),
+                   random=GeneratorSource(torch.Generator().manual_seed(0)), stats=Stats(),
+                   cancelled=lambda: asks.append(1) or len(asks) == 2)
+    assert list(steps) == [] and len(asks) == 2 and target.length == 32
+    assert run(target, NoDrafter(), k=0) == run(make_target_of(target_model), NoDrafter(), k=0)  # the next request
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 13])

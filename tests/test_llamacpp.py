@@ -253,6 +253,17 @@ def test_bundled_model_batched_pass_of_16_tokens_is_batch_invariant(bundled_targ
     assert_batch_invariant(alone, batched)
 
 
+def test_a_prompt_prefilled_in_parts_gives_the_logits_of_one_prefill(bundled_target):
+    """A server's request prefills a long prompt in parts of engine.PREFILL_PART positions (`engine.prefill`,
+    asking between parts whether its client has gone): the next token's logits bitwise those after one prefill."""
+    from specsample import engine
+
+    ids = random_ids(2 * engine.PREFILL_PART + 45, seed=9, vocab=49152)
+    expected = logits_after(bundled_target, ids, len(ids) - 1)
+    assert engine.prefill(bundled_target, ids[:-1], lambda: False)
+    assert torch.equal(bundled_target.score(ids[-1:]), expected)
+
+
 def test_a_pass_of_64_rows_or_more_is_batch_invariant(bundled_target):
     """From 64 rows llama.cpp's flash attention and K-quant products tile the pass with other kernels (max
     |logit difference| 0.96 here): every context runs ubatches of at most N_BATCH = 63 rows, so a

@@ -282,6 +282,7 @@ BAD_REQUESTS = [
     ("/v1/completions", '{"prompt": "w5 \\ud800 w9"}'),
     ("/v1/completions", '{"prompt": "w5", "prediction": {"type": "content", "content": "w6 \\ud800"}}'),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "w5 \\ud800"}]}'),
+    ("/v1/completions", '{"prompt": "w5", "stop": ["w7", "\\udfff"]}'),  # a stop string no answer can hold
 ]
 
 

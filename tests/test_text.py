@@ -159,6 +159,12 @@ def test_an_empty_or_non_string_stop_is_refused(stop):
         stop_strings(stop)
 
 
+def test_a_stop_string_that_is_not_utf8_is_refused():
+    # a lone surrogate: no answer's text holds it, so the stop string would be silently ignored
+    with pytest.raises(ValueError, match="a stop string is not valid UTF-8 text"):
+        stop_strings(["END", "\udfff"])
+
+
 def test_no_stop_is_none():
     assert stop_strings(None) == [] and stop_strings(()) == []
 

@@ -69,10 +69,11 @@ class Generation:
     """
 
     def __init__(self, sampler: SpecSampler, drafter: Drafter, prompt_ids: torch.Tensor, params: SamplingParams,
-                 policy: KPolicy, max_new_tokens: int, seed: int | None, stop: Sequence[str]) -> None:
+                 policy: KPolicy, max_new_tokens: int, seed: int | None, stop: Sequence[str],
+                 cancelled: Callable[[], bool] | None = None) -> None:
         self.completion: Completion | None = None
         self.started = False
-        self.chunks = self._chunks(sampler, drafter, prompt_ids, params, policy, max_new_tokens, seed, stop)
+        self.chunks = self._chunks(sampler, drafter, prompt_ids, params, policy, max_new_tokens, seed, stop, cancelled)
 
     def __iter__(self) -> Iterator[Chunk]:
         return self
@@ -82,12 +83,12 @@ class Generation:
 
     def result(self) -> Completion:
         """The completion, decoding what is left first; `Interrupted` for a generation that ended without
-        one (interrupted, or its chunks closed before the end)."""
+        one (interrupted, cancelled, or its chunks closed before the end)."""
         for _ in self.chunks:
             pass
         if self.completion is None:
-            raise Interrupted("this generation ended before its completion: it was interrupted, closed, or "
-                              "stopped by an error")
+            raise Interrupted("this generation ended before its completion: it was interrupted, cancelled, closed, "
+                              "or stopped by an error")
         return self.completion
 
     def _chunks(
@@ -100,13 +101,14 @@ class Generation:
         max_new_tokens: int,
         seed: int | None,
         stop: Sequence[str],
+        cancelled: Callable[[], bool] | None,
     ) -> Iterator[Chunk]:
         model = sampler.model
         stats = Stats(load_seconds=model.load_seconds, drafter=sampler.configuration.drafter)
         steps = decode(
             sampler.target, drafter, policy, prompt_ids, params,
             max_new_tokens=max_new_tokens, eos_token_ids=model.eos_token_ids,
-            random=request_source(seed), stats=stats, verifier=sampler.verifier,
+            random=request_source(seed), stats=stats, verifier=sampler.verifier, cancelled=cancelled,
         )
         output = TextOutput(model.tokenizer, stop, model.eos_token_ids)
         try:
@@ -119,7 +121,8 @@ class Generation:
                 yield tail
         finally:
             steps.close()
-        self.completion = output.completion(stats)
+        if cancelled is None or not cancelled():  # a cancelled generation has no completion (`result` says so)
+            self.completion = output.completion(stats)
 
     def _turns(self, sampler: SpecSampler, steps: Iterator[list[int]]) -> Iterator[list[int]]:
         """`steps`, each taken under the target's lock, as long as no other generation took a step since."""
@@ -351,6 +354,7 @@ class SpecSampler:
         stop: str | Sequence[str] = (),
         chat: bool = True,
         prediction: str | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> Generation:
         """Start a generation; its chunks carry text that never splits a character or a stop string.
 
@@ -359,7 +363,9 @@ class SpecSampler:
         from OS entropy and verified by modified rejection sampling (`sampling.request_source`).
         `prediction`: text the answer is expected to be close to (OpenAI's Predicted Outputs), drafted
         from beside the sampler's drafter (`drafters.prediction.with_prediction`); it changes the speed,
-        never the text.
+        never the text. `cancelled`: asked while a long prompt prefills (`engine.prefill`, every 256
+        positions); once it says True the generation ends with no chunk, before its first step (a server's
+        client that has gone; between steps, stop iterating).
         """
         params = SamplingParams(temperature, top_k, top_p, min_p)
         max_new_tokens = check_max_new_tokens(max_new_tokens)
@@ -368,7 +374,7 @@ class SpecSampler:
         policy = self.informed(k if isinstance(k, KPolicy) else self.policy(k))  # else a spec: 4, "auto"
         prompt_ids = torch.tensor(self.encode(prompt, chat), dtype=torch.long)
         drafter = self.drafter if prediction is None else with_prediction(self.drafter, self.encode_prediction(prediction))
-        return Generation(self, drafter, prompt_ids, params, policy, max_new_tokens, seed, stop_strings(stop))
+        return Generation(self, drafter, prompt_ids, params, policy, max_new_tokens, seed, stop_strings(stop), cancelled)
 
     def batch(self, max_batch: int, k: int | str | None = None, prefill_chunk: int | None = None) -> Batch:
         """A batch of `max_batch` slots over this sampler's target (`batch.Batch`), drafting with forks

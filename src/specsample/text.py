@@ -175,7 +175,8 @@ def prefix_function(s: str) -> list[int]:
 
 def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     """The stop strings of an option that gives none, one string or several (a string is one stop string,
-    not its characters). An empty one is a ValueError: it would end every answer before its first token."""
+    not its characters). An empty one is a ValueError: it would end every answer before its first token; so
+    is one that is not valid UTF-8 (a lone surrogate), which no answer's text can hold."""
     if isinstance(stop, bytes):
         raise ValueError(f"a stop string must be a string, got {stop!r}")
     try:
@@ -187,6 +188,7 @@ def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
             raise ValueError(f"a stop string must be a string, got {string!r}")
         if not string:
             raise ValueError("a stop string must not be empty")
+        check_text(string, "a stop string")
     return strings
 
 

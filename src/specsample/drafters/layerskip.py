@@ -60,6 +60,9 @@ class KeptLayers:
         """Fill the shared cache with every layer, as the target's own prefill does."""
         self.target.prefill(token_ids)
 
+    def extend(self, token_ids: Tensor) -> None:
+        self.target.extend(token_ids)
+
     def score(self, token_ids: Tensor) -> Tensor:
         return self.target.forward(token_ids, layers=self.kept)
 

@@ -80,6 +80,10 @@ class TransformersTarget:
     def prefill(self, token_ids: Tensor) -> None:
         self.cache = rollback_cache(self.model.config)
         self._features.truncate(0)
+        self.extend(token_ids)
+
+    @torch.inference_mode()
+    def extend(self, token_ids: Tensor) -> None:
         if token_ids.shape[0]:
             self._forward(token_ids, logits_to_keep=1)
 

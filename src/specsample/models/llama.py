@@ -432,6 +432,10 @@ class LlamaTarget:
     def prefill(self, token_ids: Tensor) -> None:
         """Reset the cache and fill it with `token_ids` [n]; computes no logits."""
         self.rollback(0)
+        self.extend(token_ids)
+
+    def extend(self, token_ids: Tensor) -> None:
+        """Append `token_ids` [n], PREFILL_CHUNK at a time; computes no logits."""
         for chunk in token_ids.reshape(-1).split(PREFILL_CHUNK):
             self.forward(chunk, logits=False)
 

@@ -483,6 +483,9 @@ class LlamaCppTarget:
     def prefill(self, token_ids: Tensor) -> None:
         self.lib.llama_memory_clear(self.memory, True)
         self._length = 0
+        self.extend(token_ids)
+
+    def extend(self, token_ids: Tensor) -> None:
         self._decode(token_ids, logits=False)
 
     def score(self, token_ids: Tensor) -> Tensor:

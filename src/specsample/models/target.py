@@ -36,6 +36,10 @@ class Target(Protocol):
         """Reset the cache and fill it with `token_ids` [n] (n may be 0); no logits."""
         ...
 
+    def extend(self, token_ids: Tensor) -> None:
+        """Append `token_ids` [n] to the cache; no logits (a long prompt prefilled in parts, `engine.prefill`)."""
+        ...
+
     def score(self, token_ids: Tensor) -> Tensor:
         """Append `token_ids` [n] to the cache; return their logits [n, vocab]."""
         ...

@@ -148,7 +148,8 @@ class EngineWorker:
         options = dict(job.options)
         if options["max_new_tokens"] is None:
             options["max_new_tokens"] = self._default_max_tokens(job)
-        generation = self.sampler.stream(job.prompt, chat=job.chat, k=self.k, **options)
+        # a long prompt's prefill asks the flag too, every engine.PREFILL_PART positions
+        generation = self.sampler.stream(job.prompt, chat=job.chat, k=self.k, cancelled=job.cancelled.is_set, **options)
         first = True
         for chunk in generation:
             if job.cancelled.is_set():
@@ -158,6 +159,8 @@ class EngineWorker:
                 self.metrics.first_token_seconds.observe(perf_counter() - job.arrived)
                 first = False
             job.emit(chunk)
+        if job.cancelled.is_set():  # during the prefill, or after the last step
+            return "cancelled"
         completion = generation.result()
         self.metrics.finished(completion.stats)
         self.metrics.request_seconds.observe(perf_counter() - job.arrived)

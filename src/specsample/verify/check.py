@@ -94,6 +94,9 @@ class PrefixCache:
         self.target.prefill(token_ids)
         self.prefix = token_ids.clone()
 
+    def extend(self, token_ids: Tensor) -> None:
+        self.target.extend(token_ids)  # the prefix stays a prefix of what the cache holds
+
     def score(self, token_ids: Tensor) -> Tensor:
         return self.target.score(token_ids)
 
