@@ -301,6 +301,12 @@ def test_generate_batch_equals_generate(sampler):
         sampler.generate_batch(prompts[:3], seeds=[1, 2])
     with pytest.raises(ValueError, match="takes a list of prompts, got one"):  # had answered "a", "b" and "c"
         sampler.generate_batch("abc", max_new_tokens=2)
+    generated = sampler.generate_batch((p for p in prompts[:2]), **greedy)  # a generator of prompts
+    assert [c.token_ids for c in generated] == [sampler.generate(p, **greedy).token_ids for p in prompts[:2]]
+    with pytest.raises(ValueError, match="takes a list of prompts, got int"):
+        sampler.generate_batch(3, max_new_tokens=2)
+    with pytest.raises(ValueError, match="chat must be True or False, got 'no'"):  # "no" had read as True
+        sampler.generate("Say hello.", chat="no", max_new_tokens=2)
     batch = sampler.batch(2, 3)  # a batch given, reused warm, as `bench batch` does
     for _ in range(2):
         again = sampler.generate_batch(prompts[:3], batch=batch, **greedy)

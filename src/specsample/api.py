@@ -307,7 +307,9 @@ class SpecSampler:
         return self._cost_ratios
 
     def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
-        """The prompt's token ids (`in_vocabulary`)."""
+        """The prompt's token ids (`in_vocabulary`); `chat` a bool (a string such as "no" would read as True)."""
+        if not isinstance(chat, bool):
+            raise ValueError(f"chat must be True or False, got {chat!r:.40}")
         return self.in_vocabulary(encode_prompt(self.model.tokenizer, prompt, chat), "the prompt")
 
     def in_vocabulary(self, ids: list[int], what: str) -> list[int]:
@@ -438,6 +440,10 @@ class SpecSampler:
             raise ValueError("generate_batch takes seeds=[...], one per prompt, not seed=")
         if isinstance(prompts, (str, bytes, dict)):  # a string is one prompt, not prompts of its characters
             raise ValueError(f"generate_batch takes a list of prompts, got one: {prompts!r:.60}")
+        try:
+            prompts = list(prompts)  # a generator of prompts too
+        except TypeError:
+            raise ValueError(f"generate_batch takes a list of prompts, got {type(prompts).__name__}") from None
         stop = stop_strings(stop)
         seeds = [None] * len(prompts) if seeds is None else list(seeds)
         if len(seeds) != len(prompts):
