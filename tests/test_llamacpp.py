@@ -24,8 +24,9 @@ from specsample.drafters import DraftModelDrafter, NoDrafter
 from specsample.drafters.quantized import QuantizedDrafter
 from specsample.engine import decode
 from specsample.models import load_target, make_target
-from specsample.models.llamacpp import (LlamaCppTarget, batch_invariant_build, quantize, reads_instead_of_mapping,
-                                        repack_is_batch_invariant, repacking_x86, requested_variant, system_info)
+from specsample.models.llamacpp import (N_BATCH, PREFILL_ROWS, DecodeBatch, LlamaCppTarget, batch_invariant_build,
+                                        quantize, reads_instead_of_mapping, repack_is_batch_invariant, repacking_x86,
+                                        requested_variant, system_info)
 from specsample.models.loading import bundled_gguf, load_model
 from specsample.policy import FixedK
 from specsample.sampling import GeneratorSource, SamplingParams
@@ -253,20 +254,60 @@ def test_bundled_model_batched_pass_of_16_tokens_is_batch_invariant(bundled_targ
     assert_batch_invariant(alone, batched)
 
 
-def test_a_prompt_prefilled_in_parts_gives_the_logits_of_one_prefill(bundled_target):
-    """A server's request prefills a long prompt in parts of engine.PREFILL_PART positions (`engine.prefill`,
-    asking between parts whether its client has gone): the next token's logits bitwise those after one prefill."""
+def fill_engine_parts(target, ids):
     from specsample import engine
 
-    ids = random_ids(2 * engine.PREFILL_PART + 45, seed=9, vocab=49152)
-    expected = logits_after(bundled_target, ids, len(ids) - 1)
-    assert engine.prefill(bundled_target, ids[:-1], lambda: False)
+    assert engine.prefill(target, ids, lambda: False)
+
+
+def fill_uneven_parts(target, ids):
+    target.prefill(ids[:100])
+    target.extend(ids[100:300])
+    target.extend(ids[300:301])
+    target.extend(ids[301:])
+
+
+def fill_after_rolling_back_into_the_prompt(target, ids):
+    target.prefill(ids)
+    target.score(ids[:5])  # scored positions after the prompt, then dropped with part of the prompt
+    target.rollback(470)
+    target.extend(ids[470:])
+
+
+@pytest.mark.parametrize("fill", [fill_engine_parts, fill_uneven_parts, fill_after_rolling_back_into_the_prompt])
+def test_a_prompt_filled_in_parts_gives_the_logits_of_one_prefill(bundled_target, fill):
+    """A prompt is filled in blocks of PREFILL_ROWS positions, one pass each, which take the tiled kernels;
+    whoever fills it (a server's request in parts of engine.PREFILL_PART, asking between parts whether its
+    client has gone; parts cut anywhere; an extend after a rollback into the prompt) the next token's
+    logits are bitwise those after one prefill."""
+    ids = random_ids(2 * PREFILL_ROWS + 45, seed=9, vocab=49152)
+    expected = logits_after(bundled_target, ids, len(ids) - 1).clone()
+    fill(bundled_target, ids[:-1])
     assert torch.equal(bundled_target.score(ids[-1:]), expected)
+
+
+def test_a_prompt_runs_in_blocks_and_scores_below_64_rows(bundled_target, monkeypatch):
+    """What each `llama_decode` holds: a 700-token prompt three passes, blocks of 256, 256 and 188 rows; an
+    extend of the partial block runs that block again, whole; a score of 70 rows two passes below 64."""
+    rows = []
+    run = DecodeBatch.run
+
+    def recorded(self, *args, **kwargs):
+        rows.append(self.n)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeBatch, "run", recorded)
+    ids = random_ids(800, seed=3, vocab=49152)
+    bundled_target.prefill(ids[:700])
+    bundled_target.extend(ids[700:730])
+    bundled_target.score(ids[730:800])
+    assert rows == [PREFILL_ROWS, PREFILL_ROWS, 188, 218, N_BATCH, 7]
+    assert bundled_target.length == 800
 
 
 def test_a_pass_of_64_rows_or_more_is_batch_invariant(bundled_target):
     """From 64 rows llama.cpp's flash attention and K-quant products tile the pass with other kernels (max
-    |logit difference| 0.96 here): every context runs ubatches of at most N_BATCH = 63 rows, so a
+    |logit difference| 0.96 here): `score` runs passes of at most N_BATCH = 63 rows, so a
     verification pass of K + 1 = 70 still gives each position's logits alone (greedy output at any K)."""
     prefix, ids = random_ids(20, seed=8, vocab=49152), random_ids(70, seed=6, vocab=49152)
     bundled_target.prefill(prefix)

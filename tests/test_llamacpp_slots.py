@@ -118,6 +118,25 @@ def test_bundled_rows_are_batch_invariant():
     check_invariance(LlamaCppTarget(bundled_gguf(), n_threads=1), contexts=[600, 7, 130, 60], news=[5, 1, 8, 3], seed=3)
 
 
+def test_a_long_prompt_filled_chunk_by_chunk_in_a_slot_is_the_target_s():
+    """A batch's chunked prefill on the bundled file: a 600-token prompt filled 100 positions a call, with
+    another slot's rows scored between the calls, gives the next token the logits of the target's one
+    prefill (its 256-position blocks take the tiled kernels: each block is run whole once its last chunk
+    arrives, `llamacpp.Prompt`)."""
+    target = LlamaCppTarget(bundled_gguf(), n_threads=1, max_length=1024)
+    ids, other = tokens(601, 49152, 4), tokens(40, 49152, 5)
+    target.prefill(ids[:-1])
+    expected = target.score(ids[-1:]).clone()
+    slots = target.slots(2)
+    slots.prefill(0, other[:30])
+    assert slots.prefill(1, ids[:-1], budget=100) == 100
+    for at in range(100, 600, 100):
+        slots.score([(0, other[30 + at // 100 : 31 + at // 100])])
+        slots.extend(1, ids[at : at + 100])
+    assert slots.length(1) == 600
+    assert torch.equal(slots.score([(1, ids[-1:])])[0], expected)
+
+
 def test_generate_batch_equals_generate_on_llamacpp():
     """The Python API on the llamacpp backend: each completion of a batch is `generate`'s alone."""
     from specsample.api import SpecSampler

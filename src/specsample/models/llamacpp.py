@@ -23,8 +23,15 @@ machine (whose buffer type dies with an illegal instruction in batched passes he
 `repack_is_batch_invariant`), and turns flash attention on only where the build has that patch
 (`batch_invariant_build`; another build also gets its tiled products turned off). Then a
 position's logits are bitwise the same scored alone or in a batch of any size below 64, and every
-context runs its passes in ubatches of at most N_BATCH = 63 rows, so whatever K and however many slots
+`score` runs in passes of at most N_BATCH = 63 rows, so whatever K and however many slots
 (tests/test_llamacpp.py checks it; docs/llamacpp-backend.md has the figures and what it costs).
+
+A prompt is filled faster in larger passes, which take the tiled kernels: `prefill` and `extend` cut
+it into the blocks [PREFILL_ROWS i, PREFILL_ROWS (i + 1)) of positions, one pass each, so a prompt's
+keys and values are the same whoever fills it and in how many calls: an `extend` that continues a
+prompt whose last block is partial first rolls back to that block's start and runs the whole block
+again (`Prompt`). Plain and speculative decoding then read the same cache, and a slot's prompt
+filled chunk by chunk (a batch's chunked prefill, a server's prefill in parts) is the target's.
 
 Slots (`LlamaCppTarget.slots`, for batched decoding) are llama.cpp's sequence ids in a context of
 their own whose KV cache keeps a stream per sequence (`kv_unified` off): a row attends over its
@@ -51,8 +58,8 @@ import re
 import struct
 import tempfile
 from collections import deque
-from collections.abc import Sequence
-from functools import cache
+from collections.abc import Callable, Sequence
+from functools import cache, partial
 from pathlib import Path
 
 import numpy as np
@@ -63,19 +70,19 @@ from specsample.openmp import default_threads
 
 DEFAULT_MAX_LENGTH = 8192
 CACHE_TYPES = {"f16": 1, "f32": 0}  # KV cache element types: ggml_type ids
-# Tokens per llama_decode call, and per ubatch of every context: prompts are prefilled in chunks of
-# this many. From 64 rows llama.cpp's flash attention and its K-quant products tile a ubatch with other
-# kernels, and a row's logits then depend on the pass (a 64-row pass against its rows one at a time:
-# max |difference| 0.96 on the bundled Q4_1 file, 1.2 on its Q4_K_M copy, argmax changed; 63 rows: 0),
-# so greedy verification with K >= 63, or a batch of slots of 64 rows in all, left plain decoding's
-# tokens. Below 64 every pass is batch invariant, whatever K and the batch. The price is prefill: 64-row
-# tiles prefilled 1.2-1.7x as fast as 32-token chunks over 700 to 4,000 positions (2 threads). Without
-# flash attention a chunk's attention scores are [cached positions, chunk, heads] float32, twice
-# (scores, softmax). Peak resident memory over the runtime for a 4,000-token prompt on the bundled model
-# with flash attention: 302 MiB at 32, 303 at 64, 306 at 128, 318 at 512, where issue 22's budget of
-# 1.3 x the file + the KV cache is 302 (docs/llamacpp-backend.md "Memory"; tests/test_llamacpp_memory.py
-# holds a short prompt to it).
+# Rows of a `score` pass at most. From 64 rows llama.cpp's flash attention and its K-quant products tile a
+# ubatch with other kernels, and a row's logits then depend on the pass (a 64-row pass against its rows one
+# at a time: max |difference| 0.96 on the bundled Q4_1 file, 1.2 on its Q4_K_M copy, argmax changed; 63
+# rows: 0), so greedy verification with K >= 63, or a batch of slots of 64 rows in all, left plain
+# decoding's tokens. Below 64 every pass is batch invariant, whatever K and the batch.
 N_BATCH = 63
+# Positions of a prompt block, one pass each (`Prompt`). Prompts filled in 63-row passes took 1.10x, 1.23x
+# and 1.43x as long over 300, 700 and 2,000 positions as in 256-row blocks, and 512-row blocks gained
+# 1-3% more (bundled Q4_1, 2 threads, Intel Xeon, 2026-12-07: `benchmarks/llamacpp_prefill_ubatch.py`).
+# Without flash attention a block's attention scores are [cached positions, block, heads] float32, twice.
+# Peak resident memory: docs/llamacpp-backend.md "Memory"; tests/test_llamacpp_memory.py holds a short
+# prompt to issue 22's budget of 1.3 x the file + the KV cache.
+PREFILL_ROWS = 256
 # Most new tokens a slot scores in one pass (`LlamaCppSlots.score`; a verification pass of K + 1 <= 17).
 SLOT_ROWS = 32
 
@@ -446,20 +453,21 @@ class LlamaCppTarget:
         self.vocab_size = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model)))
         self.max_length = int(max_length or min(lib.llama_model_n_ctx_train(self.model) or DEFAULT_MAX_LENGTH, DEFAULT_MAX_LENGTH))
 
-        self.ctx = self.context(self.max_length, sequences=1, batch=N_BATCH)
+        self.ctx = self.context(self.max_length, sequences=1)
         self.memory = lib.llama_get_memory(self.ctx)
-        self.batch = DecodeBatch(lib, N_BATCH)
+        self.batch = DecodeBatch(lib, PREFILL_ROWS)
         self._length = 0
+        self.prompt = Prompt()
 
-    def context(self, positions: int, sequences: int, batch: int) -> ctypes.c_void_p:
+    def context(self, positions: int, sequences: int) -> ctypes.c_void_p:
         """A llama.cpp context over this target's model with its settings (threads, KV cache type,
         batch invariance): `positions` KV cache cells in all, `sequences` sequence ids, each in a
-        stream of its own where more than one, at most `batch` tokens a `llama_decode`, run in ubatches of
-        at most N_BATCH."""
+        stream of its own where more than one, a `llama_decode` of at most PREFILL_ROWS tokens run
+        as one ubatch (a prompt block; the callers keep every `score` pass below 64 rows)."""
         lib = self.lib
         params = lib.llama_context_default_params()
         params.n_ctx = positions
-        params.n_batch, params.n_ubatch = batch, min(batch, N_BATCH)  # a ubatch below 64 rows: batch invariant
+        params.n_batch = params.n_ubatch = PREFILL_ROWS
         params.n_seq_max = sequences
         params.kv_unified = False  # a stream per sequence: a row attends over its own sequence alone
         params.n_threads = params.n_threads_batch = self.n_threads
@@ -483,13 +491,21 @@ class LlamaCppTarget:
     def prefill(self, token_ids: Tensor) -> None:
         self.lib.llama_memory_clear(self.memory, True)
         self._length = 0
+        self.prompt.cut(0)
         self.extend(token_ids)
 
     def extend(self, token_ids: Tensor) -> None:
-        self._decode(token_ids, logits=False)
+        ids = token_array(token_ids)
+        self._check_room(ids.shape[0])
+        self._length = self.prompt.extend(self.batch, self.ctx, self.memory, 0, self._length, ids, self.rollback)
 
     def score(self, token_ids: Tensor) -> Tensor:
-        return self._decode(token_ids, logits=True)  # [n, vocab]
+        """Logits [n, vocab] float32 of `token_ids` [n] appended to the cache, N_BATCH a pass."""
+        ids = token_array(token_ids)
+        self._check_room(ids.shape[0])
+        out = self.batch.chunks(self.ctx, self.memory, 0, ids, self._length, self.vocab_size)
+        self._length += ids.shape[0]
+        return out
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self._length:
@@ -497,6 +513,11 @@ class LlamaCppTarget:
         if length < self._length and not self.lib.llama_memory_seq_rm(self.memory, 0, length, -1):
             raise RuntimeError(f"llama.cpp cannot roll this model's cache back to {length} positions")
         self._length = length
+        self.prompt.cut(length)
+
+    def _check_room(self, n: int) -> None:
+        if self._length + n > self.max_length:
+            raise ValueError(f"{self._length} + {n} positions exceed the context window of {self.max_length}")
 
     @property
     def file_type(self) -> str:
@@ -552,17 +573,6 @@ class LlamaCppTarget:
             batch_invariant=self.batch_invariant, cache_type=self.cache_type,
         )
 
-    def _decode(self, token_ids: Tensor, logits: bool) -> Tensor:
-        """Append `token_ids` [n] to the cache, N_BATCH at a time; their logits [n, vocab] float32
-        if `logits`, else an empty [0, vocab]."""
-        ids = token_ids.numpy().astype(np.int32, copy=False) if isinstance(token_ids, Tensor) else np.asarray(token_ids, np.int32)
-        n = ids.shape[0]
-        if self._length + n > self.max_length:
-            raise ValueError(f"{self._length} + {n} positions exceed the context window of {self.max_length}")
-        out = self.batch.chunks(self.ctx, self.memory, 0, ids, self._length, self.vocab_size if logits else None)
-        self._length += n
-        return out if logits else torch.empty(0, self.vocab_size)
-
     def close(self) -> None:
         """Free the batch, the context and the model (also done when garbage collected)."""
         lib = getattr(self, "lib", None)
@@ -580,6 +590,45 @@ class LlamaCppTarget:
 
     def __del__(self) -> None:
         self.close()
+
+
+def token_array(token_ids: Tensor | Sequence[int]) -> np.ndarray:
+    """Token ids [n] as the int32 array llama.cpp's batch takes."""
+    if isinstance(token_ids, Tensor):
+        return token_ids.reshape(-1).numpy().astype(np.int32, copy=False)
+    return np.asarray(token_ids, np.int32).reshape(-1)
+
+
+class Prompt:
+    """The tokens of a sequence's prompt: its positions from 0 that `prefill` and `extend` filled, up to the
+    first scored one. Appended in blocks of PREFILL_ROWS positions (`DecodeBatch.blocks`), a prompt's keys
+    and values would depend on where the calls that filled it cut it, for a block filled in two calls runs
+    as two passes: so an append to a cache that holds its prompt alone starts from its last block's start
+    and runs that block's tokens again first. Every block is then one pass of the same tokens, whoever fills
+    the prompt and in how many calls (a server's parts, a batch's chunks). After a scored position an
+    append runs from the cache's end, as nothing needs it equal to another path's.
+    """
+
+    def __init__(self) -> None:
+        self.tokens = np.empty(0, np.int32)  # [prompt length]
+
+    def extend(self, batch: DecodeBatch, ctx, memory, seq: int, length: int, ids: np.ndarray,
+               rollback: Callable[[int], None]) -> int:
+        """Append `ids` [n] to sequence `seq`, which holds `length` positions; its new length. `rollback` is the
+        owner's, which moves its length and calls `cut`: on a failure the cache and the owner agree."""
+        if ids.shape[0] == 0:
+            return length
+        start = length - length % PREFILL_ROWS if self.tokens.shape[0] == length else length
+        run = np.concatenate([self.tokens[start:length], ids]) if start < length else ids  # [length - start + n]
+        rollback(start)
+        batch.blocks(ctx, memory, seq, run, start)
+        if self.tokens.shape[0] == start:
+            self.tokens = np.concatenate([self.tokens, run])
+        return start + run.shape[0]
+
+    def cut(self, length: int) -> None:
+        """The sequence was rolled back to `length` positions."""
+        self.tokens = self.tokens[:length]
 
 
 class DecodeBatch:
@@ -635,31 +684,53 @@ class DecodeBatch:
             self._view = (key, torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(n, vocab_size))))
         return self._view[1]
 
-    def chunks(self, ctx, memory, seq: int, token_ids: np.ndarray, start: int, vocab_size: int | None) -> Tensor | None:
+    def chunks(self, ctx, memory, seq: int, token_ids: np.ndarray, start: int, vocab_size: int) -> Tensor:
         """Append `token_ids` [n] to sequence `seq` (holding `start` positions), N_BATCH a `llama_decode`;
-        their logits [n, vocab] float32 (a copy) when `vocab_size` is given."""
+        their logits [n, vocab] float32 (a copy)."""
         n = token_ids.shape[0]
-        out = torch.empty(n, vocab_size, dtype=torch.float32) if vocab_size is not None else None  # [n, vocab]
+        out = torch.empty(n, vocab_size, dtype=torch.float32)  # [n, vocab]
         for at in range(0, n, N_BATCH):
             chunk = token_ids[at : at + N_BATCH]  # [m]
-            self.put(seq, chunk, start + at, logits=out is not None)
-            logits = self.run(ctx, memory, {seq: start}, vocab_size)  # a failure drops the earlier chunks too
-            if out is not None:
-                out[at : at + chunk.shape[0]] = logits
+            self.put(seq, chunk, start + at, logits=True)
+            out[at : at + chunk.shape[0]] = self.run(ctx, memory, {seq: start}, vocab_size)  # a failure drops the earlier chunks too
         return out
+
+    def blocks(self, ctx, memory, seq: int, token_ids: np.ndarray, start: int) -> None:
+        """Append `token_ids` [n] to sequence `seq` (holding `start` positions) without logits, one
+        `llama_decode` for the part of each prompt block [PREFILL_ROWS i, PREFILL_ROWS (i + 1)) they reach."""
+        at, n = 0, token_ids.shape[0]
+        while at < n:
+            end = min(n, at + PREFILL_ROWS - (start + at) % PREFILL_ROWS)
+            self.put(seq, token_ids[at:end], start + at, logits=False)
+            self.run(ctx, memory, {seq: start})  # a failure drops the earlier blocks too
+            at = end
 
     def free(self) -> None:
         self.lib.llama_batch_free(self.batch)
+
+
+def passes(order: list[int], rows: list[int]) -> list[list[int]]:
+    """`order` (segment indices) cut into runs of at most N_BATCH rows in all (`rows`: each segment's, at most
+    SLOT_ROWS), one `llama_decode` each: every pass stays on the kernels whose rows do not depend on it."""
+    groups: list[list[int]] = [[]]
+    total = 0
+    for j in order:
+        if total + rows[j] > N_BATCH:
+            groups.append([])
+            total = 0
+        groups[-1].append(j)
+        total += rows[j]
+    return groups
 
 
 class LlamaCppSlots:
     """`count` KV caches over one LlamaCppTarget's model, one per request (`target.Slots`): sequence ids
     0..count-1 of a context of their own, each in a KV cache stream of its own (see the module docstring).
 
-    A pass puts the new tokens of several slots in one `llama_decode`, ordered by slot: llama.cpp
-    scores a run of consecutive slots with the same number of new tokens in one pass over the
-    weights, and splits other batches into several passes (what each costs, the batch's K policy
-    measures). Each row is computed as the target computes it alone, so its logits are bitwise the
+    A pass puts the new tokens of several slots in one `llama_decode`, ordered by slot, at most N_BATCH
+    rows each (more go in several): llama.cpp scores a run of consecutive slots with the same number of
+    new tokens in one pass over the weights, and splits other batches into several passes (what each
+    costs, the batch's K policy measures). Each row is computed as the target computes it alone, so its logits are bitwise the
     target's `score` of the same tokens after the same prefill. The slots hold the target, whose
     model they run: close them before it.
     """
@@ -669,30 +740,32 @@ class LlamaCppSlots:
             raise ValueError(f"need at least one slot, got {count}")
         self.target, self.count, self.lib = target, count, target.lib
         self.vocab_size, self.max_length = target.vocab_size, target.max_length
-        self.max_rows = SLOT_ROWS  # the context's batch holds SLOT_ROWS rows a slot
+        self.max_rows = SLOT_ROWS  # rows a slot scores in one pass at most
         self.drafts_pass_alone = True  # llama.cpp's split_equal: a segment's rows past the first pass apart
-        self.ctx = target.context(count * self.max_length, sequences=count, batch=max(N_BATCH, count * SLOT_ROWS))
+        self.ctx = target.context(count * self.max_length, sequences=count)
         self.memory = self.lib.llama_get_memory(self.ctx)
-        self.batch = DecodeBatch(self.lib, max(N_BATCH, count * SLOT_ROWS))
+        self.batch = DecodeBatch(self.lib, PREFILL_ROWS)
         self._lengths = [0] * count
+        self._prompts = [Prompt() for _ in range(count)]
 
     def length(self, slot: int) -> int:
         return self._lengths[slot]
 
     def prefill(self, slot: int, token_ids: Tensor, budget: int | None = None) -> int:
-        """Reset `slot`'s cache and fill it with `token_ids` [n] (at most `budget` of them), N_BATCH tokens a pass."""
+        """Reset `slot`'s cache and fill it with `token_ids` [n] (at most `budget` of them), in prompt blocks."""
         self._check([slot])
         self.rollback(slot, 0)
         self.extend(slot, token_ids.reshape(-1)[:budget])
         return self._lengths[slot]
 
     def extend(self, slot: int, token_ids: Tensor) -> None:
-        """Append `token_ids` [n] to `slot`'s cache, N_BATCH tokens a pass; no logits."""
+        """Append `token_ids` [n] to `slot`'s cache, in prompt blocks (`Prompt`: the target's own keys and
+        values, however the prompt was cut into calls); no logits."""
         self._check([slot])
-        ids = token_ids.reshape(-1).numpy().astype(np.int32)
+        ids = token_array(token_ids)
         self._check_room(slot, ids.shape[0])
-        self.batch.chunks(self.ctx, self.memory, slot, ids, self._lengths[slot], None)
-        self._lengths[slot] += ids.shape[0]
+        rollback = partial(self.rollback, slot)
+        self._lengths[slot] = self._prompts[slot].extend(self.batch, self.ctx, self.memory, slot, self._lengths[slot], ids, rollback)
 
     def score(self, segments: Sequence[tuple[int, Tensor]]) -> list[Tensor]:
         """Append each segment's tokens [n_s] to its slot in one `llama_decode`; logits [n_s, vocab]
@@ -707,16 +780,18 @@ class LlamaCppSlots:
         if not any(segment.shape[0] for segment in ids):
             return [torch.empty(0, self.vocab_size) for _ in segments]
         order = sorted(range(len(segments)), key=slots.__getitem__)  # consecutive slots share a pass
-        for j in order:
-            self.batch.put(slots[j], ids[j], self._lengths[slots[j]], logits=True)
-        logits = self.batch.run(self.ctx, self.memory, {slot: self._lengths[slot] for slot in slots}, self.vocab_size).clone()
+        starts = {slot: self._lengths[slot] for slot in slots}  # a failed pass rolls every slot of the call back
         out: list[Tensor] = [torch.empty(0)] * len(segments)
-        row = 0
-        for j in order:
-            n = ids[j].shape[0]
-            out[j] = logits[row : row + n]  # [n_j, vocab]
-            self._lengths[slots[j]] += n
-            row += n
+        for group in passes(order, [segment.shape[0] for segment in ids]):
+            for j in group:
+                self.batch.put(slots[j], ids[j], starts[slots[j]], logits=True)
+            logits = self.batch.run(self.ctx, self.memory, starts, self.vocab_size).clone()
+            row = 0
+            for j in group:
+                out[j] = logits[row : row + ids[j].shape[0]]  # [n_j, vocab]
+                row += ids[j].shape[0]
+        for slot, segment in zip(slots, ids):
+            self._lengths[slot] += segment.shape[0]
         return out
 
     def rollback(self, slot: int, length: int) -> None:
@@ -725,6 +800,7 @@ class LlamaCppSlots:
         if length < self._lengths[slot] and not self.lib.llama_memory_seq_rm(self.memory, slot, length, -1):
             raise RuntimeError(f"llama.cpp cannot roll slot {slot}'s cache back to {length} positions")
         self._lengths[slot] = length
+        self._prompts[slot].cut(length)
 
     def _check(self, slots: list[int]) -> None:
         if len(set(slots)) != len(slots) or not all(0 <= slot < self.count for slot in slots):
