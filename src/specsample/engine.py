@@ -106,8 +106,8 @@ def prefill(target: Target, token_ids: Tensor, cancelled: Callable[[], bool] | N
     """Fill the target's cache with `token_ids` [n]: at once, or with `cancelled`, PREFILL_PART positions at
     a time, asking it before each further part, so that a request whose client has gone stops within a part
     rather than after the whole prompt (a server's abandoned 8,000-token prompt held it for 24 s). False if it
-    was cancelled. The parts change no logits on the backends whose passes are batch invariant (the kernels,
-    llama.cpp below 64 rows)."""
+    was cancelled. The parts change no logits: the kernels' passes are batch invariant, and llama.cpp fills a
+    prompt in blocks that are the same however it is cut into calls (`llamacpp.Prompt`)."""
     if cancelled is None:
         target.prefill(token_ids)
         return True
