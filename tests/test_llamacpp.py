@@ -274,12 +274,18 @@ def fill_after_rolling_back_into_the_prompt(target, ids):
     target.extend(ids[470:])
 
 
-@pytest.mark.parametrize("fill", [fill_engine_parts, fill_uneven_parts, fill_after_rolling_back_into_the_prompt])
+def fill_by_rolling_a_longer_prompt_back(target, ids):
+    target.prefill(torch.cat([ids, random_ids(100, seed=10, vocab=49152)]))  # its block [512, 768) decoded whole
+    target.rollback(len(ids))
+
+
+@pytest.mark.parametrize("fill", [fill_engine_parts, fill_uneven_parts, fill_after_rolling_back_into_the_prompt,
+                                  fill_by_rolling_a_longer_prompt_back])
 def test_a_prompt_filled_in_parts_gives_the_logits_of_one_prefill(bundled_target, fill):
-    """A prompt is filled in blocks of PREFILL_ROWS positions, one pass each, which take the tiled kernels;
+    """A prompt is decoded in blocks of PREFILL_ROWS positions, one pass each, which take the tiled kernels;
     whoever fills it (a server's request in parts of engine.PREFILL_PART, asking between parts whether its
-    client has gone; parts cut anywhere; an extend after a rollback into the prompt) the next token's
-    logits are bitwise those after one prefill."""
+    client has gone; parts cut anywhere; an extend after a rollback into the prompt; a longer prompt rolled
+    back into a block) the next token's logits are bitwise those after one prefill."""
     ids = random_ids(2 * PREFILL_ROWS + 45, seed=9, vocab=49152)
     expected = logits_after(bundled_target, ids, len(ids) - 1).clone()
     fill(bundled_target, ids[:-1])
@@ -287,8 +293,9 @@ def test_a_prompt_filled_in_parts_gives_the_logits_of_one_prefill(bundled_target
 
 
 def test_a_prompt_runs_in_blocks_and_scores_below_64_rows(bundled_target, monkeypatch):
-    """What each `llama_decode` holds: a 700-token prompt three passes, blocks of 256, 256 and 188 rows; an
-    extend of the partial block runs that block again, whole; a score of 70 rows two passes below 64."""
+    """What each `llama_decode` holds: a 700-token prompt two blocks of 256, its tail pending; an extend of 30
+    nothing (the block is not complete); a score of 70 first the block's tail [512, 730) as one pass, then two
+    passes below 64. A prompt filled 32 positions a call decodes each position once."""
     rows = []
     run = DecodeBatch.run
 
@@ -300,9 +307,15 @@ def test_a_prompt_runs_in_blocks_and_scores_below_64_rows(bundled_target, monkey
     ids = random_ids(800, seed=3, vocab=49152)
     bundled_target.prefill(ids[:700])
     bundled_target.extend(ids[700:730])
+    assert rows == [PREFILL_ROWS, PREFILL_ROWS] and bundled_target.length == 730
     bundled_target.score(ids[730:800])
-    assert rows == [PREFILL_ROWS, PREFILL_ROWS, 188, 218, N_BATCH, 7]
-    assert bundled_target.length == 800
+    assert rows == [PREFILL_ROWS, PREFILL_ROWS, 218, N_BATCH, 7] and bundled_target.length == 800
+    rows.clear()
+    bundled_target.prefill(ids[:32])
+    for at in range(32, 608, 32):
+        bundled_target.extend(ids[at : at + 32])
+    bundled_target.score(ids[608:609])
+    assert rows == [PREFILL_ROWS, PREFILL_ROWS, 608 - 2 * PREFILL_ROWS, 1]
 
 
 def test_a_pass_of_64_rows_or_more_is_batch_invariant(bundled_target):
@@ -512,3 +525,10 @@ def test_a_recurrent_model_decodes_plainly_and_refuses_drafters(tmp_path, monkey
         SpecSampler.load(str(path), "suffix", backend="llamacpp")
     (curve,) = measure_synthetic({"mamba": target}, 16, ns=(1, 4), repeats=2)
     assert all(ms > 0 for ms in curve.ms)
+    long = LlamaCppTarget(path, n_threads=1, max_length=700)  # a prompt filled in parts cut inside its blocks
+    ids = random_ids(600, seed=2)
+    expected = logits_after(long, ids, 599).clone()
+    long.prefill(ids[:100])
+    long.extend(ids[100:300])
+    long.extend(ids[300:599])
+    assert torch.equal(long.score(ids[599:]), expected)

@@ -121,8 +121,8 @@ def test_bundled_rows_are_batch_invariant():
 def test_a_long_prompt_filled_chunk_by_chunk_in_a_slot_is_the_target_s():
     """A batch's chunked prefill on the bundled file: a 600-token prompt filled 100 positions a call, with
     another slot's rows scored between the calls, gives the next token the logits of the target's one
-    prefill (its 256-position blocks take the tiled kernels: each block is run whole once its last chunk
-    arrives, `llamacpp.Prompt`)."""
+    prefill (its 256-position blocks take the tiled kernels: each is decoded whole once its last chunk
+    arrives, `llamacpp.CachedSequence`)."""
     target = LlamaCppTarget(bundled_gguf(), n_threads=1, max_length=1024)
     ids, other = tokens(601, 49152, 4), tokens(40, 49152, 5)
     target.prefill(ids[:-1])

@@ -107,7 +107,7 @@ def prefill(target: Target, token_ids: Tensor, cancelled: Callable[[], bool] | N
     a time, asking it before each further part, so that a request whose client has gone stops within a part
     rather than after the whole prompt (a server's abandoned 8,000-token prompt held it for 24 s). False if it
     was cancelled. The parts change no logits: the kernels' passes are batch invariant, and llama.cpp fills a
-    prompt in blocks that are the same however it is cut into calls (`llamacpp.Prompt`)."""
+    prompt in blocks that are the same however it is cut into calls (`llamacpp.CachedSequence`)."""
     if cancelled is None:
         target.prefill(token_ids)
         return True

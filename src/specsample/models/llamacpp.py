@@ -5,10 +5,10 @@ this one hands the file to llama.cpp (through llama-cpp-python's low-level C API
 `Llama` class, whose per-call overhead costs more than a small model's forward pass), so
 a 4-bit model streams a quarter byte per weight, and any architecture llama.cpp knows runs.
 
-One llama.cpp context, one sequence (id 0): `score` puts n tokens in one `llama_decode`
-batch with logits requested for each, `rollback` removes positions [length, inf) from
-the KV cache (`llama_memory_seq_rm`), `prefill` clears it and decodes the prompt in
-chunks of `n_batch` tokens without logits.
+One llama.cpp context, one sequence (id 0, `CachedSequence`): `score` puts n tokens in
+`llama_decode` batches of at most N_BATCH with logits requested for each, `rollback` removes
+positions [length, inf) from the KV cache (`llama_memory_seq_rm`), `prefill` empties it and
+decodes the prompt in blocks without logits.
 
 Batch invariance: llama.cpp computes a token scored alone with other kernels than the
 same token inside a batch (llamafile's tinyBLAS from 2 rows on, the repacked Q4_0/Q4_K/...
@@ -26,12 +26,12 @@ position's logits are bitwise the same scored alone or in a batch of any size be
 `score` runs in passes of at most N_BATCH = 63 rows, so whatever K and however many slots
 (tests/test_llamacpp.py checks it; docs/llamacpp-backend.md has the figures and what it costs).
 
-A prompt is filled faster in larger passes, which take the tiled kernels: `prefill` and `extend` cut
-it into the blocks [PREFILL_ROWS i, PREFILL_ROWS (i + 1)) of positions, one pass each, so a prompt's
-keys and values are the same whoever fills it and in how many calls: an `extend` that continues a
-prompt whose last block is partial first rolls back to that block's start and runs the whole block
-again (`Prompt`). Plain and speculative decoding then read the same cache, and a slot's prompt
-filled chunk by chunk (a batch's chunked prefill, a server's prefill in parts) is the target's.
+A prompt is filled faster in larger passes, which take the tiled kernels: it is decoded in the
+blocks [PREFILL_ROWS i, PREFILL_ROWS (i + 1)) of positions, one pass each, so that its keys and values
+are the same whoever fills it and in how many calls: `prefill` and `extend` decode the blocks they
+complete and keep the last one's tail pending until the first `score` (`CachedSequence`). Plain and
+speculative decoding then read the same cache, and a slot's prompt filled chunk by chunk (a batch's
+chunked prefill, a server's prefill in parts) is the target's, each chunk costing its own rows.
 
 Slots (`LlamaCppTarget.slots`, for batched decoding) are llama.cpp's sequence ids in a context of
 their own whose KV cache keeps a stream per sequence (`kv_unified` off): a row attends over its
@@ -58,8 +58,8 @@ import re
 import struct
 import tempfile
 from collections import deque
-from collections.abc import Callable, Sequence
-from functools import cache, partial
+from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +76,7 @@ CACHE_TYPES = {"f16": 1, "f32": 0}  # KV cache element types: ggml_type ids
 # rows: 0), so greedy verification with K >= 63, or a batch of slots of 64 rows in all, left plain
 # decoding's tokens. Below 64 every pass is batch invariant, whatever K and the batch.
 N_BATCH = 63
-# Positions of a prompt block, one pass each (`Prompt`). Prompts filled in 63-row passes took 1.10x, 1.23x
+# Positions of a prompt block, one pass each (`CachedSequence`). Prompts filled in 63-row passes took 1.10x, 1.23x
 # and 1.43x as long over 300, 700 and 2,000 positions as in 256-row blocks, and 512-row blocks gained
 # 1-3% more (bundled Q4_1, 2 threads, Intel Xeon, 2026-12-07: `benchmarks/llamacpp_prefill_ubatch.py`).
 # Without flash attention a block's attention scores are [cached positions, block, heads] float32, twice.
@@ -456,8 +456,7 @@ class LlamaCppTarget:
         self.ctx = self.context(self.max_length, sequences=1)
         self.memory = lib.llama_get_memory(self.ctx)
         self.batch = DecodeBatch(lib, PREFILL_ROWS)
-        self._length = 0
-        self.prompt = Prompt()
+        self.sequence = CachedSequence(lib, self.ctx, self.memory, self.batch, 0, "this model's cache")
 
     def context(self, positions: int, sequences: int) -> ctypes.c_void_p:
         """A llama.cpp context over this target's model with its settings (threads, KV cache type,
@@ -486,38 +485,34 @@ class LlamaCppTarget:
 
     @property
     def length(self) -> int:
-        return self._length
+        return self.sequence.length
 
     def prefill(self, token_ids: Tensor) -> None:
-        self.lib.llama_memory_clear(self.memory, True)
-        self._length = 0
-        self.prompt.cut(0)
+        self.rollback(0)
         self.extend(token_ids)
 
     def extend(self, token_ids: Tensor) -> None:
         ids = token_array(token_ids)
         self._check_room(ids.shape[0])
-        self._length = self.prompt.extend(self.batch, self.ctx, self.memory, 0, self._length, ids, self.rollback)
+        self.sequence.extend(ids)
 
     def score(self, token_ids: Tensor) -> Tensor:
         """Logits [n, vocab] float32 of `token_ids` [n] appended to the cache, N_BATCH a pass."""
         ids = token_array(token_ids)
         self._check_room(ids.shape[0])
-        out = self.batch.chunks(self.ctx, self.memory, 0, ids, self._length, self.vocab_size)
-        self._length += ids.shape[0]
+        self.sequence.flush()
+        out = self.batch.chunks(self.ctx, self.memory, 0, ids, self.length, self.vocab_size)
+        self.sequence.scored(ids.shape[0])
         return out
 
     def rollback(self, length: int) -> None:
-        if not 0 <= length <= self._length:
-            raise ValueError(f"cannot roll back to {length}: the cache holds {self._length}")
-        if length < self._length and not self.lib.llama_memory_seq_rm(self.memory, 0, length, -1):
-            raise RuntimeError(f"llama.cpp cannot roll this model's cache back to {length} positions")
-        self._length = length
-        self.prompt.cut(length)
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: the cache holds {self.length}")
+        self.sequence.rollback(length)
 
     def _check_room(self, n: int) -> None:
-        if self._length + n > self.max_length:
-            raise ValueError(f"{self._length} + {n} positions exceed the context window of {self.max_length}")
+        if self.length + n > self.max_length:
+            raise ValueError(f"{self.length} + {n} positions exceed the context window of {self.max_length}")
 
     @property
     def file_type(self) -> str:
@@ -599,36 +594,72 @@ def token_array(token_ids: Tensor | Sequence[int]) -> np.ndarray:
     return np.asarray(token_ids, np.int32).reshape(-1)
 
 
-class Prompt:
-    """The tokens of a sequence's prompt: its positions from 0 that `prefill` and `extend` filled, up to the
-    first scored one. Appended in blocks of PREFILL_ROWS positions (`DecodeBatch.blocks`), a prompt's keys
-    and values would depend on where the calls that filled it cut it, for a block filled in two calls runs
-    as two passes: so an append to a cache that holds its prompt alone starts from its last block's start
-    and runs that block's tokens again first. Every block is then one pass of the same tokens, whoever fills
-    the prompt and in how many calls (a server's parts, a batch's chunks). After a scored position an
-    append runs from the cache's end, as nothing needs it equal to another path's.
+class CachedSequence:
+    """One sequence of a llama.cpp context: the positions it holds (`length`), of which llama.cpp's cache
+    has the first `decoded`, and its prompt (the tokens of the positions from 0 that `prefill` and
+    `extend` filled before the first scored one).
+
+    A prompt is decoded in the blocks [PREFILL_ROWS i, PREFILL_ROWS (i + 1)) of positions, one pass each,
+    on llama.cpp's tiled kernels where a block has 64 rows or more, so that its keys and values are the
+    same whoever fills it and in how many calls: `extend` decodes the blocks it completes and keeps the
+    rest of the last one pending (held, counted in `length`, not yet decoded), and the first `score`
+    decodes that tail as one pass, as one prefill of the whole prompt does; a rollback into a prompt
+    block takes the block back to its start, to be decoded again with its pending tail. So a chunk of
+    any size costs its own rows, never a block again, and needs no rollback (which a recurrent model's
+    cache refuses). After a scored position `extend` decodes at once, in the same blocks.
     """
 
-    def __init__(self) -> None:
-        self.tokens = np.empty(0, np.int32)  # [prompt length]
+    def __init__(self, lib, ctx, memory, batch: DecodeBatch, seq: int, name: str) -> None:
+        self.lib, self.ctx, self.memory, self.batch, self.seq = lib, ctx, memory, batch, seq
+        self.name = name  # "this model's cache", "slot 3's cache": for errors
+        self.length = 0
+        self.decoded = 0  # positions in llama.cpp's cache: `length` but the prompt's pending tail
+        self.prompt = np.empty(0, np.int32)  # [prompt length]
 
-    def extend(self, batch: DecodeBatch, ctx, memory, seq: int, length: int, ids: np.ndarray,
-               rollback: Callable[[int], None]) -> int:
-        """Append `ids` [n] to sequence `seq`, which holds `length` positions; its new length. `rollback` is the
-        owner's, which moves its length and calls `cut`: on a failure the cache and the owner agree."""
-        if ids.shape[0] == 0:
-            return length
-        start = length - length % PREFILL_ROWS if self.tokens.shape[0] == length else length
-        run = np.concatenate([self.tokens[start:length], ids]) if start < length else ids  # [length - start + n]
-        rollback(start)
-        batch.blocks(ctx, memory, seq, run, start)
-        if self.tokens.shape[0] == start:
-            self.tokens = np.concatenate([self.tokens, run])
-        return start + run.shape[0]
+    def extend(self, ids: np.ndarray) -> None:
+        """Append `ids` [n], no logits: a prompt's complete blocks (its tail pending), or after scored positions all."""
+        if self.prompt.shape[0] != self.length:  # positions were scored: nothing pending
+            self.batch.blocks(self.ctx, self.memory, self.seq, ids, self.length)  # a failure leaves the cache at `length`
+            self.length = self.decoded = self.length + ids.shape[0]
+            return
+        if self.decoded % PREFILL_ROWS:  # the prompt's tail was decoded alone (a score, then a rollback to it)
+            self._remove(self.decoded - self.decoded % PREFILL_ROWS)
+        before = self.length
+        self.prompt = np.concatenate([self.prompt, ids])
+        self.length += ids.shape[0]
+        try:
+            self._decode_prompt(self.length - self.length % PREFILL_ROWS)
+        except RuntimeError:
+            self.length, self.prompt = before, self.prompt[:before]
+            raise
 
-    def cut(self, length: int) -> None:
-        """The sequence was rolled back to `length` positions."""
-        self.tokens = self.tokens[:length]
+    def flush(self) -> None:
+        """Decode the prompt's pending tail as one pass, before anything reads the cache."""
+        self._decode_prompt(self.length)
+
+    def scored(self, n: int) -> None:
+        """`n` positions were scored and are in the cache."""
+        self.length = self.decoded = self.length + n
+
+    def rollback(self, length: int) -> None:
+        """Keep the first `length` positions (at most `self.length`)."""
+        if length < self.decoded:
+            into_prompt = length < self.prompt.shape[0] and length % PREFILL_ROWS
+            self._remove(length - length % PREFILL_ROWS if into_prompt else length)
+        self.length = length
+        self.prompt = self.prompt[:length]
+
+    def _decode_prompt(self, end: int) -> None:
+        """Decode the prompt's positions [decoded, end) in blocks; on a failure they stay pending."""
+        if end > self.decoded:
+            self.batch.blocks(self.ctx, self.memory, self.seq, self.prompt[self.decoded : end], self.decoded)
+            self.decoded = end
+
+    def _remove(self, start: int) -> None:
+        """Remove positions [start, decoded) from llama.cpp's cache."""
+        if not self.lib.llama_memory_seq_rm(self.memory, self.seq, start, -1):
+            raise RuntimeError(f"llama.cpp cannot roll {self.name} back to {start} positions")
+        self.decoded = start
 
 
 class DecodeBatch:
@@ -745,42 +776,43 @@ class LlamaCppSlots:
         self.ctx = target.context(count * self.max_length, sequences=count)
         self.memory = self.lib.llama_get_memory(self.ctx)
         self.batch = DecodeBatch(self.lib, PREFILL_ROWS)
-        self._lengths = [0] * count
-        self._prompts = [Prompt() for _ in range(count)]
+        self._sequences = [CachedSequence(self.lib, self.ctx, self.memory, self.batch, slot, f"slot {slot}'s cache")
+                           for slot in range(count)]
 
     def length(self, slot: int) -> int:
-        return self._lengths[slot]
+        return self._sequences[slot].length
 
     def prefill(self, slot: int, token_ids: Tensor, budget: int | None = None) -> int:
         """Reset `slot`'s cache and fill it with `token_ids` [n] (at most `budget` of them), in prompt blocks."""
         self._check([slot])
         self.rollback(slot, 0)
         self.extend(slot, token_ids.reshape(-1)[:budget])
-        return self._lengths[slot]
+        return self.length(slot)
 
     def extend(self, slot: int, token_ids: Tensor) -> None:
-        """Append `token_ids` [n] to `slot`'s cache, in prompt blocks (`Prompt`: the target's own keys and
-        values, however the prompt was cut into calls); no logits."""
+        """Append `token_ids` [n] to `slot`'s cache, in prompt blocks (`CachedSequence`: the target's own keys
+        and values, however the prompt was cut into calls, each call decoding the blocks it completes); no logits."""
         self._check([slot])
         ids = token_array(token_ids)
         self._check_room(slot, ids.shape[0])
-        rollback = partial(self.rollback, slot)
-        self._lengths[slot] = self._prompts[slot].extend(self.batch, self.ctx, self.memory, slot, self._lengths[slot], ids, rollback)
+        self._sequences[slot].extend(ids)
 
     def score(self, segments: Sequence[tuple[int, Tensor]]) -> list[Tensor]:
-        """Append each segment's tokens [n_s] to its slot in one `llama_decode`; logits [n_s, vocab]
-        float32 each, in the order of `segments`."""
+        """Append each segment's tokens [n_s] to its slot, in `llama_decode`s of at most N_BATCH rows; logits
+        [n_s, vocab] float32 each, in the order of `segments`."""
         slots = [slot for slot, _ in segments]
         self._check(slots)
-        ids = [token_ids.reshape(-1).numpy().astype(np.int32) for _, token_ids in segments]
+        ids = [token_array(token_ids) for _, token_ids in segments]
         for slot, segment in zip(slots, ids):
             if segment.shape[0] > SLOT_ROWS:
                 raise ValueError(f"slot {slot} scores {segment.shape[0]} tokens in one pass, more than {SLOT_ROWS}")
             self._check_room(slot, segment.shape[0])
         if not any(segment.shape[0] for segment in ids):
             return [torch.empty(0, self.vocab_size) for _ in segments]
+        for slot in slots:
+            self._sequences[slot].flush()
         order = sorted(range(len(segments)), key=slots.__getitem__)  # consecutive slots share a pass
-        starts = {slot: self._lengths[slot] for slot in slots}  # a failed pass rolls every slot of the call back
+        starts = {slot: self.length(slot) for slot in slots}  # a failed pass rolls every slot of the call back
         out: list[Tensor] = [torch.empty(0)] * len(segments)
         for group in passes(order, [segment.shape[0] for segment in ids]):
             for j in group:
@@ -791,24 +823,21 @@ class LlamaCppSlots:
                 out[j] = logits[row : row + ids[j].shape[0]]  # [n_j, vocab]
                 row += ids[j].shape[0]
         for slot, segment in zip(slots, ids):
-            self._lengths[slot] += segment.shape[0]
+            self._sequences[slot].scored(segment.shape[0])
         return out
 
     def rollback(self, slot: int, length: int) -> None:
-        if not 0 <= length <= self._lengths[slot]:
-            raise ValueError(f"cannot roll slot {slot} back to {length}: it holds {self._lengths[slot]}")
-        if length < self._lengths[slot] and not self.lib.llama_memory_seq_rm(self.memory, slot, length, -1):
-            raise RuntimeError(f"llama.cpp cannot roll slot {slot}'s cache back to {length} positions")
-        self._lengths[slot] = length
-        self._prompts[slot].cut(length)
+        if not 0 <= length <= self.length(slot):
+            raise ValueError(f"cannot roll slot {slot} back to {length}: it holds {self.length(slot)}")
+        self._sequences[slot].rollback(length)
 
     def _check(self, slots: list[int]) -> None:
         if len(set(slots)) != len(slots) or not all(0 <= slot < self.count for slot in slots):
             raise ValueError(f"slots {slots} are not distinct slots of 0..{self.count - 1}")
 
     def _check_room(self, slot: int, n: int) -> None:
-        if self._lengths[slot] + n > self.max_length:
-            raise ValueError(f"{self._lengths[slot] + n} positions exceed max_length {self.max_length}")
+        if self.length(slot) + n > self.max_length:
+            raise ValueError(f"{self.length(slot) + n} positions exceed max_length {self.max_length}")
 
     def close(self) -> None:
         """Free the batch and the context (also done when garbage collected)."""
