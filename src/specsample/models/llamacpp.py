@@ -83,7 +83,8 @@ N_BATCH = 63
 # Peak resident memory: docs/llamacpp-backend.md "Memory"; tests/test_llamacpp_memory.py holds a short
 # prompt to issue 22's budget of 1.3 x the file + the KV cache.
 PREFILL_ROWS = 256
-# Most new tokens a slot scores in one pass (`LlamaCppSlots.score`; a verification pass of K + 1 <= 17).
+# Most new tokens a slot scores in one pass (`LlamaCppSlots.score`; a verification pass of K + 1 <= 17); at
+# most N_BATCH, as `passes` puts a slot's rows in one `llama_decode`.
 SLOT_ROWS = 32
 
 _errors: deque[tuple[int, str]] = deque(maxlen=32)  # llama.cpp's latest (level, message), for one-line errors
