@@ -66,10 +66,21 @@ def test_configs_from_toml_and_pairs_with_precedence(tmp_path):
     ("kind=hf-assisted", "kind hf-assisted needs drafter=PATH of a draft model, got 'none'"),
     ("kind=llamacpp-speculative,drafter=/no/such.gguf", "kind llamacpp-speculative needs drafter=PATH"),
     ("nofile.toml", "--config nofile.toml: No such file or directory"),
+    ("drafter=ngram,k=4,k=5", "gives k twice"),  # not the last one silently
+    ("drafter=ngram,kind=hf-lookup", "kind hf-lookup takes no drafter, got 'ngram'"),
+    ("drafter=ngram,name=", "it heads a row of the Markdown tables"),
+    ("drafter=ngram,name=a|b", "without '\\|' or line breaks"),
 ])
 def test_bad_configurations_are_clear_errors(spec, message):
     with pytest.raises(ValueError, match=message):
         harness.read_configs([spec], {})
+
+
+def test_a_toml_file_that_is_not_utf8_is_named(tmp_path):
+    toml = tmp_path / "binary.toml"
+    toml.write_bytes(b"\xff\xfe[[config]]\n")
+    with pytest.raises(ValueError, match=f"--config {toml} is not UTF-8 text"):
+        harness.read_configs([str(toml)], {})
 
 
 @pytest.mark.parametrize("text", ["seed = 2.9", "top_k = true", "temperature = true", "max_new_tokens = 16.0"])
@@ -184,6 +195,10 @@ def test_bench_run_writes_json_table_and_plot(capsys, tmp_path, prompts_file, ti
     code, again, err = cli(capsys, "bench", "report", str(out))
     assert code == 0, err
     assert again == table and (out / "plot.png").is_file()
+    results["records"][0]["category"] = 5  # hand-edited: it heads a column of the tables
+    (out / "results.json").write_text(json.dumps(results))
+    code, _, err = cli(capsys, "bench", "report", str(out))
+    assert code == 2 and "is not a `bench run` results file (a record's category is 5, not a string)" in err, err
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

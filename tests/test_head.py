@@ -671,6 +671,15 @@ def test_an_unreadable_data_shard_is_named(tmp_path):
         load_sequences([shard])
 
 
+@pytest.mark.parametrize("content", ["{bad", "[1, 2]"])
+def test_an_unreadable_data_manifest_is_named(tmp_path, content):
+    from specsample.training.generate import check_extra_data
+
+    (tmp_path / "manifest.json").write_text(content)
+    with pytest.raises(ValueError, match=f"cannot read the data manifest {tmp_path / 'manifest.json'}: delete"):
+        check_extra_data([tmp_path / "shard-00000.safetensors"], "abc")
+
+
 def test_a_run_that_writes_nothing_never_makes_the_writers_target(tiny_dir, tmp_path):
     """Shards all made (a resumed run, or data given with --extra-data): no second copy of the weights."""
     loaded = load_model(tiny_dir)

@@ -103,6 +103,11 @@ def test_bad_files_are_clear_errors(tmp_path, spec_bench_file):
     listed.write_text('{"question_id": [1], "category": "qa", "turns": ["a"]}\n')
     with pytest.raises(ValueError, match=r"listed.jsonl:1: .*question_id must be an integer or a string, got \[1\]"):
         read_prompts(listed, spec_bench=True)
+    for category in ("null", "5", '""'):  # a category names a table's column: a report of None had failed
+        odd = tmp_path / "category.jsonl"
+        odd.write_text(f'{{"question_id": 1, "category": {category}, "turns": ["a"]}}\n')
+        with pytest.raises(ValueError, match=r"category.jsonl:1: .*category must be a non-empty string"):
+            read_prompts(odd, spec_bench=True)
     twice = tmp_path / "twice.jsonl"
     twice.write_text('{"question_id": 7, "category": "qa", "turns": ["a"]}\n' * 2)
     assert len(read_prompts(twice)) == 2  # training takes both

@@ -148,7 +148,9 @@ def parse_row(line: str, where: str, spec_bench: bool) -> Prompt:
         category, question_id = row.get("category"), row.get("question_id")
         if question_id is not None and (not isinstance(question_id, (int, str)) or isinstance(question_id, bool)):
             raise ValueError(f"question_id must be an integer or a string, got {question_id!r}")
-        return Prompt(question_id, None if category is None else str(category), tuple(turns))
+        if (spec_bench or category is not None) and not (isinstance(category, str) and category.strip()):
+            raise ValueError(f"category must be a non-empty string, got {category!r}")  # it names a table's column
+        return Prompt(question_id, category, tuple(turns))
     except ValueError as e:  # json.JSONDecodeError is one
         expected = SPEC_BENCH_FIELDS if spec_bench else f"{SPEC_BENCH_FIELDS}; or prompt"
         raise ValueError(f"{where}: not a prompt ({expected}): {e}") from None

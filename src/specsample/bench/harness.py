@@ -80,6 +80,8 @@ class Config:
         elif self.kind in ("hf-assisted", "llamacpp-speculative") and not Path(self.drafter).expanduser().exists():
             raise ValueError(f"configuration {self.name}: kind {self.kind} needs drafter=PATH of a draft model, "
                              f"got {self.drafter!r}")
+        elif self.kind not in ("hf-assisted", "llamacpp-speculative") and self.drafter != "none":
+            raise ValueError(f"configuration {self.name}: kind {self.kind} takes no drafter, got {self.drafter!r}")
 
     @property
     def params(self) -> SamplingParams:
@@ -165,6 +167,8 @@ def read_toml(path: str) -> dict:
         raise ValueError(f"--config {path}: {error.strerror or error}") from None
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"--config {path} is not valid TOML: {error}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--config {path} is not UTF-8 text") from None
 
 
 def parse_pairs(spec: str) -> dict[str, str]:
@@ -172,6 +176,10 @@ def parse_pairs(spec: str) -> dict[str, str]:
     pairs = [item.partition("=") for item in spec.split(",") if item.strip()]
     if not pairs or any(not sep for _, sep, _ in pairs):
         raise ValueError(f"configuration {spec!r}: expected key=value pairs separated by commas, or a .toml file")
+    keys = [key.strip() for key, _, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"configuration {spec!r} gives {', '.join(twice)} twice")
     return {key.strip(): value.strip() for key, _, value in pairs}
 
 
@@ -207,6 +215,9 @@ def reads_as(value: object, kind: type) -> bool:
 def make_config(values: dict) -> Config:
     """A checked configuration; without a name, one made of its drafter, K and temperature."""
     config = Config(**{"name": default_name(values), **values})
+    if not config.name.strip() or "|" in config.name or "\n" in config.name:
+        raise ValueError(f"configuration name {config.name!r}: it heads a row of the Markdown tables, so it must be "
+                         "non-empty, without '|' or line breaks")
     if config.kind not in RUNNERS:
         raise ValueError(f"configuration {config.name}: unknown kind {config.kind!r}: expected one of {', '.join(RUNNERS)}")
     if config.max_new_tokens < 1:

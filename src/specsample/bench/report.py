@@ -236,4 +236,7 @@ def load(out: Path) -> dict:
         results["summary"] = summarize(results["records"], names, results["meta"].get("reference", REFERENCE))
     except (KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{path} is not a `bench run` results file (missing or malformed {error})") from None
+    odd = [r.get("category") for r in results["records"] if not isinstance(r.get("category"), str)]
+    if odd:  # categories and names head the tables' columns and rows
+        raise ValueError(f"{path} is not a `bench run` results file (a record's category is {odd[0]!r}, not a string)")
     return results

@@ -114,7 +114,7 @@ def check_manifest(path: Path, encoded: list[list[int]], options: TrainOptions, 
                 "sampled_answers": options.sampled_answers, "seed": options.seed,
                 "max_prompt_tokens": options.max_prompt_tokens}
     if path.is_file() and any(path.parent.glob("shard-*.safetensors")):  # no shard: nothing made from it yet
-        earlier = json.loads(path.read_text())
+        earlier = read_manifest(path)
         if earlier.get("writer") == "auto":  # as a version that recorded --backend as given wrote it
             earlier["writer"] = auto
         # a key an earlier version did not record is taken as agreeing, and recorded from now on
@@ -123,6 +123,18 @@ def check_manifest(path: Path, encoded: list[list[int]], options: TrainOptions, 
             raise ValueError(f"{path.parent} holds answers made from other data ({', '.join(changed)} differ): "
                              f"resume with the same prompts and options, or give another --out")
     path.write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def read_manifest(path: Path) -> dict:
+    """A data directory's manifest; one that is not a JSON object is named, with what to do."""
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        manifest = None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"cannot read the data manifest {path}: delete its directory's data (or give another "
+                         "--out) to write it again")
+    return manifest
 
 
 def model_fingerprint(model: LoadedModel) -> str:
@@ -140,7 +152,7 @@ def check_extra_data(shards: list[Path], target: str) -> None:
     `model_fingerprint` (shards of the same shapes would be trained on silently)."""
     for directory in dict.fromkeys(shard.parent for shard in shards):
         path = directory / MANIFEST
-        earlier = json.loads(path.read_text()).get("target") if path.is_file() else None
+        earlier = read_manifest(path).get("target") if path.is_file() else None
         if earlier is not None and earlier != target:
             raise ValueError(f"{directory} holds data of another target (its answers and features are that model's): "
                              f"train on data this target wrote")
