@@ -73,7 +73,9 @@ def test_a_thinly_spread_distribution_is_still_tested():
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=5)], ids=["t1", "t0.8-top_k5"])
 def test_certificate_passes_the_sampler_and_rejects_always_accept(sampler, params):
     good = certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=300, seed=1)
-    assert good.stats.acceptance_rate > 0.4 and len(good.tests) >= 3 and good.notes == []
+    assert good.stats.acceptance_rate > 0.4 and len(good.tests) >= 3
+    assert good.notes == ["300 token pairs a context detect only gross deviations (300 missed a recovery drawn from the "
+                          "target instead of the residual, 1,000 caught it): use --samples 1000 or more"]
     assert not good.rejected, [(t.position, t.p_value) for t in good.tests]
     bad = certify(sampler, FixedK(3), params, contexts=CONTEXTS, samples=300, seed=1, verifier=BROKEN)
     assert bad.rejected, [(t.position, t.p_value) for t in bad.tests]
