@@ -157,6 +157,9 @@ def test_bench_outputs_and_drafters_are_checked_before_loading(capsys, tmp_path)
     (["batch", "--backend", "transformers"], "bench batch decodes on a backend's slots"),
     (["run", "--k", "-1", "--no-baselines"], "k must be an integer >= 0 or one of auto"),
     (["cost-curve", "--backends", "gguf,gguf"], "--backends names a backend twice: 'gguf,gguf'"),
+    (["copy-bound", "--k", "4", "--k", "4"], "--k names a speculation length twice: [4, 4]"),
+    (["run", "--config", "k=abc", "--no-baselines"], "k must be an integer >= 0 or one of auto"),  # was after the load
+    (["run", "--split", "bogus", "--no-baselines"], "split"),
 ])
 def test_bench_commands_refuse_bad_options_in_one_line_before_loading(capsys, args, message):
     code, _, err = cli(capsys, "bench", *args, "--model", "/nonexistent/model")

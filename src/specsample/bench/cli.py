@@ -275,15 +275,15 @@ def run(
     if k is not None:
         parse_k(k)  # refused even where no configuration of the run takes it
     out = check_output_dir(out, "--out")
-    use_threads(threads)  # before `resolve`, which times the candidate backends at this thread count
-    backend, backend_reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
     overrides = {"k": k, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                  "max_new_tokens": max_new_tokens}
-    defaults, configs = harness.read_configs(config or [], overrides)
-    with_llamacpp = backend == "llamacpp" if llamacpp_baselines is None else llamacpp_baselines
-    configs = harness.with_baselines(defaults, configs, baselines, llamacpp=with_llamacpp)
+    defaults, configs = harness.read_configs(config or [], overrides)  # bad configurations and prompts: before any load
     items = read_bench_prompts(prompts, split, limit, category, skip)
     left_out = [] if category else [c for c in categories_of(prompts or packaged_prompts()) if c not in {p.category for p in items}]
+    use_threads(threads)  # before `resolve`, which times the candidate backends at this thread count
+    backend, backend_reason = resolve(model, backend, threads=threads, trust_remote_code=trust_remote_code)
+    with_llamacpp = backend == "llamacpp" if llamacpp_baselines is None else llamacpp_baselines
+    configs = harness.with_baselines(defaults, configs, baselines, llamacpp=with_llamacpp)
     quiet_transformers()
     # on llama.cpp without transformers baselines (or engine drafters that need them) only the tokenizer is read
     needs_weights = backend != "llamacpp" or any(c.kind.startswith("hf-") for c in configs)
@@ -332,6 +332,8 @@ def copy_bound(
     ks = k or [4, 8]
     if min(ks) < 1 or max_new_tokens < 1:
         raise ValueError("--k and --max-new-tokens must be positive")
+    if len(set(ks)) != len(ks):
+        raise ValueError(f"--k names a speculation length twice: {ks}")
     items = read_bench_prompts(prompts, split, limit, category)
     quiet_transformers()
     sampler = SpecSampler.load(model)
