@@ -293,9 +293,10 @@ def test_a_prompt_filled_in_parts_gives_the_logits_of_one_prefill(bundled_target
 
 
 def test_a_prompt_runs_in_blocks_and_scores_below_64_rows(bundled_target, monkeypatch):
-    """What each `llama_decode` holds: a 700-token prompt two blocks of 256, its tail pending; an extend of 30
-    nothing (the block is not complete); a score of 70 first the block's tail [512, 730) as one pass, then two
-    passes below 64. A prompt filled 32 positions a call decodes each position once."""
+    """What each `llama_decode` holds: a 700-token prompt two blocks of 256 and its tail [512, 700); an extend
+    of 30 nothing (the block is not complete, and its first positions are pending again); a score of 70 first
+    the block's tail [512, 730) as one pass, then two passes below 64. A prompt filled 32 positions a call
+    after a first block decodes each position once."""
     rows = []
     run = DecodeBatch.run
 
@@ -307,12 +308,12 @@ def test_a_prompt_runs_in_blocks_and_scores_below_64_rows(bundled_target, monkey
     ids = random_ids(800, seed=3, vocab=49152)
     bundled_target.prefill(ids[:700])
     bundled_target.extend(ids[700:730])
-    assert rows == [PREFILL_ROWS, PREFILL_ROWS] and bundled_target.length == 730
+    assert rows == [PREFILL_ROWS, PREFILL_ROWS, 188] and bundled_target.length == 730
     bundled_target.score(ids[730:800])
-    assert rows == [PREFILL_ROWS, PREFILL_ROWS, 218, N_BATCH, 7] and bundled_target.length == 800
+    assert rows == [PREFILL_ROWS, PREFILL_ROWS, 188, 218, N_BATCH, 7] and bundled_target.length == 800
     rows.clear()
-    bundled_target.prefill(ids[:32])
-    for at in range(32, 608, 32):
+    bundled_target.prefill(ids[:PREFILL_ROWS])
+    for at in range(PREFILL_ROWS, 608, 32):
         bundled_target.extend(ids[at : at + 32])
     bundled_target.score(ids[608:609])
     assert rows == [PREFILL_ROWS, PREFILL_ROWS, 608 - 2 * PREFILL_ROWS, 1]

@@ -29,7 +29,7 @@ position's logits are bitwise the same scored alone or in a batch of any size be
 A prompt is filled faster in larger passes, which take the tiled kernels: it is decoded in the
 blocks [PREFILL_ROWS i, PREFILL_ROWS (i + 1)) of positions, one pass each, so that its keys and values
 are the same whoever fills it and in how many calls: `prefill` and `extend` decode the blocks they
-complete and keep the last one's tail pending until the first `score` (`CachedSequence`). Plain and
+complete and keep the last one's tail pending until the prompt is whole (`CachedSequence`). Plain and
 speculative decoding then read the same cache, and a slot's prompt filled chunk by chunk (a batch's
 chunked prefill, a server's prefill in parts) is the target's, each chunk costing its own rows.
 
@@ -489,8 +489,10 @@ class LlamaCppTarget:
         return self.sequence.length
 
     def prefill(self, token_ids: Tensor) -> None:
+        """Fill the cache with a whole prompt, its last block's tail too (timed as prefill, not as the first step)."""
         self.rollback(0)
         self.extend(token_ids)
+        self.sequence.flush()
 
     def extend(self, token_ids: Tensor) -> None:
         ids = token_array(token_ids)
@@ -603,8 +605,9 @@ class CachedSequence:
     A prompt is decoded in the blocks [PREFILL_ROWS i, PREFILL_ROWS (i + 1)) of positions, one pass each,
     on llama.cpp's tiled kernels where a block has 64 rows or more, so that its keys and values are the
     same whoever fills it and in how many calls: `extend` decodes the blocks it completes and keeps the
-    rest of the last one pending (held, counted in `length`, not yet decoded), and the first `score`
-    decodes that tail as one pass, as one prefill of the whole prompt does; a rollback into a prompt
+    rest of the last one pending (held, counted in `length`, not yet decoded), and `flush` (the prefill
+    of a whole prompt, or the first `score`) decodes that tail as one pass, as one prefill of the whole
+    prompt does; a rollback into a prompt
     block takes the block back to its start, to be decoded again with its pending tail. So a chunk of
     any size costs its own rows, never a block again, and needs no rollback (which a recurrent model's
     cache refuses). After a scored position `extend` decodes at once, in the same blocks.
@@ -787,7 +790,10 @@ class LlamaCppSlots:
         """Reset `slot`'s cache and fill it with `token_ids` [n] (at most `budget` of them), in prompt blocks."""
         self._check([slot])
         self.rollback(slot, 0)
-        self.extend(slot, token_ids.reshape(-1)[:budget])
+        ids = token_ids.reshape(-1)
+        self.extend(slot, ids[:budget])
+        if budget is None or budget >= ids.shape[0]:  # the whole prompt: its tail too (chunks: at the first score)
+            self._sequences[slot].flush()
         return self.length(slot)
 
     def extend(self, slot: int, token_ids: Tensor) -> None:
