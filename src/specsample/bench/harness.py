@@ -53,6 +53,9 @@ WARMUP_PROMPT = "Explain in a few sentences why the sky is blue."
 SELF_DRAFTER = "self"
 
 
+DRAFT_MODEL_KINDS = ("hf-assisted", "llamacpp-speculative")  # baselines that take drafter=PATH of a draft model
+
+
 @dataclass(frozen=True)
 class Config:
     """One way of decoding: the engine with a drafter and K, or a transformers baseline."""
@@ -77,10 +80,10 @@ class Config:
             parse_k(self.k)
             if self.drafter != SELF_DRAFTER:
                 check_spec(self.drafter)
-        elif self.kind in ("hf-assisted", "llamacpp-speculative") and not Path(self.drafter).expanduser().exists():
+        elif self.kind in DRAFT_MODEL_KINDS and not Path(self.drafter).expanduser().exists():
             raise ValueError(f"configuration {self.name}: kind {self.kind} needs drafter=PATH of a draft model, "
                              f"got {self.drafter!r}")
-        elif self.kind not in ("hf-assisted", "llamacpp-speculative") and self.drafter != "none":
+        elif self.kind not in DRAFT_MODEL_KINDS and self.drafter != "none":
             raise ValueError(f"configuration {self.name}: kind {self.kind} takes no drafter, got {self.drafter!r}")
 
     @property
@@ -180,7 +183,7 @@ def parse_pairs(spec: str) -> dict[str, str]:
     twice = sorted({key for key in keys if keys.count(key) > 1})
     if twice:
         raise ValueError(f"configuration {spec!r} gives {', '.join(twice)} twice")
-    return {key.strip(): value.strip() for key, _, value in pairs}
+    return {key: value.strip() for key, (_, _, value) in zip(keys, pairs)}
 
 
 def coerce(entry: dict) -> dict:

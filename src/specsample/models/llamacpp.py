@@ -607,10 +607,10 @@ class CachedSequence:
     same whoever fills it and in how many calls: `extend` decodes the blocks it completes and keeps the
     rest of the last one pending (held, counted in `length`, not yet decoded), and `flush` (the prefill
     of a whole prompt, or the first `score`) decodes that tail as one pass, as one prefill of the whole
-    prompt does; a rollback into a prompt
-    block takes the block back to its start, to be decoded again with its pending tail. So a chunk of
-    any size costs its own rows, never a block again, and needs no rollback (which a recurrent model's
-    cache refuses). After a scored position `extend` decodes at once, in the same blocks.
+    prompt does; a rollback into a prompt block takes the block back to its start, to be decoded again
+    with its pending tail. So a chunk of any size costs its own rows, never a block again, and needs no
+    rollback (which a recurrent model's cache refuses). After a scored position `extend` decodes at
+    once, in the same blocks.
     """
 
     def __init__(self, lib, ctx, memory, batch: DecodeBatch, seq: int, name: str) -> None:
