@@ -17,10 +17,22 @@
 #   SDIST=/tmp/sdist/llama_cpp_python-0.3.36.tar.gz bash scripts/build_llamacpp_tools.sh
 #   JOBS=1 nice -n 19 bash scripts/build_llamacpp_tools.sh
 #   BUILD_DIR=/tmp/llamacpp-tools-build bash scripts/build_llamacpp_tools.sh   # keep the build tree
+#   PATCHED=1 bash scripts/build_llamacpp_tools.sh   # with the project's batch-invariant patch
+#
+# PATCHED=1 applies scripts/llama-cpp-batch-invariant.patch (as install.sh does to the backend's
+# llama.cpp) and installs into ~/.cache/specsample/llamacpp-tools-batch-invariant: tools whose
+# greedy output does not depend on how many tokens a pass holds, the same numerics as the
+# llamacpp backend, so that `llama-lookup` decodes the same text as plain decoding and the speed
+# comparison is over equal answers (the baseline `llamacpp-lookup-invariant`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=0.3.36  # llama-cpp-python, as scripts/install.sh pins it
-DEST="${SPECSAMPLE_LLAMACPP_TOOLS:-$HOME/.cache/specsample/llamacpp-tools}"
+PATCHED="${PATCHED:-0}"
+if [ "$PATCHED" = 1 ]; then
+    DEST="${SPECSAMPLE_LLAMACPP_INVARIANT_TOOLS:-$HOME/.cache/specsample/llamacpp-tools-batch-invariant}"
+else
+    DEST="${SPECSAMPLE_LLAMACPP_TOOLS:-$HOME/.cache/specsample/llamacpp-tools}"
+fi
 JOBS="${JOBS:-$(nproc)}"
 TOOLS=(llama-lookup llama-speculative-simple llama-speculative llama-simple llama-bench)
 PIP=pip
@@ -37,7 +49,13 @@ if [ -z "${SDIST:-}" ]; then
     "$PIP" download -q --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$work"
     SDIST="$(ls "$work"/llama_cpp_python-"$VERSION".tar.gz)"
 fi
-[ -d "$work/llama_cpp_python-$VERSION" ] || tar -xzf "$SDIST" -C "$work"
+if [ ! -d "$work/llama_cpp_python-$VERSION" ]; then
+    tar -xzf "$SDIST" -C "$work"
+    if [ "$PATCHED" = 1 ]; then
+        patch_file="$PWD/scripts/llama-cpp-batch-invariant.patch"
+        (cd "$work/llama_cpp_python-$VERSION" && git apply -p0 "$patch_file")
+    fi
+fi
 src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
 [ -f "$src/CMakeLists.txt" ] || { echo "no vendored llama.cpp in $SDIST" >&2; exit 1; }
 
@@ -62,7 +80,7 @@ rm -rf "$DEST.new"
 mkdir -p "$DEST.new/bin"
 for tool in "${TOOLS[@]}"; do cp "$work/build/bin/$tool" "$DEST.new/bin/"; done
 find "$work/build" -name '*.so*' \( -type f -o -type l \) -exec cp -P {} "$DEST.new/bin/" \;
-echo "llama-cpp-python $VERSION" >"$DEST.new/VERSION"
+echo "llama-cpp-python $VERSION$([ "$PATCHED" = 1 ] && echo ', batch-invariant patch')" >"$DEST.new/VERSION"
 rm -rf "$DEST"
 mv "$DEST.new" "$DEST"
 "$DEST/bin/llama-lookup" --version 2>&1 | head -2 >&2 || true

@@ -3,9 +3,10 @@
 its choice of K on this backend's cost curve.
 
 llama.cpp's tools (llama-lookup, llama-speculative-simple) are built by
-scripts/build_llamacpp_tools.sh, not by install.sh or CI: without them the run must say they are
-not available; with them (SPECSAMPLE_LLAMACPP_TOOLS or the default cache directory), the last
-tests run them for real.
+scripts/build_llamacpp_tools.sh (the batch-invariant llama-lookup by `PATCHED=1 bash
+scripts/build_llamacpp_tools.sh`), not by install.sh or CI: without them the run must say they are
+not available; with them (SPECSAMPLE_LLAMACPP_TOOLS, SPECSAMPLE_LLAMACPP_INVARIANT_TOOLS or the
+default cache directories), the last tests run them for real.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ PROMPTS = [
 ]
 TOOLS_BUILT = all((llamacpp_baselines.tools_dir() / "bin" / tool).is_file()
                   for tool in (llamacpp_baselines.LOOKUP_TOOL, llamacpp_baselines.SPECULATIVE_TOOL))
+INVARIANT_TOOLS_BUILT = (llamacpp_baselines.tools_dir(invariant=True) / "bin" / llamacpp_baselines.LOOKUP_TOOL).is_file()
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,7 @@ def cache(tmp_path, monkeypatch):
 @pytest.fixture
 def no_tools(tmp_path, monkeypatch):
     monkeypatch.setenv(llamacpp_baselines.TOOLS_ENV, str(tmp_path / "no-tools"))
+    monkeypatch.setenv(llamacpp_baselines.INVARIANT_TOOLS_ENV, str(tmp_path / "no-invariant-tools"))
 
 
 def test_cost_curve_on_llamacpp_alone_and_beside_fast(capsys, tmp_path, ggufs, cache):
@@ -141,10 +144,12 @@ def test_bench_run_on_llamacpp_says_which_llama_cpp_tools_are_not_available(caps
     results = run_on_llamacpp(capsys, tmp_path / "run", prompts_file, ggufs)
     names = [c["name"] for c in results["configs"]]
     assert names == ["plain", "suffix-auto", "draft-k3", "llamacpp-plain", "llamacpp-lookup-k4",
-                     "llamacpp-speculative-draft.gguf-k3"]
+                     "llamacpp-lookup-invariant-k4", "llamacpp-speculative-draft.gguf-k3"]
     unavailable = results["meta"]["unavailable"]
-    assert set(unavailable) == {"llamacpp-lookup-k4", "llamacpp-speculative-draft.gguf-k3"}
+    assert set(unavailable) == {"llamacpp-lookup-k4", "llamacpp-lookup-invariant-k4", "llamacpp-speculative-draft.gguf-k3"}
     assert all("scripts/build_llamacpp_tools.sh" in reason for reason in unavailable.values())
+    assert "PATCHED=1 bash scripts/build_llamacpp_tools.sh" in unavailable["llamacpp-lookup-invariant-k4"]
+    assert "PATCHED=1" not in unavailable["llamacpp-lookup-k4"]
     assert {r["config"] for r in results["records"]} == {"plain", "suffix-auto", "draft-k3", "llamacpp-plain"}
     overall = {r["config"]: r for r in results["summary"] if r["category"] == report.OVERALL}
     assert overall["llamacpp-lookup-k4"]["answers"] == 0 and overall["llamacpp-lookup-k4"]["speedup"] is None
@@ -233,9 +238,10 @@ def test_a_tool_s_stats_count_its_decoding_past_the_answer_s_end():
 @pytest.mark.skipif(not TOOLS_BUILT, reason="llama.cpp tools not built (scripts/build_llamacpp_tools.sh)")
 def test_bench_run_on_llamacpp_runs_llama_cpp_lookup_and_speculative(capsys, tmp_path, prompts_file, ggufs, cache):
     results = run_on_llamacpp(capsys, tmp_path / "run", prompts_file, ggufs)
-    assert results["meta"]["unavailable"] == {}
+    assert set(results["meta"]["unavailable"]) == (set() if INVARIANT_TOOLS_BUILT else {"llamacpp-lookup-invariant-k4"})
     overall = {r["config"]: r for r in results["summary"] if r["category"] == report.OVERALL}
-    for name in ("llamacpp-lookup-k4", "llamacpp-speculative-draft.gguf-k3"):
+    names = ["llamacpp-lookup-k4", "llamacpp-speculative-draft.gguf-k3"]
+    for name in names + ["llamacpp-lookup-invariant-k4"] * INVARIANT_TOOLS_BUILT:
         row = overall[name]
         assert row["answers"] == 3 and row["decode_tokens_per_second"] > 0 and row["checked"] == 3
         # llama.cpp's own kernels and settings (flash attention): the same greedy text on this tiny F32 model
@@ -313,3 +319,33 @@ def test_a_one_token_answer_is_not_an_unlimited_one_for_the_tools(ggufs, cache):
     assert runner.args[runner.args.index("--samplers") + 1] == "temperature;top_k;top_p"
     output = runner.run([{"role": "user", "content": "face bead"}])
     assert len(output.token_ids) == 1 and output.generated_tokens <= 2
+
+
+@pytest.mark.skipif(not INVARIANT_TOOLS_BUILT, reason="batch-invariant llama.cpp tools not built "
+                    "(PATCHED=1 bash scripts/build_llamacpp_tools.sh)")
+def test_the_batch_invariant_lookup_runs_with_the_backend_s_settings_and_decodes_plain_decoding_s_text(ggufs, cache):
+    """`llamacpp-lookup-invariant`: the patched build, flash attention, the backend's prompt blocks as
+    ubatches, repacking only where the backend repacks; at temperature 0 its answer is the engine's."""
+    from specsample.models.llamacpp import PREFILL_ROWS, repack_is_batch_invariant
+    from specsample.sampling import SamplingParams
+
+    target, _ = ggufs
+    model = load_model(str(target))
+    runner = llamacpp_baselines.LlamaCppToolRunner(model, llamacpp_baselines.LOOKUP_TOOL, target, threads=1,
+                                                   n_ctx=256, params=SamplingParams(temperature=0), max_new_tokens=40,
+                                                   k=4, invariant=True)
+    assert runner.executable.parent.parent == llamacpp_baselines.tools_dir(invariant=True)
+    assert runner.args[runner.args.index("-fa") + 1] == "on"
+    assert runner.args[runner.args.index("-ub") + 1] == str(PREFILL_ROWS)
+    assert runner.no_repack == (not repack_is_batch_invariant(target))
+    assert runner.label.startswith("llama-lookup, batch-invariant build")
+    messages = [{"role": "user", "content": "abba cafe abba cafe abba"}]
+    output = runner.run(messages)
+    _, engine_target = load_target(str(target), "llamacpp", threads=1)
+    from specsample.api import SpecSampler
+
+    plain = SpecSampler.build(model, engine_target, "none", backend="llamacpp", threads=1)
+    expected = plain.generate(messages, max_new_tokens=40, temperature=0, k=0).token_ids
+    # the tool prints bytes, which the tiny byte-level vocabulary tokenizes back otherwise: compare the text
+    assert runner.same_text(expected, output.raw, 40)
+    assert output.stats.drafted_tokens > 0

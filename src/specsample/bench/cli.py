@@ -250,7 +250,7 @@ def run(
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Default most new tokens per answer (built-in: 128).")] = None,
     baselines: Annotated[bool, typer.Option(help="Also run transformers generate, prompt lookup and assisted generation.")] = True,
     llamacpp_baselines: Annotated[Optional[bool], typer.Option(
-        help="Also run llama.cpp's plain decoding, llama-lookup and (with a draft GGUF among the configurations) "
+        help="Also run llama.cpp's plain decoding, llama-lookup (stock and batch-invariant builds) and (with a draft GGUF among the configurations) "
         "llama-speculative-simple (default: with --backend llamacpp; tools: scripts/build_llamacpp_tools.sh).")] = None,
     warmup: Annotated[int, typer.Option(help="Warm-up generations of every configuration (on a prompt not measured).")] = 1,
     out: Annotated[str, typer.Option(help="Directory for results.json, table.md, plot.png and notes.md.")] = "bench-results",

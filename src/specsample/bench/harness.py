@@ -61,10 +61,10 @@ class Config:
     """One way of decoding: the engine with a drafter and K, or a transformers baseline."""
 
     name: str
-    kind: str = "engine"  # engine, hf-generate, hf-lookup, hf-assisted, llamacpp-plain, llamacpp-lookup, llamacpp-speculative
+    kind: str = "engine"  # engine, hf-generate, hf-lookup, hf-assisted, or one of llamacpp_baselines.KINDS
     # engine: a registered drafter, "self" or a draft model path; hf-assisted, llamacpp-speculative: a draft model path
     drafter: str = "none"
-    k: str = "4"  # engine: an integer or a K policy; hf-lookup / hf-assisted / llamacpp-lookup / -speculative: an integer
+    k: str = "4"  # engine: an integer or a K policy; hf-lookup / hf-assisted / llamacpp-lookup(-invariant) / -speculative: an integer
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -247,7 +247,9 @@ def with_baselines(defaults: dict, configs: Sequence[Config], transformers: bool
     if llamacpp:
         k = fixed_k(defaults["k"])
         extra += [make_config({**defaults, "name": "llamacpp-plain", "kind": "llamacpp-plain", "k": "0"}),
-                  make_config({**defaults, "name": f"llamacpp-lookup-k{k}", "kind": "llamacpp-lookup", "k": k})]
+                  make_config({**defaults, "name": f"llamacpp-lookup-k{k}", "kind": "llamacpp-lookup", "k": k}),
+                  make_config({**defaults, "name": f"llamacpp-lookup-invariant-k{k}", "kind": "llamacpp-lookup-invariant",
+                               "k": k})]
         drafts = {c.drafter: c for c in configs
                   if c.kind == "engine" and is_draft_model(c.drafter) and c.drafter.endswith(".gguf")}
         extra += [replace(c, name=f"llamacpp-speculative-{Path(path).name}-k{fixed_k(c.k)}", kind="llamacpp-speculative",
@@ -327,8 +329,9 @@ def llamacpp_runner(config: Config, setup: Setup) -> Runner:
                   params=config.params, max_new_tokens=config.max_new_tokens, seed=config.seed)
     if config.kind == "llamacpp-plain":
         return llamacpp.LlamaCppPlainRunner(**common)
-    if config.kind == "llamacpp-lookup":
-        return llamacpp.LlamaCppToolRunner(tool=llamacpp.LOOKUP_TOOL, k=hf_k(config), **common)
+    if config.kind in ("llamacpp-lookup", "llamacpp-lookup-invariant"):
+        return llamacpp.LlamaCppToolRunner(tool=llamacpp.LOOKUP_TOOL, k=hf_k(config),
+                                           invariant=config.kind == "llamacpp-lookup-invariant", **common)
     draft = Path(config.drafter).expanduser()
     if draft.suffix != ".gguf" or not draft.is_file():
         raise llamacpp.Unavailable(f"configuration {config.name}: llama.cpp's speculative decoding needs a draft "

@@ -11,11 +11,19 @@ by the same tokenizer) on the same GGUF file at the same thread count:
   except the context window, which is the engine's, and the threads.
 - `llamacpp-lookup`: `llama-lookup`, llama.cpp's prompt-lookup decoding (n-gram drafts from
   the prompt and the output), K draft tokens at most (`--spec-draft-n-max`).
+- `llamacpp-lookup-invariant`: `llama-lookup` again, built with the project's batch-invariant
+  patch and run with the backend's settings (flash attention, 256-token ubatches, repacking where
+  the backend repacks): llama.cpp's stock build verifies drafts with other kernels than it decodes
+  one token with, so at temperature 0 `llama-lookup` leaves plain decoding's text at a near tie
+  (27 of 30 Spec-Bench answers on the bundled model, often into a repetition that its lookup then
+  drafts well) and its speed is measured on other, often longer, text. This one decodes plain
+  decoding's text, so its rate compares with the engine's answer for answer.
 - `llamacpp-speculative`: `llama-speculative-simple`, llama.cpp's draft-model speculative
   decoding, with a draft GGUF file (the configuration's `drafter`) and K draft tokens at most.
 
-The two tools are built by `scripts/build_llamacpp_tools.sh` into `tools_dir()`; where they are
-not, the run reports those baselines as not available. Each tool call loads the model anew
+The tools are built by `scripts/build_llamacpp_tools.sh` into `tools_dir()` (with `PATCHED=1`, the
+batch-invariant ones into `tools_dir(invariant=True)`); where they are not, the run reports those
+baselines as not available. Each tool call loads the model anew
 (a process per answer), which is not timed: the rates are the tools' own timings of their
 prompt processing ("encoded ... in S seconds") and decoding ("decoded N tokens in S seconds").
 The tools get the chat prompt as text (`-bf`, no escape processing) and tokenize it themselves;
@@ -59,16 +67,19 @@ import numpy as np
 
 from specsample.bench.baselines import Output
 from specsample.models import LoadedModel
-from specsample.models.llamacpp import VARIANT_PREFIX, VARIANT_VARIABLE, requested_variant, variant_library
+from specsample.models.llamacpp import (PREFILL_ROWS, VARIANT_PREFIX, VARIANT_VARIABLE, repack_is_batch_invariant,
+                                        requested_variant, variant_library)
 from specsample.sampling import SamplingParams
 from specsample.stats import Stats
 from specsample.text import Message, encode_prompt
 
 TOOLS_ENV = "SPECSAMPLE_LLAMACPP_TOOLS"
+INVARIANT_TOOLS_ENV = "SPECSAMPLE_LLAMACPP_INVARIANT_TOOLS"
 BUILD_COMMAND = "bash scripts/build_llamacpp_tools.sh"
+INVARIANT_BUILD_COMMAND = "PATCHED=1 bash scripts/build_llamacpp_tools.sh"
 LOOKUP_TOOL = "llama-lookup"
 SPECULATIVE_TOOL = "llama-speculative-simple"
-KINDS = ("llamacpp-plain", "llamacpp-lookup", "llamacpp-speculative")
+KINDS = ("llamacpp-plain", "llamacpp-lookup", "llamacpp-lookup-invariant", "llamacpp-speculative")
 TOOL_TIMEOUT = 1800  # seconds per answer
 CRASH_CODES = (132, 134, 139, -4, -6, -11)  # SIGILL, SIGABRT, SIGSEGV as an exit status or a signal
 
@@ -78,20 +89,23 @@ class Unavailable(ValueError):
     reports it as not available and goes on."""
 
 
-def tools_dir() -> Path:
+def tools_dir(invariant: bool = False) -> Path:
     """Where scripts/build_llamacpp_tools.sh puts the tools (`$SPECSAMPLE_LLAMACPP_TOOLS`, else
-    ~/.cache/specsample/llamacpp-tools)."""
-    env = os.environ.get(TOOLS_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specsample" / "llamacpp-tools"
+    ~/.cache/specsample/llamacpp-tools), or its batch-invariant build (`PATCHED=1`:
+    `$SPECSAMPLE_LLAMACPP_INVARIANT_TOOLS`, else ~/.cache/specsample/llamacpp-tools-batch-invariant)."""
+    env = os.environ.get(INVARIANT_TOOLS_ENV if invariant else TOOLS_ENV)
+    default = "llamacpp-tools-batch-invariant" if invariant else "llamacpp-tools"
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specsample" / default
 
 
-def tool_path(name: str) -> Path:
+def tool_path(name: str, invariant: bool = False) -> Path:
     """The executable of a llama.cpp tool, or Unavailable naming the build command; under
     SPECSAMPLE_LLAMACPP_VARIANT, a copy that loads that CPU variant (`variant_bin`), as the
     backend and `llamacpp-plain` in this process do."""
-    path = tools_dir() / "bin" / name
+    path = tools_dir(invariant) / "bin" / name
     if not (path.is_file() and os.access(path, os.X_OK)):
-        raise Unavailable(f"{name} is not built (no {path}): run {BUILD_COMMAND}")
+        command = INVARIANT_BUILD_COMMAND if invariant else BUILD_COMMAND
+        raise Unavailable(f"{name} is not built (no {path}): run {command}")
     variant = requested_variant()
     return variant_bin(path.parent, variant) / name if variant else path
 
@@ -345,8 +359,10 @@ class LlamaCppTokenizer:
         capacity = len(text) + 16
         ids = (self.lib.llama_token * capacity)()
         n = self.lib.llama_tokenize(self.vocab, text, len(text), ids, capacity, False, True)  # specials parsed
-        if n < 0:
-            raise RuntimeError(f"llama_tokenize needs {-n} tokens")
+        if n < 0:  # more tokens than bytes (a byte-level vocabulary's tokens of invalid UTF-8): its count
+            capacity = -n
+            ids = (self.lib.llama_token * capacity)()
+            n = self.lib.llama_tokenize(self.vocab, text, len(text), ids, capacity, False, True)
         return list(ids[:n])
 
     def __del__(self) -> None:
@@ -374,15 +390,20 @@ class LlamaCppToolRunner:
     At temperature 0 the tools sample greedily (`--temp 0`). llama.cpp's extra weight buffer
     types are tried first; if the tool crashes with them (the AMX layouts on the project's
     machine), it runs with `--no-repack` from then on, and the statistics say which. A run whose
-    log lost its last lines at exit is run again (at most `ATTEMPTS` times)."""
+    log lost its last lines at exit is run again (at most `ATTEMPTS` times).
+
+    `invariant`: the batch-invariant build (`tools_dir(invariant=True)`) with the llamacpp backend's
+    settings: flash attention, ubatches of PREFILL_ROWS tokens, and repacked weights only
+    where the backend repacks them (`repack_is_batch_invariant`)."""
 
     ATTEMPTS = 4
 
     def __init__(self, model: LoadedModel, tool: str, path: Path, threads: int, n_ctx: int,
                  params: SamplingParams, max_new_tokens: int, k: int, seed: int = 0,
-                 draft: Path | None = None) -> None:
+                 draft: Path | None = None, invariant: bool = False) -> None:
         check_greedy_or_sampling(params)
-        self.executable = tool_path(tool)
+        self.executable = tool_path(tool, invariant)
+        self.invariant = invariant
         self.tool, self.model, self.max_new_tokens = tool, model, max_new_tokens
         if tool == SPECULATIVE_TOOL and draft is None:
             raise Unavailable(f"{tool} needs a draft GGUF file")
@@ -396,12 +417,19 @@ class LlamaCppToolRunner:
         if draft is not None:
             self.args += ["--spec-type", "draft-simple", "-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
         self.no_repack = False
+        if invariant:
+            # the prompt as one batch (the tool decodes it in one call) in ubatches of the backend's blocks
+            self.args += ["-fa", "on", "-b", str(n_ctx), "-ub", str(PREFILL_ROWS)]
+            self.no_repack = not repack_is_batch_invariant(path)
         self.tokenize = LlamaCppTokenizer(path)
         self.eos = model.tokenizer.eos_token_id
         self.end_pieces = [self.tokenize.piece(token) for token in sorted(model.eos_token_ids)]
 
     @property
     def label(self) -> str:
+        if self.invariant:
+            return (f"{self.tool}, batch-invariant build, -fa on, -ub {PREFILL_ROWS}"
+                    + (", --no-repack" if self.no_repack else ", repacked weights") + variant_label())
         return f"{self.tool}, " + ("--no-repack (repacked weights crashed here)" if self.no_repack
                                    else "extra buffer types (repacked/AMX weights) on") + variant_label()
 
