@@ -44,6 +44,8 @@ step() {
 [[ -f "$qwen3/random-qwen3-0.6b-Q8_0.gguf" ]] || python benchmarks/make_random_llama_gguf.py --shape qwen3-0.6b --out "$qwen3"
 python -c "from specsample.bench.llamacpp_baselines import tool_path; tool_path('llama-lookup')" 2>/dev/null \
   || bash scripts/build_llamacpp_tools.sh
+python -c "from specsample.bench.llamacpp_baselines import tool_path; tool_path('llama-lookup', invariant=True)" 2>/dev/null \
+  || PATCHED=1 bash scripts/build_llamacpp_tools.sh
 
 step curves-bundled-Q4_1 specsample bench cost-curve --model "$bundled" --backends gguf,llamacpp --repeats 11
 for type in Q4_0 Q8_0 Q4_K_M; do
