@@ -277,6 +277,12 @@ def test_report_of_a_directory_without_results_is_a_clear_error(capsys, tmp_path
     assert code == 2 and "no results.json" in err
 
 
+@pytest.mark.parametrize("directory", ["", "  "])
+def test_report_of_an_empty_path_is_refused_not_read_as_the_current_directory(capsys, directory):
+    code, _, err = cli(capsys, "bench", "report", directory)
+    assert code == 2 and "the results directory is empty" in err and "no results.json" not in err
+
+
 @pytest.mark.parametrize("toml", sorted((Path(__file__).parent.parent / "benchmarks").glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_benchmark_configs_parse(toml, tmp_path):
     """Every shipped configuration is read as a bench run reads it. A draft model's GGUF file that a

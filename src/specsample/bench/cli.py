@@ -360,9 +360,11 @@ def copy_bound(
 
 @app.command("report")
 def report_command(
-    directory: Annotated[Path, typer.Argument(help="A `bench run --out` directory.")],
+    directory: Annotated[str, typer.Argument(help="A `bench run --out` directory.")],
 ) -> None:
     """Re-render table.md and plot.png of a run from its results.json; print the table."""
     from specsample.bench import report
 
-    print(report.render(report.load(directory), directory), end="")
+    if not directory.strip():  # Path("") is the current directory
+        raise ValueError("the results directory is empty (give the directory of a `bench run --out`)")
+    print(report.render(report.load(Path(directory)), Path(directory)), end="")
