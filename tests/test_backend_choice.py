@@ -134,3 +134,23 @@ def test_a_choice_is_remembered_apart_for_another_llama_cpp_build_or_core_count(
     monkeypatch.setattr(choice, "default_threads", lambda: 7)
     paths.add(choice.choice_path(tiny_gguf, None))
     assert len(paths) == 3 and choice.choice_path(tiny_gguf, 7) == choice.choice_path(tiny_gguf, None)
+
+
+@pytest.mark.llamacpp
+def test_cost_curve_measures_the_backend_auto_resolves_to_and_says_so(tiny_gguf, cache, capsys, tmp_path):
+    """`bench cost-curve --backends auto` times what `generate --backend auto` would run (the remembered
+    choice for the file), in a column named after it; auto beside the backend it resolves to is refused."""
+    from test_cli import cli
+
+    choice.backend_for(tiny_gguf, 1, lambda: {"llamacpp": 0.01, "auto": 0.03})
+    out = tmp_path / "curve.json"
+    code, stdout, err = cli(capsys, "bench", "cost-curve", "--model", str(tiny_gguf), "--backends", "auto,fast",
+                            "--threads", "1", "--context-length", "20", "--max-n", "2", "--repeats", "1",
+                            "--json", str(out))
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    assert [c["backend"] for c in result["curves"]] == ["llamacpp (auto)", "fast"]
+    assert "LlamaCppTarget" in result["backends"][0] and "llamacpp (auto) f(n)/f(1)" in stdout
+    code, _, err = cli(capsys, "bench", "cost-curve", "--model", str(tiny_gguf), "--backends", "auto,llamacpp",
+                       "--threads", "1")
+    assert code == 2 and "--backends names llamacpp twice: auto resolves to it here" in err

@@ -53,7 +53,8 @@ def cost_curve(
     context_length: Annotated[int, typer.Option(help="Cached tokens each forward pass attends over.")] = 200,
     max_n: Annotated[int, typer.Option(help="Largest number of new tokens per pass.")] = 16,
     repeats: Annotated[int, typer.Option(help="Repetitions; each f(n) is their median.")] = 7,
-    backends: Annotated[str, typer.Option(help="Comma-separated Target backends: fast, transformers, llamacpp, gguf.")] = "fast,transformers",
+    backends: Annotated[str, typer.Option(help="Comma-separated Target backends: fast, transformers, llamacpp, gguf, or auto "
+                                          "(the one `generate --backend auto` runs, named in its column).")] = "fast,transformers",
     threads: Annotated[Optional[int], typer.Option(help="CPU threads of every backend (default: one per core).")] = None,
     json_path: Annotated[Optional[str], typer.Option("--json", help="Also write the results to this JSON file.")] = None,
 ) -> None:
@@ -78,11 +79,12 @@ def cost_curve(
     for name in names:
         check_backend(name)
     _setup(threads)
+    backends_of = cc.resolved(model, names, threads)  # column label -> backend
     # llama.cpp runs the file itself: without another backend, only the tokenizer is loaded
-    loaded = load_model(model, tokenizer_only=set(names) <= {"llamacpp", "gguf"})
+    loaded = load_model(model, tokenizer_only=set(backends_of.values()) <= {"llamacpp", "gguf"})
     text = "\n".join(p.turns[0] for p in read_bench_prompts(None, "all"))
     ids = cc.context_tokens(loaded.tokenizer, text, context_length + max_n)
-    targets = cc.targets(loaded, names, threads)
+    targets = cc.targets(loaded, backends_of, threads)
     window = min(target.max_length for target in targets.values())
     if context_length + max_n > window:  # refused before any prefill
         raise ValueError(f"--context-length {context_length} + --max-n {max_n} exceeds the context window of {window} tokens")

@@ -5,7 +5,7 @@ on torch's threads."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -14,9 +14,25 @@ from specsample.models import LoadedModel, make_target
 from specsample.models.target import Target
 
 
-def targets(loaded: LoadedModel, backends: Sequence[str], threads: int | None = None) -> dict[str, Target]:
-    """A target per backend name, of the one model; `threads` for llama.cpp's passes (None: all cores)."""
-    return {name: make_target(loaded, name, threads=threads) for name in backends}
+def resolved(model: str | None, names: Sequence[str], threads: int | None = None) -> dict[str, str]:
+    """Column label -> backend for the backend names given: "auto" resolved as `generate` resolves it
+    (`models.choice.resolve`: for a GGUF file, the backend measured fastest here), labelled "B (auto)"; a
+    ValueError where it resolves to a backend the list names too."""
+    from specsample.models.choice import resolve
+
+    out: dict[str, str] = {}
+    for name in names:
+        backend = resolve(model, name, threads=threads)[0] if name == "auto" else name
+        if backend != name and backend in names:
+            raise ValueError(f"--backends names {backend} twice: auto resolves to it here")
+        out[f"{backend} (auto)" if backend != name else name] = backend
+    return out
+
+
+def targets(loaded: LoadedModel, backends: Mapping[str, str], threads: int | None = None) -> dict[str, Target]:
+    """A target per column label (label -> backend name), of the one model; `threads` for llama.cpp's
+    passes (None: all cores)."""
+    return {label: make_target(loaded, backend, threads=threads) for label, backend in backends.items()}
 
 
 def describe(targets: dict[str, Target]) -> list[str]:
