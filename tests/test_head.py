@@ -377,6 +377,9 @@ def test_train_writes_a_head_and_a_report(trained_dir):
     report = json.loads((trained_dir / "report.json").read_text())
     assert [h["step"] for h in report["history"]] == [3, 6]
     assert report["engine"]["mean_accepted_length"] >= 1.0
+    # the positions the loss counted, at most an answer's 12 tokens and its end a window, not the windows' 16
+    trained = [h["train_tokens"] for h in report["history"]]
+    assert 0 < trained[0] < trained[1] <= 6 * 4 * 13 < 6 * 4 * 16
 
 
 def test_a_run_with_nothing_held_out_reports_no_held_out_figures(tiny_dir, tmp_path):

@@ -76,11 +76,13 @@ def train(
             f"by this run is not trained on; give more --steps to train on it)")
     objective = Objective(head, embed, lm_head, token_ids)
     batcher = Batcher(train_set, options.seq_len, options.batch_size, generator)
+    trained_tokens = history[-1]["train_tokens"] if history else 0  # positions the loss counted, to the checkpoint
     train_start = perf_counter()
     bar = tqdm(range(step, options.steps), desc="training head", unit="step", initial=step, total=options.steps)
     for step in bar:
         set_lr(optimizer, options, step)
         tokens, features, mask = batcher()
+        trained_tokens += int(mask.sum())
         loss, parts = objective.loss(tokens, features, mask, options)
         optimizer.zero_grad()
         loss.backward()
@@ -88,7 +90,7 @@ def train(
         optimizer.step()
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
         if (step + 1) % options.eval_every == 0 or step + 1 == options.steps:
-            history.append(evaluate(objective, eval_set, step + 1, options))
+            history.append(evaluate(objective, eval_set, step + 1, trained_tokens))
             log(json.dumps(history[-1]))
             save_checkpoint(out_dir / "checkpoint.pt", head, optimizer, generator, step + 1, history, token_ids)
             save_head(out_dir, head, token_ids)
@@ -104,11 +106,12 @@ def train(
     return report
 
 
-def evaluate(objective: Objective, eval_set: list[Sequence], step: int, options: TrainOptions) -> dict:
-    """The held-out estimate at `step`: None where nothing is held out (data of one prompt)."""
+def evaluate(objective: Objective, eval_set: list[Sequence], step: int, trained_tokens: int) -> dict:
+    """The held-out estimate at `step`, after training on `trained_tokens` positions (those the loss counted:
+    answers' positions, not the prompt's or a short window's padding): None where nothing is held out (data of
+    one prompt)."""
     estimate = round(objective.accepted_length(eval_set), 3) if eval_set else None
-    return {"step": step, "train_tokens": step * options.batch_size * options.seq_len,
-            "heldout_accepted_length_estimate": estimate}
+    return {"step": step, "train_tokens": trained_tokens, "heldout_accepted_length_estimate": estimate}
 
 
 def set_lr(optimizer: torch.optim.Optimizer, options: TrainOptions, step: int) -> None:
