@@ -359,7 +359,7 @@ class LlamaCppTokenizer:
         capacity = len(text) + 16
         ids = (self.lib.llama_token * capacity)()
         n = self.lib.llama_tokenize(self.vocab, text, len(text), ids, capacity, False, True)  # specials parsed
-        if n < 0:  # more tokens than bytes (a byte-level vocabulary's tokens of invalid UTF-8): its count
+        if n < 0:  # more tokens than the guess (the tests' tiny vocabulary): -n is the count needed
             capacity = -n
             ids = (self.lib.llama_token * capacity)()
             n = self.lib.llama_tokenize(self.vocab, text, len(text), ids, capacity, False, True)
