@@ -9,11 +9,10 @@ K policy starts from, `SpecSampler.cost_ratios`). Printed per category and overa
 over plain decoding (tokens over the steps' summed cost), the mean accepted length and the draft tokens
 verified a step. The drafters' own time and the engine's per-step work are left out.
 
-Rules: `suffix` and `ngram` (the project's drafters at a fixed K; `suffix` keeps its counts across the
-prompts, as in a server), and `llama-lookup`: a port of llama.cpp's `common_ngram_cache_draft` over its
-context cache (what `llama-lookup` runs without cache files): token after token, the most frequent
-continuation of the longest of the last 4..1 tokens whose counts reach llama.cpp's thresholds (at least
-2, 2, 1, 1 occurrences and a share of 66, 50, 50, 50% for 1..4 tokens), until none does or K are drafted.
+Rules: `suffix`, `ngram` and `ngram-cache` (the project's drafters at a fixed K; `suffix` keeps its counts
+across the prompts, as in a server), and `llama-lookup`: `ngram-cache` at llama.cpp's own thresholds, which
+is llama.cpp's `common_ngram_cache_draft` over its context cache (what `llama-lookup` runs without cache
+files; drafters/ngram_cache.py).
 On the bundled model's 30 held-out answers on the llamacpp backend the replay of `llama-lookup` at K = 4
 gave a mean accepted length of 1.49 and 1.04 draft tokens a step, and 1.10x; the tool itself, built batch
 invariant so that its answers are these, measured 1.51, 1.08 and 1.04x end to end (BENCHMARKS.md): the
@@ -28,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,7 +35,8 @@ import numpy as np
 import torch
 
 from specsample import SpecSampler
-from specsample.drafters.ngram import NgramDrafter
+from specsample.drafters.ngram import LookupDrafter, NgramDrafter
+from specsample.drafters.ngram_cache import LLAMA_PERCENT, NgramCacheDrafter
 from specsample.drafters.suffix import SuffixDrafter
 from specsample.prompts import packaged_prompts, read_prompts
 from specsample.sampling import SamplingParams
@@ -44,49 +44,10 @@ from specsample.text import encode_prompt
 from specsample.tokens import common_prefix
 
 CATEGORIES = ("translation", "summarization", "qa", "math_reasoning", "rag")
-NGRAM_MAX = 4  # llama.cpp's LLAMA_NGRAM_MAX
-MIN_SAMPLES = (2, 2, 1, 1)  # llama.cpp's draft_min_sample_size_lax, for 1..4 tokens
-MIN_PERCENT = (66, 50, 50, 50)  # draft_min_percent_lax
-
-
-class NgramCache:
-    """llama.cpp's context n-gram cache and its drafting rule (common/ngram-cache.cpp, context cache only)."""
-
-    def begin(self, prompt: list[int]) -> None:
-        self.tokens: list[int] = []
-        self.counts: dict[tuple[int, ...], Counter] = defaultdict(Counter)
-        self.observe(prompt)
-
-    def observe(self, new: list[int]) -> None:
-        for token in new:
-            end = len(self.tokens)
-            self.tokens.append(token)
-            for n in range(1, min(NGRAM_MAX, end) + 1):
-                self.counts[tuple(self.tokens[end - n : end])][token] += 1
-
-    def propose(self, k: int) -> list[int]:
-        draft: list[int] = []
-        while len(draft) < k and (token := self.next_token(self.tokens + draft)) is not None:
-            draft.append(token)
-        return draft
-
-    def next_token(self, context: list[int]) -> int | None:
-        """The most frequent continuation of the longest suffix of `context` whose counts pass the thresholds."""
-        for n in range(min(NGRAM_MAX, len(context)), 0, -1):
-            counts = self.counts.get(tuple(context[-n:]))
-            if not counts:
-                continue
-            token, best = counts.most_common(1)[0]
-            total = sum(counts.values())
-            if total >= MIN_SAMPLES[n - 1] and 100 * best >= MIN_PERCENT[n - 1] * total:
-                return token
-        return None
-
-
 class Drafter:
     """One of the project's lookup drafters, driven as the engine drives it."""
 
-    def __init__(self, drafter: NgramDrafter | SuffixDrafter) -> None:
+    def __init__(self, drafter: LookupDrafter) -> None:
         self.drafter = drafter
 
     def begin(self, prompt: list[int]) -> None:
@@ -99,10 +60,11 @@ class Drafter:
         return self.drafter.lookup(k)
 
 
-RULES: dict[str, Callable[[], NgramCache | Drafter]] = {
+RULES: dict[str, Callable[[], Drafter]] = {
     "suffix": lambda: Drafter(SuffixDrafter()),
     "ngram": lambda: Drafter(NgramDrafter()),
-    "llama-lookup": NgramCache,
+    "ngram-cache": lambda: Drafter(NgramCacheDrafter()),
+    "llama-lookup": lambda: Drafter(NgramCacheDrafter(min_percent=LLAMA_PERCENT)),
 }
 
 
@@ -127,7 +89,7 @@ def answers(args: argparse.Namespace) -> tuple[list[dict], dict[int, float]]:
     return rows, ratios
 
 
-def replay(rows: list[dict], rule: NgramCache | Drafter, k: int, cost: Callable[[int], float]) -> dict[str, list[float]]:
+def replay(rows: list[dict], rule: Drafter, k: int, cost: Callable[[int], float]) -> dict[str, list[float]]:
     """Per category (and "overall"): [tokens, steps, summed cost in plain steps, draft tokens]."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     for row in rows:

@@ -13,7 +13,7 @@ import torch
 
 import test_lossless as lossless
 from test_lossless import models  # noqa: F401  (the fixture: target and draft model)
-from specsample.drafters import NgramDrafter, NoDrafter, SuffixDrafter
+from specsample.drafters import NgramCacheDrafter, NgramDrafter, NoDrafter, SuffixDrafter
 from specsample.drafters.base import Draft
 from specsample.engine import decode
 from specsample.models import make_target
@@ -25,7 +25,7 @@ from specsample.verify import ChainVerifier
 
 from conftest import drafting_cost_model, tiny_llama
 
-DRAFTERS = {"ngram": NgramDrafter, "suffix": SuffixDrafter}
+DRAFTERS = {"ngram": NgramDrafter, "suffix": SuffixDrafter, "ngram-cache": NgramCacheDrafter}
 POLICIES = {"fixed": FixedK, "heuristic": lambda k: HeuristicK(k_start=k), "cost-model": lambda k: drafting_cost_model()}
 
 
@@ -43,7 +43,9 @@ def repeating_prompt(model) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("drafter", "policy", "params", "broken"),
     [("ngram", "heuristic", "t1", False), ("suffix", "cost-model", "t0.7-top_p0.9", False),
-     ("ngram", "heuristic", "t1", True), ("suffix", "cost-model", "t0.7-top_p0.9", True)],
+     ("ngram-cache", "fixed", "t1", False),
+     ("ngram", "heuristic", "t1", True), ("suffix", "cost-model", "t0.7-top_p0.9", True),
+     ("ngram-cache", "fixed", "t1", True)],
 )
 def test_drafter_keeps_the_target_distribution(models, monkeypatch, drafter, policy, params, broken):
     """Chi-square at ALPHA: passes with the real verifier; rejected when a rejected draft token is

@@ -17,7 +17,7 @@ from specsample.openmp import use_threads
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 DRAFTER_HELP = (
-    "none (plain decoding), ngram, suffix, layerskip, quantized, head, head:DIR, recycle, the path of a draft model "
+    "none (plain decoding), ngram, ngram-cache (llama.cpp's n-gram cache rule), suffix, layerskip, quantized, head, head:DIR, recycle, the path of a draft model "
     "(with another tokenizer than the target's too: text:PATH or intersection:PATH pick how its drafts are verified), "
     "or A+B: A's draft where it finds one, else B's (suffix+quantized). Tree drafts: suffix-tree, ngram-tree, "
     "quantized-tree, head-tree, draft-tree:PATH (recycle drafts trees; recycle-chain a chain). Default: the best measured "

@@ -24,6 +24,7 @@ from specsample.drafters.head import HeadDrafter, shipped_head_dir
 from specsample.drafters.head_tree import HeadTreeDrafter
 from specsample.drafters.layerskip import LayerSkipDrafter
 from specsample.drafters.ngram import NgramDrafter, NgramTreeDrafter
+from specsample.drafters.ngram_cache import NgramCacheDrafter
 from specsample.drafters.none import NoDrafter
 from specsample.drafters.quantized import quantized_drafter
 from specsample.drafters.recycle import RecycleChainDrafter, RecycleDrafter
@@ -75,6 +76,7 @@ REGISTRY: dict[str, DrafterFactory] = {
     "none": lambda model, target: NoDrafter(),
     "head": head_drafter,
     "ngram": lambda model, target: NgramDrafter(),
+    "ngram-cache": lambda model, target: NgramCacheDrafter(),  # llama.cpp's n-gram cache rule, stricter
     "suffix": lambda model, target: SuffixDrafter(),
     "layerskip": layerskip_drafter,
     "quantized": quantized_drafter,
@@ -218,6 +220,6 @@ def check_same_width(target: Target, draft: Target) -> None:
 
 
 __all__ = [
-    "Draft", "Drafter", "DraftModelDrafter", "FallbackDrafter", "NgramDrafter", "NgramTreeDrafter", "NoDrafter",
-    "REGISTRY", "RecycleDrafter", "SuffixDrafter", "SuffixTreeDrafter", "make_drafter",
+    "Draft", "Drafter", "DraftModelDrafter", "FallbackDrafter", "NgramCacheDrafter", "NgramDrafter", "NgramTreeDrafter",
+    "NoDrafter", "REGISTRY", "RecycleDrafter", "SuffixDrafter", "SuffixTreeDrafter", "make_drafter",
 ]
